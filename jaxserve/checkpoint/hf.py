@@ -1,0 +1,129 @@
+"""Loading a Hugging Face model directory straight into a model's state.
+
+The model is built abstractly (`nnx.eval_shape`: no weights allocated), then each
+parameter is read from the safetensors files by the name the model class gives
+(`checkpoint_key`), checked for shape, cast to the serving dtype and placed with
+its sharding. Single files and sharded checkpoints (`model.safetensors.index.json`)
+are both read; bf16, fp16 and fp32 tensors are all accepted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import safe_open
+
+from jaxserve import parallel
+from jaxserve.config import ModelConfig
+from models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+# Tensors a checkpoint may hold that a model has no parameter for, by design.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _tensor_files(model_dir: str) -> dict[str, str]:
+    """Tensor name -> the safetensors file that holds it."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in model directory {model_dir!r}")
+    names = {}
+    for file in files:
+        with safe_open(file, framework="flax") as f:
+            names.update(dict.fromkeys(f.keys(), file))
+    return names
+
+
+def _path_of(tree_path) -> tuple:
+    """('model', 'layers', 0, 'mlp', ...) from a jax tree path into an nnx.State."""
+    return tuple(getattr(k, "key", None) for k in tree_path if hasattr(k, "key"))
+
+
+def abstract_model(config: ModelConfig, *, dtype: str, attention_backend: str) -> nnx.Module:
+    """The model with ShapeDtypeStructs for weights: nothing allocated."""
+    cls = get_model_class(config.architecture)
+    return nnx.eval_shape(
+        lambda: cls(
+            config, dtype=jnp.dtype(dtype), attention_backend=attention_backend, rngs=nnx.Rngs(0)
+        )
+    )
+
+
+def load_model(
+    model_dir: str,
+    config: ModelConfig,
+    *,
+    dtype: str = "float32",
+    attention_backend: str = "reference",
+    mesh: Mesh | None = None,
+) -> nnx.Module:
+    """Builds `config`'s model with the weights in `model_dir`, in `dtype`.
+
+    With a mesh, each parameter is placed with its sharding as it is read, so
+    no device ever holds the whole model unsharded.
+    """
+    cls = get_model_class(config.architecture)
+    graphdef, abstract = nnx.split(
+        abstract_model(config, dtype=dtype, attention_backend=attention_backend)
+    )
+    shardings = parallel.state_shardings(abstract, mesh) if mesh is not None else None
+    files = _tensor_files(model_dir)
+    used: set[str] = set()
+
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, object] = {}
+
+        def read(name: str) -> jax.Array:
+            file = files[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(file, framework="flax"))
+            return handles[file].get_tensor(name)
+
+        def load(tree_path, leaf, sharding=None):
+            name, transpose = cls.checkpoint_key(_path_of(tree_path))
+            if name not in files:
+                raise ValueError(f"checkpoint in {model_dir!r} has no tensor {name!r}")
+            x = read(name)
+            if transpose:
+                x = x.T
+            if x.shape != leaf.shape:
+                raise ValueError(
+                    f"tensor {name!r} has shape {x.shape}, the model expects {leaf.shape} "
+                    "(does config.json match the weights?)"
+                )
+            used.add(name)
+            x = x.astype(leaf.dtype)
+            return jax.device_put(x, sharding) if sharding is not None else x
+
+        if shardings is None:
+            state = jax.tree.map_with_path(load, abstract)
+        else:
+            state = jax.tree.map_with_path(load, abstract, shardings)
+
+    unused = sorted(
+        n
+        for n in set(files) - used
+        if not n.endswith(_IGNORED_SUFFIXES)
+        and not (config.tie_word_embeddings and n == "lm_head.weight")
+    )
+    if unused:
+        logger.warning(
+            "ignored %d checkpoint tensors the model does not use: %s",
+            len(unused),
+            ", ".join(unused[:8]),
+        )
+    return nnx.merge(graphdef, state)

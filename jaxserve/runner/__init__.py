@@ -1,0 +1,1 @@
+"""Host -> device: building fixed-shape step inputs and running the jitted step."""

@@ -1,0 +1,133 @@
+"""Building blocks shared by the Llama family: RMSNorm, rotary embeddings, linears.
+
+Parameters carry logical axis names (the `out_sharding` metadata; eager
+sharding off); the engine maps them to mesh axes (`jaxserve.parallel`), so a
+model never names a mesh:
+  vocab, embed (model dim D), q_heads (N * H), kv_heads (K * H), mlp, norm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.config import RopeConfig
+
+INIT = nnx.initializers.normal(0.02)
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+}
+
+
+def linear(
+    d_in: int, d_out: int, axes: tuple[str, str], *, bias: bool, dtype, rngs: nnx.Rngs
+) -> nnx.Linear:
+    """A Linear whose kernel is [in, out] and annotated with logical axes."""
+    return nnx.Linear(
+        d_in,
+        d_out,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=dtype,
+        kernel_init=nnx.with_partitioning(INIT, axes, eager_sharding=False),
+        bias_init=nnx.with_partitioning(
+            nnx.initializers.zeros_init(), axes[1:], eager_sharding=False
+        ),
+        rngs=rngs,
+    )
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm as Hugging Face computes it: normalise in float32, scale in the input dtype."""
+
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.eps = eps
+        self.weight = nnx.Param(
+            jnp.ones((dim,), dtype), out_sharding=("norm",), eager_sharding=False
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [H/2] and the cos/sin scale, per HF's rope types."""
+    dim = head_dim
+    inv_freq = 1.0 / (rope.theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    inv_freq = inv_freq.astype(np.float32)
+    if rope.rope_type == "default":
+        return inv_freq, 1.0
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor, 1.0
+    if rope.rope_type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    if rope.rope_type == "yarn":
+        return _yarn(rope, dim)
+    raise ValueError(f"unsupported rope_type {rope.rope_type!r}")
+
+
+def _yarn(rope: RopeConfig, dim: int) -> tuple[np.ndarray, float]:
+    factor, base = rope.factor, rope.theta
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations):
+        return (
+            dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+        ) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    extrapolation = 1.0 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def apply_rope(
+    x: jax.Array,  # [T, heads, H]
+    positions: jax.Array,  # [T]
+    inv_freq: np.ndarray,  # [H/2], a compile-time constant
+    scale: float,
+) -> jax.Array:
+    """Rotates the halves of each head (HF's rotate_half convention)."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, H/2]
+    cos = (jnp.cos(freqs) * scale)[:, None, :].astype(x.dtype)
+    sin = (jnp.sin(freqs) * scale)[:, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -1,0 +1,217 @@
+"""Ragged paged attention: the pure-jnp reference, and the KV write.
+
+Glossary (used in shape comments and einsum strings):
+  T  tokens in the flat batch (padded to a token bucket)
+  B  sequences in the batch (padded to a sequence bucket)
+  N  query heads, K kv heads, G = N // K query heads per kv head
+  H  head_dim
+  P  pages in the pool, S tokens per page, M pages per sequence (page-table width)
+  L  kv positions in one block of the loop
+
+The KV cache of one layer is one array `[P, S, 2K, H]`: K and V heads interleaved
+(index 2k is key head k, 2k+1 is value head k), so a page holds everything a
+token needs in one contiguous run. Page 0 is the null page: padding tokens
+write there and padded page-table entries point there, and nothing reads it
+unmasked.
+
+A batch is ragged: sequence b owns query tokens `cu_q_lens[b]:cu_q_lens[b+1]`
+of the flat batch, which are its *last* `q_len` tokens, so its kv length after
+this step is `kv_lens[b]` and query token i of it sits at position
+`kv_lens[b] - q_len + i`. That one rule covers decode (q_len 1), a whole
+prefill (q_len == kv_len) and a prefill chunk after cached pages. Sequences past
+`num_seqs[0]` are padding: `cu_q_lens` repeats its last value for them and
+their `kv_lens` are 0.
+
+The reference is also the engine's CPU path (XLA compiles it), so it is written
+to cost what the batch really holds: a loop over blocks of pages runs only up to
+the longest kv length in the batch, with an online softmax, and never
+materialises a whole sequence's KV.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# ----------------------------------------------------------------------------
+# The pure-jnp reference.
+# ----------------------------------------------------------------------------
+
+
+def write_kv(
+    kv_cache: jax.Array,  # [P, S, 2K, H]
+    keys: jax.Array,  # [T, K, H]
+    values: jax.Array,  # [T, K, H]
+    slot_mapping: jax.Array,  # [T] int32: page * S + offset; padding -> the null page
+) -> jax.Array:
+    """Scatters this step's keys and values into their pages; returns the cache.
+
+    Under a jit whose KV argument is donated, XLA performs the scatter in place.
+    """
+    num_pages, page_size, kv2, head_dim = kv_cache.shape
+    t = keys.shape[0]
+    new = jnp.stack([keys, values], axis=2).reshape(t, kv2, head_dim)  # [T, 2K, H]
+    flat = kv_cache.reshape(num_pages * page_size, kv2, head_dim)
+    flat = flat.at[slot_mapping].set(new.astype(kv_cache.dtype), mode="promise_in_bounds")
+    return flat.reshape(kv_cache.shape)
+
+
+def ragged_paged_attention(
+    queries: jax.Array,  # [T, N, H]
+    kv_cache: jax.Array,  # [P, S, 2K, H], this step's K/V already written
+    kv_lens: jax.Array,  # [B] int32
+    page_indices: jax.Array,  # [B, M] int32
+    cu_q_lens: jax.Array,  # [B + 1] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    pages_per_block: int | None = None,
+) -> jax.Array:  # [T, N, H]
+    """Causal attention of each query token over its own sequence's paged KV.
+
+    Args:
+      sm_scale: multiplies q.k before the softmax (usually head_dim ** -0.5).
+      sliding_window: if set, a query at position p sees kv positions > p - window.
+      soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
+      pages_per_block: pages gathered per loop iteration (static); by default
+        about 128 tokens' worth.
+    Returns:
+      The attention output; rows of padding tokens are zero.
+    """
+    validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+    num_tokens, num_heads, head_dim = queries.shape
+    _, page_size, kv2, _ = kv_cache.shape
+    num_kv_heads = kv2 // 2
+    group = num_heads // num_kv_heads
+    pages_per_seq = page_indices.shape[1]
+    if pages_per_block is None:
+        pages_per_block = max(1, 128 // page_size)
+    pages_per_block = min(pages_per_block, pages_per_seq)
+    block_tokens = pages_per_block * page_size
+
+    # Which sequence each token belongs to, and the position it queries from.
+    token_idx = jnp.arange(num_tokens, dtype=jnp.int32)
+    total_q = cu_q_lens[num_seqs[0]]
+    token_valid = token_idx < total_q  # [T]
+    seq = jnp.searchsorted(cu_q_lens[1:], token_idx, side="right").astype(jnp.int32)
+    seq = jnp.minimum(seq, kv_lens.shape[0] - 1)
+    tok_kv_len = jnp.where(token_valid, kv_lens[seq], 0)  # [T]
+    q_pos = tok_kv_len - (cu_q_lens[seq + 1] - token_idx)  # [T]
+
+    # Pad the page table to whole blocks with the null page, so every block's
+    # dynamic slice stays in bounds.
+    padded_pages = -(-pages_per_seq // pages_per_block) * pages_per_block
+    tok_pages = jnp.pad(page_indices, ((0, 0), (0, padded_pages - pages_per_seq)))[seq]  # [T, M']
+
+    q = queries.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    q = q * sm_scale
+
+    def body(j, carry):
+        m, l, acc = carry  # [T, K, G], [T, K, G], [T, K, G, H]
+        pages = lax.dynamic_slice_in_dim(tok_pages, j * pages_per_block, pages_per_block, 1)
+        kv = kv_cache[pages].reshape(num_tokens, block_tokens, num_kv_heads, 2, head_dim)
+        kv = kv.astype(jnp.float32)
+        k, v = kv[..., 0, :], kv[..., 1, :]  # [T, L, K, H]
+        kv_pos = j * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)  # [L]
+        visible = kv_pos[None, :] <= q_pos[:, None]  # causal, which also bounds kv_len
+        visible &= token_valid[:, None]
+        if sliding_window is not None:
+            visible &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+        # Zero what is not visible before it meets the softmax weights: a stale
+        # or NaN slot must not leak through 0 * NaN.
+        v = jnp.where(visible[:, :, None, None], v, 0.0)
+        s = jnp.einsum("tkgh,tlkh->tkgl", q, k)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        # A row with nothing visible yet keeps m = -inf; shift by 0 instead.
+        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - shift[..., None])
+        correction = jnp.exp(jnp.where(jnp.isfinite(m), m - shift, -jnp.inf))
+        l = l * correction + p.sum(axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum("tkgl,tlkh->tkgh", p, v)
+        return m_new, l, acc
+
+    init = (
+        jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+    )
+    max_kv_len = jnp.max(tok_kv_len)
+    num_blocks = (max_kv_len + block_tokens - 1) // block_tokens
+    _, l, acc = lax.fori_loop(0, num_blocks, body, init)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(queries.dtype)
+
+
+# ----------------------------------------------------------------------------
+# Input validation (static: shapes and dtypes).
+# ----------------------------------------------------------------------------
+
+
+def validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
+    """Checks shapes and dtypes; raises ValueError naming the argument and what it saw."""
+    if queries.ndim != 3:
+        raise ValueError(f"queries must be [T, N, H], got shape {queries.shape}")
+    if kv_cache.ndim != 4 or kv_cache.shape[2] % 2:
+        raise ValueError(f"kv_cache must be [P, S, 2K, H], got shape {kv_cache.shape}")
+    _, num_heads, head_dim = queries.shape
+    num_kv_heads = kv_cache.shape[2] // 2
+    if kv_cache.shape[3] != head_dim:
+        raise ValueError(f"kv_cache head_dim {kv_cache.shape[3]} != queries head_dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_heads} not a multiple of kv heads {num_kv_heads}")
+    b = kv_lens.shape
+    if len(b) != 1:
+        raise ValueError(f"kv_lens must be [B], got shape {kv_lens.shape}")
+    if page_indices.ndim != 2 or page_indices.shape[0] != b[0]:
+        raise ValueError(f"page_indices must be [B={b[0]}, M], got shape {page_indices.shape}")
+    if cu_q_lens.shape != (b[0] + 1,):
+        raise ValueError(f"cu_q_lens must be [B + 1 = {b[0] + 1}], got shape {cu_q_lens.shape}")
+    if num_seqs.shape != (1,):
+        raise ValueError(f"num_seqs must be [1], got shape {num_seqs.shape}")
+    for name, x in (
+        ("kv_lens", kv_lens),
+        ("page_indices", page_indices),
+        ("cu_q_lens", cu_q_lens),
+        ("num_seqs", num_seqs),
+    ):
+        if x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {x.dtype}")
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "pages_per_block")
+)
+def ragged_paged_attention_jit(
+    queries,
+    kv_cache,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    pages_per_block=None,
+):
+    """The reference under jit, for tests and benchmarks that call it alone."""
+    return ragged_paged_attention(
+        queries,
+        kv_cache,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        pages_per_block=pages_per_block,
+    )
