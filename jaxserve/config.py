@@ -34,7 +34,10 @@ def normalize_dtype(name: str, *, field: str = "dtype") -> str:
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding parameters (HF `rope_parameters`, or legacy `rope_theta` + `rope_scaling`)."""
+    """Rotary embedding parameters.
+
+    From HF `rope_parameters`, or the legacy `rope_theta` + `rope_scaling`.
+    """
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -55,7 +58,8 @@ class RopeConfig:
         if self.rope_type not in _ROPE_TYPES:
             raise ValueError(
                 f"rope_type must be one of {_ROPE_TYPES}, got {self.rope_type!r} "
-                "(dynamic NTK scaling depends on the sequence length at run time and is not supported)"
+                "(dynamic NTK scaling depends on the sequence length at run time; "
+                "it is not supported)"
             )
         if not self.theta > 0:
             raise ValueError(f"rope_theta must be > 0, got {self.theta}")

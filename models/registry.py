@@ -61,7 +61,8 @@ def register(*architectures: str):
             other = _REGISTRY.get(arch)
             if other is not None and other is not cls:
                 raise ValueError(
-                    f"architecture {arch!r} is registered twice: {other.__name__} and {cls.__name__}"
+                    f"architecture {arch!r} is registered twice: "
+                    f"{other.__name__} and {cls.__name__}"
                 )
             _REGISTRY[arch] = cls
         return cls

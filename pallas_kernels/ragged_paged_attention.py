@@ -112,7 +112,7 @@ def ragged_paged_attention(
     q = q * sm_scale
 
     def body(j, carry):
-        m, l, acc = carry  # [T, K, G], [T, K, G], [T, K, G, H]
+        m, denom, acc = carry  # [T, K, G], [T, K, G], [T, K, G, H]
         pages = lax.dynamic_slice_in_dim(tok_pages, j * pages_per_block, pages_per_block, 1)
         kv = kv_cache[pages].reshape(num_tokens, block_tokens, num_kv_heads, 2, head_dim)
         kv = kv.astype(jnp.float32)
@@ -134,9 +134,9 @@ def ragged_paged_attention(
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - shift[..., None])
         correction = jnp.exp(jnp.where(jnp.isfinite(m), m - shift, -jnp.inf))
-        l = l * correction + p.sum(axis=-1)
+        denom = denom * correction + p.sum(axis=-1)
         acc = acc * correction[..., None] + jnp.einsum("tkgl,tlkh->tkgh", p, v)
-        return m_new, l, acc
+        return m_new, denom, acc
 
     init = (
         jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
@@ -145,8 +145,9 @@ def ragged_paged_attention(
     )
     max_kv_len = jnp.max(tok_kv_len)
     num_blocks = (max_kv_len + block_tokens - 1) // block_tokens
-    _, l, acc = lax.fori_loop(0, num_blocks, body, init)
-    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    _, denom, acc = lax.fori_loop(0, num_blocks, body, init)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    out = jnp.where(denom[..., None] > 0, acc / safe[..., None], 0.0)
     return out.reshape(num_tokens, num_heads, head_dim).astype(queries.dtype)
 
 
