@@ -1,0 +1,117 @@
+"""`LLM`: the offline API, in the shape of vLLM's."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from jax.sharding import Mesh
+
+from jaxserve.config import CacheConfig, EngineConfig, ModelConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import Tokenizer
+
+PromptType = str | dict[str, Any]
+
+
+def resolve_model_dir(model: str | os.PathLike) -> str:
+    """A local Hugging Face model directory (no downloads: this engine runs offline)."""
+    path = os.fspath(model)
+    if not os.path.isdir(path):
+        raise ValueError(
+            f"model {path!r} is not a directory; pass a local Hugging Face model directory "
+            "(config.json, *.safetensors, tokenizer.json)"
+        )
+    return path
+
+
+class LLM:
+    """Offline generation over a local Hugging Face model directory.
+
+    >>> llm = LLM(model="path/to/model", dtype="float32")
+    >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
+    >>> out[0].outputs[0].text
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        num_kv_pages: int | None = None,
+        kv_cache_memory_bytes: int = 1 << 30,
+        attention_backend: str = "reference",
+        seed: int = 0,
+        mesh: Mesh | None = None,
+    ):
+        model_dir = resolve_model_dir(model)
+        self.config = EngineConfig(
+            model_dir=model_dir,
+            model=ModelConfig.from_pretrained(model_dir),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            cache=CacheConfig(
+                page_size=block_size, num_pages=num_kv_pages, memory_bytes=kv_cache_memory_bytes
+            ),
+            attention_backend=attention_backend,
+            seed=seed,
+        )
+        self.tokenizer = Tokenizer(model_dir)
+        self.engine = LLMEngine(self.config, self.tokenizer, mesh)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; results come back in the prompts' order.
+
+        A prompt is text, or {"prompt_token_ids": [...]} (optionally with "prompt").
+        All prompts are validated before any is queued, so a bad one changes nothing.
+        """
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        requests = [(str(next(self._ids)), *self._tokenize(p, i)) for i, p in enumerate(prompts)]
+        added = []
+        try:
+            for (request_id, text, ids), sp in zip(requests, params, strict=True):
+                self.engine.add_request(request_id, ids, sp, prompt=text)
+                added.append(request_id)
+        except ValueError:
+            for request_id in added:
+                self.engine.abort(request_id)
+            raise
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                results[out.request_id] = out
+        return [results[request_id] for request_id, _, _ in requests]
+
+    def _tokenize(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        raise ValueError(
+            f"prompts[{index}] must be a string or a dict with 'prompt_token_ids', got {prompt!r}"
+        )

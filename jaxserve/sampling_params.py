@@ -1,0 +1,109 @@
+"""Per-request sampling parameters, with vLLM's field names and validation.
+
+Every invalid value raises ValueError naming the field and the value, before a
+request reaches the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+# The most top logprobs a request may ask for (vLLM's default cap).
+MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _validate(self) -> None:
+        def bad(field: str, why: str):
+            raise ValueError(f"{field} {why}, got {getattr(self, field)!r}")
+
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def finite(field: str):
+            value = getattr(self, field)
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                bad(field, "must be a finite number")
+
+        if not is_int(self.n) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        for f in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            finite(f)
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "must be -1, 0 (disabled) or a positive integer")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        for f in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, f) <= 2:
+                bad(f, "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if self.seed is not None and not is_int(self.seed):
+            bad("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1 (or None)")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        for f in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, f)
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                bad(f, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+        for token, bias in (self.logit_bias or {}).items():
+            if not is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if not isinstance(bias, int | float) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias!r}")
