@@ -1,0 +1,39 @@
+"""`jaxserve <command> [--flags]`: dispatches to a command module.
+
+Each command module defines its own absl flags; only the chosen one is imported,
+so commands never collide on flag names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "generate": ("jaxserve.cli.generate", "offline batch generation"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: jaxserve <command> [--flags]  (jaxserve <command> --help for flags)", ""]
+    lines += [f"  {name:<10} {doc}" for name, (_, doc) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def run(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv if argv is None else argv)
+    if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
+        print(_usage())
+        sys.exit(0 if len(argv) >= 2 else 2)
+    command = argv[1]
+    if command not in COMMANDS:
+        print(f"jaxserve: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        sys.exit(2)
+    module = importlib.import_module(COMMANDS[command][0])
+    from absl import app
+
+    app.run(module.main, argv=[f"jaxserve {command}", *argv[2:]])
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,39 @@
+"""Helpers to build engines and runners over test checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.config import CacheConfig, EngineConfig, ModelConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.runner.input_batch import SeqWork
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.sampling_params import SamplingParams
+
+
+def engine_config(path: str, *, page_size=8, num_pages=64, max_model_len=128, **kw):
+    return EngineConfig(
+        model_dir=path, model=ModelConfig.from_pretrained(path),
+        cache=CacheConfig(page_size=page_size, num_pages=num_pages),
+        max_model_len=max_model_len, **{"max_num_seqs": 8, **kw},
+    )
+
+
+def prompt_logits(runner: ModelRunner, ids: list[int], pages: list[int]) -> np.ndarray:
+    """Logits [len(ids), V] of one sequence computed in one step on `pages`."""
+    batch = runner.build([SeqWork(ids, 0, pages)], all_logits=True)
+    return np.asarray(runner.execute(batch))[: len(ids)]
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy outputs of all prompts, submitted together."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    results = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            results[out.request_id] = out.outputs[0].token_ids
+    engine.pool.check_invariant()
+    assert engine.pool.num_free == engine.pool.capacity
+    return [results[str(i)] for i in range(len(prompts))]
