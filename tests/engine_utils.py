@@ -13,9 +13,11 @@ from jaxserve.sampling_params import SamplingParams
 
 def engine_config(path: str, *, page_size=8, num_pages=64, max_model_len=128, **kw):
     return EngineConfig(
-        model_dir=path, model=ModelConfig.from_pretrained(path),
+        model_dir=path,
+        model=ModelConfig.from_pretrained(path),
         cache=CacheConfig(page_size=page_size, num_pages=num_pages),
-        max_model_len=max_model_len, **{"max_num_seqs": 8, **kw},
+        max_model_len=max_model_len,
+        **{"max_num_seqs": 8, **kw},
     )
 
 

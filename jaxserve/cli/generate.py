@@ -58,24 +58,34 @@ def main(argv) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     prompts = _read_prompts()
     llm = LLM(
-        FLAGS.model, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len,
-        max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-        block_size=FLAGS.block_size, num_kv_pages=FLAGS.num_kv_pages,
+        FLAGS.model,
+        dtype=FLAGS.dtype,
+        max_model_len=FLAGS.max_model_len,
+        max_num_seqs=FLAGS.max_num_seqs,
+        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+        block_size=FLAGS.block_size,
+        num_kv_pages=FLAGS.num_kv_pages,
         kv_cache_memory_bytes=FLAGS.kv_cache_memory_bytes,
         attention_backend=FLAGS.attention_backend,
     )
     engine_prompts = []
     for i, p in enumerate(prompts):
         if isinstance(p, dict) and "messages" in p:
-            p = {"prompt_token_ids": llm.tokenizer.encode_chat(p["messages"]),
-                 "prompt": llm.tokenizer.apply_chat_template(p["messages"])}
+            p = {
+                "prompt_token_ids": llm.tokenizer.encode_chat(p["messages"]),
+                "prompt": llm.tokenizer.apply_chat_template(p["messages"]),
+            }
         elif isinstance(p, dict) and "prompt" in p and "prompt_token_ids" not in p:
             p = p["prompt"]
         elif not isinstance(p, str | dict):
             raise SystemExit(f"prompt {i} must be a string or an object, got {p!r}")
         engine_prompts.append(p)
-    params = SamplingParams(temperature=0.0, max_tokens=FLAGS.max_tokens,
-                            min_tokens=FLAGS.min_tokens, ignore_eos=FLAGS.ignore_eos)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=FLAGS.max_tokens,
+        min_tokens=FLAGS.min_tokens,
+        ignore_eos=FLAGS.ignore_eos,
+    )
     t0 = time.perf_counter()
     results = llm.generate(engine_prompts, params)
     elapsed = time.perf_counter() - t0
@@ -83,12 +93,21 @@ def main(argv) -> None:
     try:
         for r in results:
             c = r.outputs[0]
-            record = {"prompt": r.prompt, "text": c.text, "token_ids": c.token_ids,
-                      "finish_reason": c.finish_reason}
+            record = {
+                "prompt": r.prompt,
+                "text": c.text,
+                "token_ids": c.token_ids,
+                "finish_reason": c.finish_reason,
+            }
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
     finally:
         if out is not sys.stdout:
             out.close()
     generated = sum(len(r.outputs[0].token_ids) for r in results)
-    logging.info("%d prompts, %d tokens generated in %.2fs (%.1f tokens/s)",
-                 len(results), generated, elapsed, generated / elapsed)
+    logging.info(
+        "%d prompts, %d tokens generated in %.2fs (%.1f tokens/s)",
+        len(results),
+        generated,
+        elapsed,
+        generated / elapsed,
+    )

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from engine_utils import engine_config, prompt_logits
+
 from jaxserve.runner.input_batch import SeqWork
 from jaxserve.runner.model_runner import ModelRunner
 from pallas_kernels import backends
@@ -15,8 +15,9 @@ from pallas_kernels import backends
 PAGE = 8
 
 
-def _dense_attention(queries, keys, values, kv_cache, md, *, sm_scale, sliding_window=None,
-                     soft_cap=None):
+def _dense_attention(
+    queries, keys, values, kv_cache, md, *, sm_scale, sliding_window=None, soft_cap=None
+):
     """Plain causal attention over this step's own tokens: one whole sequence, no pages."""
     del md, soft_cap
     t, n, h = queries.shape
@@ -46,8 +47,7 @@ def dense_backend(monkeypatch):
 
 @pytest.mark.parametrize("case", ["mistral_sliding_window", "qwen2_14_to_2", "llama2_mha"])
 @pytest.mark.parametrize("chunk", [1, 7, 16])
-def test_chunked_prefill_on_scrambled_pages_equals_dense(case, chunk, hf_model_dir,
-                                                         dense_backend):
+def test_chunked_prefill_on_scrambled_pages_equals_dense(case, chunk, hf_model_dir, dense_backend):
     path, _ = hf_model_dir(case)
     prompt = np.random.RandomState(3).randint(3, 128, size=37).tolist()
 

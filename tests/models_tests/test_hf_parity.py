@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 import torch
-
 from engine_utils import engine_config, greedy, prompt_logits
 from hf_models import CASES
+
 from jaxserve.engine import LLMEngine
 from jaxserve.runner.model_runner import ModelRunner
 
@@ -46,8 +46,9 @@ def test_prompt_logits_match_transformers(case, hf_model_dir):
     logits = np.asarray(runner.execute(runner.build(work, all_logits=True)))
     for i, p in enumerate(prompts):
         ours = logits[offsets[i] : offsets[i + 1]]
-        np.testing.assert_allclose(ours, _hf_logits(hf, p), atol=2e-4, rtol=1e-4,
-                                   err_msg=f"prompt {i} ({len(p)} tokens)")
+        np.testing.assert_allclose(
+            ours, _hf_logits(hf, p), atol=2e-4, rtol=1e-4, err_msg=f"prompt {i} ({len(p)} tokens)"
+        )
 
 
 def check_outputs_close(ours, theirs, our_logits_fn, their_logits_fn, prompt) -> None:
@@ -73,13 +74,17 @@ def test_greedy_generation_matches_transformers(case, hf_model_dir):
     for prompt, ours in zip(prompts, outputs, strict=True):
         with torch.no_grad():
             theirs = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                do_sample=False, pad_token_id=0,
+                torch.tensor([prompt]),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
             )[0, len(prompt) :].tolist()
         assert len(ours) == max_tokens
         pages = list(range(1, 1 + -(-(len(prompt) + max_tokens) // PAGE)))
         check_outputs_close(
-            ours, theirs,
+            ours,
+            theirs,
             lambda ids, pages=pages: prompt_logits(engine.runner, ids, pages),
             lambda ids: _hf_logits(hf, ids),
             prompt,

@@ -7,8 +7,20 @@ import pytest
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_jit, write_kv
 
 
-def make_case(q_lens, kv_lens, *, num_heads, num_kv_heads, head_dim, page_size, pages_per_seq,
-              num_pages, seed=0, token_bucket=None, seq_bucket=None):
+def make_case(
+    q_lens,
+    kv_lens,
+    *,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    pages_per_seq,
+    num_pages,
+    seed=0,
+    token_bucket=None,
+    seq_bucket=None,
+):
     """A random ragged batch on scrambled pages; every slot no sequence owns is NaN."""
     rs = np.random.RandomState(seed)
     b = len(q_lens)
@@ -37,8 +49,9 @@ def make_case(q_lens, kv_lens, *, num_heads, num_kv_heads, head_dim, page_size, 
     return queries, kv, kvl, page_indices, cu, np.array([b], np.int32), dense_kv
 
 
-def dense_reference(queries, dense_kv, q_lens, kv_lens, *, sm_scale, sliding_window=None,
-                    soft_cap=None):
+def dense_reference(
+    queries, dense_kv, q_lens, kv_lens, *, sm_scale, sliding_window=None, soft_cap=None
+):
     num_heads = queries.shape[1]
     out = np.zeros_like(queries)
     t0 = 0
@@ -75,12 +88,22 @@ def test_matches_dense(batch, heads, pages_per_block):
     num_heads, num_kv_heads = heads
     head_dim = 16
     q, kv, kvl, pi, cu, ns, dense_kv = make_case(
-        q_lens, kv_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        page_size=8, pages_per_seq=8, num_pages=48, token_bucket=sum(q_lens) + 5,
+        q_lens,
+        kv_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=8,
+        pages_per_seq=8,
+        num_pages=48,
+        token_bucket=sum(q_lens) + 5,
         seq_bucket=len(q_lens) + 2,
     )
-    got = np.asarray(ragged_paged_attention_jit(q, kv, kvl, pi, cu, ns, sm_scale=0.25,
-                                                pages_per_block=pages_per_block))
+    got = np.asarray(
+        ragged_paged_attention_jit(
+            q, kv, kvl, pi, cu, ns, sm_scale=0.25, pages_per_block=pages_per_block
+        )
+    )
     t = sum(q_lens)
     want = dense_reference(q[:t], dense_kv, q_lens, kv_lens, sm_scale=0.25)
     assert np.isfinite(got).all()
@@ -92,20 +115,36 @@ def test_matches_dense(batch, heads, pages_per_block):
 def test_sliding_window_and_soft_cap(window, soft_cap):
     q_lens, kv_lens = BATCHES["mixed"]
     q, kv, kvl, pi, cu, ns, dense_kv = make_case(
-        q_lens, kv_lens, num_heads=4, num_kv_heads=2, head_dim=8, page_size=4, pages_per_seq=16,
+        q_lens,
+        kv_lens,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        page_size=4,
+        pages_per_seq=16,
         num_pages=64,
     )
-    got = np.asarray(ragged_paged_attention_jit(q, kv, kvl, pi, cu, ns, sm_scale=0.3,
-                                                sliding_window=window, soft_cap=soft_cap))
-    want = dense_reference(q, dense_kv, q_lens, kv_lens, sm_scale=0.3, sliding_window=window,
-                           soft_cap=soft_cap)
+    got = np.asarray(
+        ragged_paged_attention_jit(
+            q, kv, kvl, pi, cu, ns, sm_scale=0.3, sliding_window=window, soft_cap=soft_cap
+        )
+    )
+    want = dense_reference(
+        q, dense_kv, q_lens, kv_lens, sm_scale=0.3, sliding_window=window, soft_cap=soft_cap
+    )
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_inputs():
     q_lens, kv_lens = BATCHES["mixed"]
     q, kv, kvl, pi, cu, ns, dense_kv = make_case(
-        q_lens, kv_lens, num_heads=8, num_kv_heads=2, head_dim=16, page_size=8, pages_per_seq=8,
+        q_lens,
+        kv_lens,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=8,
+        pages_per_seq=8,
         num_pages=48,
     )
     import ml_dtypes
@@ -114,8 +153,9 @@ def test_bf16_inputs():
     got = ragged_paged_attention_jit(q.astype(bf), kv.astype(bf), kvl, pi, cu, ns, sm_scale=0.25)
     assert got.dtype == bf
     dense_bf = [x.astype(bf).astype(np.float32) for x in dense_kv]
-    want = dense_reference(q.astype(bf).astype(np.float32), dense_bf, q_lens, kv_lens,
-                           sm_scale=0.25)
+    want = dense_reference(
+        q.astype(bf).astype(np.float32), dense_bf, q_lens, kv_lens, sm_scale=0.25
+    )
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
 
 
@@ -139,7 +179,13 @@ def test_write_kv_scatters_interleaved_heads_into_slots():
 
 def test_rejects_bad_shapes():
     q, kv, kvl, pi, cu, ns, _ = make_case(
-        [2], [2], num_heads=4, num_kv_heads=2, head_dim=8, page_size=4, pages_per_seq=2,
+        [2],
+        [2],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        page_size=4,
+        pages_per_seq=2,
         num_pages=4,
     )
     with pytest.raises(ValueError, match="cu_q_lens"):
