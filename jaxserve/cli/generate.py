@@ -9,6 +9,7 @@ Each input line is {"prompt": "..."}, {"prompt_token_ids": [...]} or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -89,8 +90,8 @@ def main(argv) -> None:
     t0 = time.perf_counter()
     results = llm.generate(engine_prompts, params)
     elapsed = time.perf_counter() - t0
-    out = open(FLAGS.output, "w") if FLAGS.output else sys.stdout
-    try:
+    to_file = FLAGS.output is not None
+    with open(FLAGS.output, "w") if to_file else contextlib.nullcontext(sys.stdout) as out:
         for r in results:
             c = r.outputs[0]
             record = {
@@ -100,9 +101,6 @@ def main(argv) -> None:
                 "finish_reason": c.finish_reason,
             }
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
-    finally:
-        if out is not sys.stdout:
-            out.close()
     generated = sum(len(r.outputs[0].token_ids) for r in results)
     logging.info(
         "%d prompts, %d tokens generated in %.2fs (%.1f tokens/s)",

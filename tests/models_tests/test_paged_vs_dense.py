@@ -20,7 +20,7 @@ def _dense_attention(
 ):
     """Plain causal attention over this step's own tokens: one whole sequence, no pages."""
     del md, soft_cap
-    t, n, h = queries.shape
+    t, n, _ = queries.shape
     k_heads = keys.shape[1]
     k = jnp.repeat(keys, n // k_heads, axis=1)
     v = jnp.repeat(values, n // k_heads, axis=1)
