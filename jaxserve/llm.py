@@ -93,14 +93,14 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         requests = [(str(next(self._ids)), *self._tokenize(p, i)) for i, p in enumerate(prompts)]
         added = []
-        try:
-            for (request_id, text, ids), sp in zip(requests, params, strict=True):
+        for i, ((request_id, text, ids), sp) in enumerate(zip(requests, params, strict=True)):
+            try:
                 self.engine.add_request(request_id, ids, sp, prompt=text)
-                added.append(request_id)
-        except ValueError:
-            for request_id in added:
-                self.engine.abort(request_id)
-            raise
+            except ValueError as e:
+                for earlier in added:
+                    self.engine.abort(earlier)
+                raise ValueError(f"prompts[{i}]: {e}") from e
+            added.append(request_id)
         results: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():

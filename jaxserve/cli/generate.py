@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 import time
+import tomllib
 
 from absl import flags
 
@@ -36,6 +37,34 @@ flags.DEFINE_integer("block_size", 16, "Tokens per KV page.")
 flags.DEFINE_integer("num_kv_pages", None, "KV pool size in pages (default: from the budget).")
 flags.DEFINE_integer("kv_cache_memory_bytes", 1 << 30, "KV cache budget in bytes.")
 flags.DEFINE_string("attention_backend", "reference", "Attention implementation.")
+flags.DEFINE_string("config", None, "TOML engine preset (configs/*.toml); flags given override it.")
+
+# Flags that configure the engine, and so may come from a --config preset.
+ENGINE_FLAGS = (
+    "dtype",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "num_kv_pages",
+    "kv_cache_memory_bytes",
+    "attention_backend",
+)
+
+
+def engine_kwargs() -> dict:
+    """Engine options: flags given on the command line, else the preset, else flag defaults."""
+    preset = {}
+    if FLAGS.config:
+        with open(FLAGS.config, "rb") as f:
+            preset = tomllib.load(f)
+        unknown = sorted(set(preset) - set(ENGINE_FLAGS))
+        if unknown:
+            raise SystemExit(f"{FLAGS.config}: unknown keys {unknown}; known: {ENGINE_FLAGS}")
+    return {
+        name: FLAGS[name].value if FLAGS[name].present or name not in preset else preset[name]
+        for name in ENGINE_FLAGS
+    }
 
 
 def _read_prompts() -> list:
@@ -56,19 +85,16 @@ def _read_prompts() -> list:
 
 def main(argv) -> None:
     del argv
+    try:
+        _generate()
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"jaxserve generate: {e}") from None
+
+
+def _generate() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     prompts = _read_prompts()
-    llm = LLM(
-        FLAGS.model,
-        dtype=FLAGS.dtype,
-        max_model_len=FLAGS.max_model_len,
-        max_num_seqs=FLAGS.max_num_seqs,
-        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-        block_size=FLAGS.block_size,
-        num_kv_pages=FLAGS.num_kv_pages,
-        kv_cache_memory_bytes=FLAGS.kv_cache_memory_bytes,
-        attention_backend=FLAGS.attention_backend,
-    )
+    llm = LLM(FLAGS.model, **engine_kwargs())
     engine_prompts = []
     for i, p in enumerate(prompts):
         if isinstance(p, dict) and "messages" in p:

@@ -1,0 +1,80 @@
+"""`jaxserve generate` as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+
+
+def _jaxserve(*args, **kw):
+    return subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kw,
+    )
+
+
+@pytest.mark.slow
+def test_generate_jsonl_matches_the_python_api(tiny_model_dir, tmp_path):
+    prompts = [
+        {"prompt": "The quick brown fox"},
+        {"prompt_token_ids": [1, 40, 50, 60]},
+        {"messages": [{"role": "user", "content": "Ça va?"}]},
+    ]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(json.dumps(p, ensure_ascii=False) for p in prompts) + "\n")
+    proc = _jaxserve(
+        "generate",
+        f"--model={tiny_model_dir}",
+        f"--input={src}",
+        f"--output={dst}",
+        "--max_tokens=8",
+        "--ignore_eos",
+        "--max_model_len=64",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "KV cache:" in proc.stderr and "maximum concurrency" in proc.stderr
+    assert "tokens/s" in proc.stderr
+    results = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert len(results) == 3
+
+    llm = LLM(tiny_model_dir, max_model_len=64)
+    chat_ids = llm.tokenizer.encode_chat(prompts[2]["messages"])
+    want = llm.generate(
+        ["The quick brown fox", prompts[1], {"prompt_token_ids": chat_ids}],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    )
+    for got, w in zip(results, want, strict=True):
+        assert got["token_ids"] == w.outputs[0].token_ids
+        assert got["text"] == w.outputs[0].text
+        assert got["finish_reason"] == "length"
+
+
+def test_usage_errors():
+    proc = _jaxserve()
+    assert proc.returncode == 2 and "usage: jaxserve <command>" in proc.stdout
+    proc = _jaxserve("frobnicate")
+    assert proc.returncode == 2 and "unknown command 'frobnicate'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_generate_needs_exactly_one_prompt_source(tiny_model_dir):
+    proc = _jaxserve("generate", f"--model={tiny_model_dir}")
+    assert proc.returncode != 0 and "exactly one of --prompt and --input" in proc.stderr
+
+
+@pytest.mark.parametrize("preset", ["cpu", "gpu", "tpu"])
+def test_config_presets_name_only_engine_flags(preset):
+    import os
+    import tomllib
+
+    from jaxserve.cli.generate import ENGINE_FLAGS
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    with open(os.path.join(root, "configs", f"{preset}.toml"), "rb") as f:
+        assert set(tomllib.load(f)) <= set(ENGINE_FLAGS)

@@ -1,0 +1,134 @@
+"""Parsing HF configs and validating engine configs."""
+
+import pytest
+
+from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, RopeConfig
+
+LLAMA = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+
+def test_defaults_and_derived_fields():
+    c = ModelConfig.from_hf(LLAMA)
+    assert c.head_dim == 8 and c.num_queries_per_kv == 4
+    assert c.rope == RopeConfig() and c.sliding_windows == (None,) * 4
+
+
+@pytest.mark.parametrize(
+    "rope_fields",
+    [
+        dict(
+            rope_theta=5e5,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+        dict(
+            rope_parameters=dict(
+                rope_theta=5e5,
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            )
+        ),
+    ],
+)
+def test_legacy_and_transformers5_rope_layouts_agree(rope_fields):
+    rope = ModelConfig.from_hf({**LLAMA, **rope_fields}).rope
+    assert (rope.rope_type, rope.theta, rope.factor) == ("llama3", 5e5, 8.0)
+
+
+def test_legacy_type_key_is_read():
+    c = ModelConfig.from_hf({**LLAMA, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert c.rope.rope_type == "linear"
+
+
+@pytest.mark.parametrize(
+    "fields,want",
+    [
+        (dict(sliding_window=16), (16,) * 4),  # Mistral
+        (dict(sliding_window=16, use_sliding_window=False), (None,) * 4),  # Qwen2 default
+        (
+            dict(sliding_window=16, use_sliding_window=True, max_window_layers=2),
+            (None, None, 16, 16),
+        ),
+        (
+            dict(sliding_window=16, layer_types=["full_attention", "sliding_attention"] * 2),
+            (None, 16, None, 16),
+        ),
+    ],
+)
+def test_sliding_window_layouts(fields, want):
+    assert ModelConfig.from_hf({**LLAMA, **fields}).sliding_windows == want
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        (dict(num_key_value_heads=3), "multiple of num_key_value_heads"),
+        (dict(hidden_act="swiglu"), "hidden_act must be one of"),
+        (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), "dynamic NTK"),
+        (dict(rope_scaling=dict(rope_type="llama3", factor=8.0)), "original_max_position"),
+        (dict(architectures=[]), "exactly one architecture"),
+        (dict(vocab_size=0), "vocab_size must be a positive integer"),
+    ],
+)
+def test_bad_model_configs(fields, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**LLAMA, **fields})
+
+
+def test_engine_config_sizes_the_pool_from_the_budget():
+    model = ModelConfig.from_hf(LLAMA)
+    # bytes per page: 4 layers * 16 tokens * 2 * 2 heads * 8 dims * 4 bytes = 8 KiB
+    cfg = EngineConfig(
+        "x", model, max_model_len=256, max_num_seqs=4, cache=CacheConfig(memory_bytes=10 * 8192)
+    )
+    assert cfg.kv_bytes_per_page() == 8192
+    assert cfg.num_kv_pages() == 10
+    roomy = EngineConfig(
+        "x", model, max_model_len=256, max_num_seqs=4, cache=CacheConfig(memory_bytes=1 << 30)
+    )
+    assert roomy.num_kv_pages() == 4 * 16 + 1  # never more than max_num_seqs can use
+    assert EngineConfig("x", model).max_model_len == 512
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(dtype="int8"), "dtype must be one of"),
+        (dict(max_num_seqs=0), "max_num_seqs must be positive"),
+        (dict(max_num_seqs=8, max_num_batched_tokens=4), "max_num_batched_tokens"),
+        (dict(cache=CacheConfig(memory_bytes=100)), "holds 0 pages"),
+    ],
+)
+def test_bad_engine_configs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig("x", ModelConfig.from_hf(LLAMA), **kwargs).num_kv_pages()
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(page_size=12), "block_size must be a positive power of two"),
+        (dict(num_pages=1), "num_kv_pages must be >= 2"),
+        (dict(dtype="fp8"), "kv_cache_dtype"),
+    ],
+)
+def test_bad_cache_configs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CacheConfig(**kwargs)

@@ -1,0 +1,47 @@
+"""Packing ragged work into fixed-shape arrays."""
+
+import numpy as np
+import pytest
+
+from jaxserve.runner.input_batch import SeqWork, build_batch, pick_bucket, pow2_buckets
+
+
+def test_buckets():
+    assert pow2_buckets(16, 100) == (16, 32, 64, 128)
+    assert pow2_buckets(1, 1) == (1,)
+    assert pick_bucket(17, (16, 32), what="tokens") == 32
+    with pytest.raises(ValueError, match="tokens 33 exceeds the largest bucket 32"):
+        pick_bucket(33, (16, 32), what="tokens")
+
+
+def test_layout_of_a_mixed_batch():
+    work = [
+        SeqWork([10, 11, 12], 0, [7]),
+        SeqWork([20], 5, [3, 9]),
+        SeqWork([30, 31], 8, [4, 2, 5]),
+    ]
+    b = build_batch(work, page_size=4, pages_per_seq=3, token_bucket=8, seq_bucket=4)
+    np.testing.assert_array_equal(b.input_ids, [10, 11, 12, 20, 30, 31, 0, 0])
+    np.testing.assert_array_equal(b.positions, [0, 1, 2, 5, 8, 9, 0, 0])
+    # slot = page * 4 + offset; padding tokens write to the null page.
+    np.testing.assert_array_equal(b.slot_mapping, [28, 29, 30, 37, 20, 21, 0, 0])
+    np.testing.assert_array_equal(b.kv_lens, [3, 6, 10, 0])
+    np.testing.assert_array_equal(b.cu_q_lens, [0, 3, 4, 6, 6])
+    np.testing.assert_array_equal(b.page_indices, [[7, 0, 0], [3, 9, 0], [4, 2, 5], [0, 0, 0]])
+    np.testing.assert_array_equal(b.num_seqs, [3])
+    np.testing.assert_array_equal(b.logits_indices, [2, 3, 5, 0])
+    assert all(x.dtype == np.int32 for x in vars(b).values())
+
+
+@pytest.mark.parametrize(
+    "work,match",
+    [
+        ([SeqWork([1] * 9, 0, [1, 2])], "do not fit token bucket"),
+        ([SeqWork([1], 8, [1, 2])], "needs 3 pages for 9 tokens, has 2"),
+        ([SeqWork([], 0, [1])], "no tokens"),
+        ([SeqWork([1], 0, [1])] * 3, "do not fit sequence bucket"),
+    ],
+)
+def test_bad_work(work, match):
+    with pytest.raises(ValueError, match=match):
+        build_batch(work, page_size=4, pages_per_seq=3, token_bucket=8, seq_bucket=2)

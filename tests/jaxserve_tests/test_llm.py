@@ -1,0 +1,144 @@
+"""The offline API end to end: LLM(...).generate(...) on a small checkpoint."""
+
+import math
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(
+        tiny_model_dir,
+        max_model_len=96,
+        block_size=8,
+        num_kv_pages=40,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+    )
+
+
+def _assert_idle(llm):
+    assert not llm.engine.has_unfinished()
+    llm.engine.pool.check_invariant()
+    assert llm.engine.pool.num_free == llm.engine.pool.capacity
+
+
+def test_text_and_token_prompts(llm):
+    ids = llm.tokenizer.encode("The quick brown fox")
+    text_out, ids_out = llm.generate(["The quick brown fox", {"prompt_token_ids": ids}], GREEDY)
+    assert text_out.prompt == "The quick brown fox"
+    assert text_out.prompt_token_ids == ids_out.prompt_token_ids == ids
+    a, b = text_out.outputs[0], ids_out.outputs[0]
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 12
+    assert a.finish_reason == "length"
+    assert a.text == llm.tokenizer.decode(a.token_ids)
+    _assert_idle(llm)
+
+
+def test_batched_equals_alone_with_chunked_prefill_and_queueing(llm):
+    rs = np.random.RandomState(0)
+    # 7 prompts > max_num_seqs=4, and prompts longer than the 32-token step budget.
+    prompts = [
+        {"prompt_token_ids": rs.randint(7, 320, size=n).tolist()} for n in (3, 40, 8, 17, 33, 1, 64)
+    ]
+    together = llm.generate(prompts, GREEDY)
+    for p, out in zip(prompts, together, strict=True):
+        alone = llm.generate([p], GREEDY)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    _assert_idle(llm)
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    prompt = {"prompt_token_ids": [1, 50, 60, 70]}
+    free = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    stop_at = free[5]
+    first = free.index(stop_at)
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at])
+    )[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free[: first + 1]
+    assert out.text == llm.tokenizer.decode(free[:first])  # the stop token is not rendered
+    later = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=[stop_at]),
+    )[0].outputs[0]
+    assert len(later.token_ids) >= 6
+
+
+def test_per_prompt_sampling_params(llm):
+    outs = llm.generate(
+        ["a", "b"],
+        [
+            SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+        ],
+    )
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5]
+    with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
+        llm.generate(["a"], [GREEDY, GREEDY])
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ({"prompt_token_ids": []}, GREEDY, "prompt_token_ids must not be empty"),
+        ({"prompt_token_ids": [5, 320]}, GREEDY, r"outside the vocabulary \[0, 320\)"),
+        ({"prompt_token_ids": [-1]}, GREEDY, "outside the vocabulary"),
+        ({"prompt_token_ids": [5] * 96}, GREEDY, "max_model_len is 96"),
+        ({"prompt_token_ids": [5] * 90}, GREEDY, r"max_tokens \(12\) exceeds max_model_len"),
+        ("hello", SamplingParams(temperature=0.8), "temperature"),
+        (42, GREEDY, r"prompts\[1\] must be a string"),
+    ],
+)
+def test_bad_requests_are_rejected_and_the_engine_keeps_serving(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=r"prompts\[1\]") as e:
+        llm.generate(["fine prompt", prompt], [GREEDY, params])
+    e.match(match)
+    _assert_idle(llm)  # the good prompt of the rejected call was not left queued
+    assert len(llm.generate(["still serving"], GREEDY)[0].outputs[0].token_ids) == 12
+
+
+def test_request_larger_than_the_pool_is_rejected(tiny_model_dir):
+    small = LLM(tiny_model_dir, max_model_len=96, block_size=8, num_kv_pages=4, max_num_seqs=2)
+    with pytest.raises(ValueError, match="whole pool has 3"):
+        small.generate([{"prompt_token_ids": [5] * 30}], GREEDY)
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("max_tokens", 0, "max_tokens must be an integer >= 1"),
+        ("max_tokens", -3, "max_tokens"),
+        ("temperature", math.nan, "temperature must be a finite number"),
+        ("temperature", -0.5, "temperature must be >= 0"),
+        ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+        ("min_p", 1.5, r"min_p must be in \[0, 1\]"),
+        ("logprobs", 21, r"logprobs must be an integer in \[0, 20\]"),
+        ("n", 0, "n must be an integer >= 1"),
+        ("top_k", -2, "top_k"),
+        ("stop", [""], "stop must be non-empty strings"),
+    ],
+)
+def test_sampling_params_validation_names_the_field(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{field: value})
+
+
+def test_model_must_be_a_local_directory(tmp_path):
+    with pytest.raises(ValueError, match="not a directory"):
+        LLM(str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(str(tmp_path))
+
+
+def test_bfloat16_runs(tiny_model_dir):
+    llm = LLM(tiny_model_dir, dtype="bf16", max_model_len=64, block_size=8, num_kv_pages=16)
+    out = llm.generate(["The quick brown fox"], GREEDY)[0].outputs[0]
+    assert len(out.token_ids) == 12
+    assert llm.engine.runner.kv_caches[0].dtype.name == "bfloat16"
