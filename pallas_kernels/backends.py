@@ -56,7 +56,10 @@ BACKENDS = {
 }
 
 
-def get_backend(name: str) -> AttentionBackend:
+def get_backend(name: str | AttentionBackend) -> AttentionBackend:
+    """The backend registered under `name`; a backend object passes through (tests, training)."""
+    if isinstance(name, AttentionBackend):
+        return name
     try:
         return BACKENDS[name]
     except KeyError:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 from safetensors import safe_open
+from safetensors.flax import save_file
 
 from jaxserve import parallel
 from jaxserve.config import ModelConfig
@@ -127,3 +128,21 @@ def load_model(
             ", ".join(unused[:8]),
         )
     return nnx.merge(graphdef, state)
+
+
+def save_weights(model: nnx.Module, model_dir: str, *, dtype: str | None = None) -> str:
+    """Writes the model's parameters as `model.safetensors` under HF tensor names.
+
+    The inverse of `load_model`: names and layouts come from the model class's
+    `checkpoint_key`, so transformers loads the file. Returns the file's path.
+    """
+    cls = type(model)
+    tensors = {}
+    for tree_path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        name, transpose = cls.checkpoint_key(_path_of(tree_path))
+        x = x.T if transpose else x
+        tensors[name] = jnp.asarray(x, dtype) if dtype else jnp.asarray(x)
+    os.makedirs(model_dir, exist_ok=True)
+    path = os.path.join(model_dir, "model.safetensors")
+    save_file(tensors, path, metadata={"format": "pt"})
+    return path
