@@ -1,7 +1,18 @@
-"""jaxserve: an LLM serving engine on JAX/XLA."""
+"""jaxserve: an LLM serving engine on JAX/XLA.
 
-from jaxserve.llm import LLM
+`LLM` is imported lazily, so host-side modules (config, kv, scheduler, sampling
+params) can be imported without pulling in JAX.
+"""
+
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from jaxserve.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

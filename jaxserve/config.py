@@ -186,12 +186,20 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> ModelConfig:
+        """Reads config.json; generation_config.json's eos_token_id, if any, takes precedence."""
         path = os.path.join(model_dir, "config.json")
         try:
             with open(path) as f:
-                return cls.from_hf(json.load(f))
+                hf = json.load(f)
         except FileNotFoundError:
             raise FileNotFoundError(f"no config.json in model directory {model_dir!r}") from None
+        gen_path = os.path.join(model_dir, "generation_config.json")
+        if os.path.exists(gen_path):
+            with open(gen_path) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                hf = {**hf, "eos_token_id": eos}
+        return cls.from_hf(hf)
 
 
 def _sliding_windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:

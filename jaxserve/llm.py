@@ -9,6 +9,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
+from jaxserve.assets import DEFAULT_MODEL, EMBEDDED_MODELS
 from jaxserve.config import CacheConfig, EngineConfig, ModelConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.outputs import RequestOutput
@@ -18,19 +19,26 @@ from jaxserve.tokenizer import Tokenizer
 PromptType = str | dict[str, Any]
 
 
-def resolve_model_dir(model: str | os.PathLike) -> str:
-    """A local Hugging Face model directory (no downloads: this engine runs offline)."""
+def resolve_model_dir(model: str | os.PathLike | None) -> str:
+    """A local Hugging Face model directory, or an embedded model's name (no downloads)."""
+    if model is None:
+        model = DEFAULT_MODEL
     path = os.fspath(model)
+    if path in EMBEDDED_MODELS:
+        return EMBEDDED_MODELS[path]
     if not os.path.isdir(path):
         raise ValueError(
-            f"model {path!r} is not a directory; pass a local Hugging Face model directory "
-            "(config.json, *.safetensors, tokenizer.json)"
+            f"model {path!r} is not a directory nor an embedded model {sorted(EMBEDDED_MODELS)}; "
+            "pass a local Hugging Face model directory (config.json, *.safetensors, "
+            "tokenizer.json)"
         )
     return path
 
 
 class LLM:
     """Offline generation over a local Hugging Face model directory.
+
+    With no model, the embedded demo model is used.
 
     >>> llm = LLM(model="path/to/model", dtype="float32")
     >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
@@ -39,7 +47,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | os.PathLike,
+        model: str | os.PathLike | None = None,
         *,
         dtype: str = "float32",
         max_model_len: int | None = None,

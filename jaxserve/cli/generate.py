@@ -1,5 +1,6 @@
 """`jaxserve generate`: offline generation for one prompt or a JSONL file of prompts.
 
+  jaxserve generate --prompt="Return the number of" --max_tokens=32   (embedded demo model)
   jaxserve generate --model=DIR --prompt="Once upon a time" --max_tokens=32
   jaxserve generate --model=DIR --input=prompts.jsonl --output=results.jsonl
 
@@ -22,7 +23,12 @@ from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "Local Hugging Face model directory.", required=True)
+flags.DEFINE_string(
+    "model",
+    None,
+    "Local Hugging Face model directory, or an embedded model's name "
+    "(default: the embedded demo-model).",
+)
 flags.DEFINE_string("prompt", None, "One prompt to complete (or use --input).")
 flags.DEFINE_string("input", None, "JSONL file of prompts.")
 flags.DEFINE_string("output", None, "JSONL file for the results (default: stdout).")
