@@ -262,6 +262,14 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     attention_backend: str = "reference"
     seed: int = 0
+    enable_prefix_caching: bool = True
+    min_token_bucket: int = 16
+    max_logit_bias: int = 64  # logit_bias entries + min_tokens-blocked ids per request
+    warmup: bool = True  # compile every bucket before serving
+    compile_guard: bool = False  # after warm-up, any compilation raises (tests)
+    compilation_cache_dir: str | None = None  # JAX's persistent compilation cache
+    debug_preemption_rate: float = 0.0  # test mode: preempt at random steps
+    stats_interval_s: float = 10.0  # the periodic stats log line; 0 disables it
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
@@ -271,6 +279,15 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.min_token_bucket <= 0 or self.min_token_bucket > self.max_num_batched_tokens:
+            raise ValueError(
+                f"min_token_bucket must be in [1, max_num_batched_tokens], "
+                f"got {self.min_token_bucket}"
+            )
+        if not 0.0 <= self.debug_preemption_rate <= 1.0:
+            raise ValueError(
+                f"debug_preemption_rate must be in [0, 1], got {self.debug_preemption_rate}"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "

@@ -1,83 +1,115 @@
 """LLMEngine: requests in, tokens out, one compiled step at a time.
 
-This first engine runs greedy decoding over a ragged batch: each step packs the
-running sequences' work (a prefill chunk or one decode token each) under a token
-budget into one step. A request reserves the pages it can ever need when it is
-admitted, so it never waits for memory mid-flight. The token-budget scheduler
-with prefix caching and preemption, and sampling beyond greedy, replace those
-simplifications in the engine issue.
+Each `step()` asks the scheduler for a plan, packs it into fixed-shape arrays,
+runs the jitted step (forward + on-device sampling) and then does the host
+work: append tokens, cache filled pages, detokenize, check stop conditions,
+and report every request that made progress.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
+import random
+import time
 
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
+from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.kv import PagePool
+from jaxserve.metrics import EngineStats
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.runner.input_batch import SeqWork
+from jaxserve.request import Sequence, Status
+from jaxserve.runner.input_batch import SampleRow, SeqWork
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import Scheduler
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class _Sequence:
+@dataclasses.dataclass(eq=False)
+class _Request:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    max_tokens: int
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    pages: list[int] = dataclasses.field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V are in the cache
-    finish_reason: str | None = None
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer | None]
+    logprobs: list[list[dict[int, float]]]
+    cumulative_logprob: list[float]
+    arrival_time: float
+    first_token_time: float | None = None
 
     @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_ids
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
 
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, tokenizer: Tokenizer | None = None, mesh: Mesh | None = None
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None = None,
+        mesh: Mesh | None = None,
+        runner: ModelRunner | None = None,
     ):
+        """`runner` replaces the model runner (tests drive the engine with a mock)."""
         self.config = config
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(config, mesh)
-        self.pool = PagePool(self.runner.num_pages)
-        self.waiting: collections.deque[_Sequence] = collections.deque()
-        self.running: list[_Sequence] = []
+        if config.compilation_cache_dir:
+            import jax
+
+            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        self.runner = runner if runner is not None else ModelRunner(config, mesh)
+        self.pool = PagePool(
+            self.runner.num_pages, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.pool,
+            page_size=config.cache.page_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            debug_preemption_rate=config.debug_preemption_rate,
+            seed=config.seed,
+        )
+        self.requests: dict[str, _Request] = {}
         self.eos_token_ids = set(config.model.eos_token_ids)
         if not self.eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids = {tokenizer.eos_token_id}
+        self._rng = random.Random(config.seed)
+        self._arrivals = 0
+        self.stats = EngineStats(self, interval_s=config.stats_interval_s)
+        logger.info(
+            "engine ready: %d KV tokens in %d pages of %d; max concurrency at max_model_len "
+            "%d: %.2fx; prefix caching %s",
+            self.runner.kv_tokens,
+            self.pool.capacity,
+            config.cache.page_size,
+            config.max_model_len,
+            self.runner.kv_tokens / config.max_model_len,
+            "on" if config.enable_prefix_caching else "off",
+        )
+        if config.warmup:
+            self.runner.warmup()
 
     # ---------------------------------------------------------------- requests
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-    ) -> None:
-        """Validates and queues a request; raises ValueError naming the bad field."""
-        if any(s.request_id == request_id for s in (*self.waiting, *self.running)):
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        _check_supported(params)
-        ids = list(prompt_token_ids)
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Checks a request against the model and the pool; returns its max_tokens.
+
+        Raises ValueError naming the field and the value.
+        """
+        ids = prompt_token_ids
         vocab = self.config.model.vocab_size
         if not ids:
             raise ValueError("prompt_token_ids must not be empty")
-        bad = [t for t in ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab]
+        bad = [
+            t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+        ]
         if bad:
             raise ValueError(
                 f"prompt_token_ids has ids outside the vocabulary [0, {vocab}): {bad[:5]}"
@@ -94,114 +126,215 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                 f"max_model_len ({limit})"
             )
-        need = self._pages_needed(len(ids) + max_tokens)
+        need = -(-(len(ids) + max_tokens) // self.config.cache.page_size)
         if need > self.pool.capacity:
             raise ValueError(
-                f"request needs {need} KV pages; the whole pool has {self.pool.capacity}"
+                f"request needs {need} KV pages for {len(ids) + max_tokens} tokens; "
+                f"the whole pool has {self.pool.capacity}"
             )
-        self.waiting.append(
-            _Sequence(request_id, prompt, [int(t) for t in ids], params, max_tokens)
+        blocked = len(self.eos_token_ids | set(params.stop_token_ids))
+        bias = len(params.logit_bias or {}) + (blocked if params.min_tokens else 0)
+        if bias > self.config.max_logit_bias:
+            raise ValueError(
+                f"logit_bias has {len(params.logit_bias or {})} entries; with the "
+                f"tokens min_tokens blocks, at most {self.config.max_logit_bias}"
+            )
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(
+                f"logit_bias names token {max(params.logit_bias)}, outside the "
+                f"vocabulary [0, {vocab})"
+            )
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet; use logprobs for outputs")
+        return max_tokens
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Validates and queues a request; raises ValueError naming the bad field."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        ids = [
+            int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t
+            for t in prompt_token_ids
+        ]
+        max_tokens = self.validate(ids, params)
+        seqs, leader = [], None
+        for i in range(params.n):
+            base = params.seed if params.seed is not None else self._rng.getrandbits(32)
+            seq = Sequence(
+                request_id=request_id,
+                index=i,
+                prompt_token_ids=ids,
+                params=params,
+                max_tokens=max_tokens,
+                arrival=self._arrivals,
+                priority=priority,
+                salt=cache_salt,
+                seed=(base + 7919 * i) & 0xFFFFFFFF,
+                leader=leader,
+                prompt=prompt,
+            )
+            leader = leader or seq
+            seqs.append(seq)
+        self._arrivals += 1
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer, ids, params)
+            if self.tokenizer is not None
+            else None
+            for _ in seqs
+        ]
+        self.requests[request_id] = _Request(
+            request_id,
+            prompt,
+            ids,
+            params,
+            seqs,
+            detoks,
+            [[] for _ in seqs],
+            [0.0] * len(seqs),
+            time.monotonic(),
         )
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.stats.on_add()
 
     def abort(self, request_id: str) -> bool:
-        for queue in (self.waiting, self.running):
-            for s in queue:
-                if s.request_id == request_id:
-                    queue.remove(s)
-                    self.pool.free(s.pages)
-                    return True
-        return False
+        """Stops a request and frees its pages; False if it is unknown or already done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            self.scheduler.finish(seq, "abort")
+        self.stats.on_finish(req, aborted=True)
+        return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
     # ---------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
-        """Runs one step; returns the requests that finished in it."""
-        self._admit()
-        if not self.running:
+        """Runs one step; returns an output for every request that made progress."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
             return []
-        budget = self.config.max_num_batched_tokens
-        work, scheduled = [], []
-        for s in self.running:
-            take = min(len(s.token_ids) - s.num_computed, budget)
-            if take == 0:
-                break
-            tokens = s.token_ids[s.num_computed : s.num_computed + take]
-            work.append(SeqWork(tokens, s.num_computed, s.pages))
-            scheduled.append((s, take))
-            budget -= take
-        logits = self.runner.execute(self.runner.build(work))
-        next_ids = np.asarray(jnp.argmax(logits, axis=-1))
-        finished = []
-        for i, (s, take) in enumerate(scheduled):
-            s.num_computed += take
-            if s.num_computed < len(s.token_ids):
-                continue  # a prefill chunk: its last logits are not a prediction yet
-            s.output_ids.append(int(next_ids[i]))
-            s.finish_reason = self._finish_reason(s)
-            if s.finish_reason is not None:
-                finished.append(s)
-        for s in finished:
-            self.running.remove(s)
-            self.pool.free(s.pages)
-        return [self._output(s) for s in finished]
+        runner = self.runner
+        work = [
+            SeqWork(s.seq.token_ids[s.start : s.start + s.num_tokens], s.start, s.seq.pages)
+            for s in plan.scheduled
+        ]
+        batch = runner.build(work)
+        rows = [self._sample_row(s.seq) for s in plan.scheduled]
+        out = runner.execute_and_sample(batch, runner.build_sampling(rows, len(batch.kv_lens)))
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            s = self.waiting[0]
-            need = self._pages_needed(len(s.prompt_token_ids) + s.max_tokens)
-            if need > self.pool.num_free:
-                break
-            self.waiting.popleft()
-            s.pages = self.pool.allocate(need)
-            self.running.append(s)
+        touched: dict[str, _Request] = {}
+        new_tokens: dict[Sequence, int] = {}
+        for i, item in enumerate(plan.scheduled):
+            self.scheduler.on_computed(item)
+            if not item.samples:
+                continue
+            seq = item.seq
+            req = self.requests[seq.request_id]
+            token = int(out.token_ids[i])
+            seq.append(token)
+            new_tokens[seq] = token
+            if seq.params.logprobs is not None:
+                self._record_logprobs(req, seq, out, i, token)
+            reason = self._check_stop(req, seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            touched[seq.request_id] = req
+        self.stats.on_step(plan, len(new_tokens))
+        outputs = [self._output(req, new_tokens) for req in touched.values()]
+        for o in outputs:
+            if o.finished:
+                req = self.requests.pop(o.request_id)
+                self.stats.on_finish(req)
+        return outputs
 
-    def _pages_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.config.cache.page_size)
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        blocked = ()
+        if len(seq.output_ids) < seq.params.min_tokens:
+            eos = () if seq.params.ignore_eos else self.eos_token_ids
+            blocked = tuple(set(eos) | set(seq.params.stop_token_ids))
+        return SampleRow(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.seed, blocked)
 
-    def _finish_reason(self, s: _Sequence) -> str | None:
-        last = s.output_ids[-1]
-        if len(s.output_ids) >= s.params.min_tokens:
-            if last in s.params.stop_token_ids:
+    def _record_logprobs(self, req: _Request, seq: Sequence, out, i: int, token: int) -> None:
+        k = seq.params.logprobs
+        entry = {
+            int(t): float(v)
+            for t, v in zip(out.top_ids[i, :k], out.top_logprobs[i, :k], strict=True)
+        }
+        entry[token] = float(out.logprobs[i])
+        req.logprobs[seq.index].append(entry)
+        req.cumulative_logprob[seq.index] += float(out.logprobs[i])
+
+    def _check_stop(self, req: _Request, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if len(seq.output_ids) >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                seq.stop_reason = token
                 return "stop"
-            if not s.params.ignore_eos and last in self.eos_token_ids:
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
                 return "stop"
-        if len(s.output_ids) >= s.max_tokens:
+        detok = req.detoks[seq.index]
+        if detok is not None:
+            stop = detok.add(token)
+            if stop is not None and len(seq.output_ids) >= p.min_tokens:
+                seq.stop_reason = stop
+                return "stop"
+        if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"
         return None
 
-    def _output(self, s: _Sequence) -> RequestOutput:
-        ids = s.output_ids
-        # A stop token (EOS or stop_token_ids) is returned in token_ids, not rendered.
-        text_ids = ids[:-1] if s.finish_reason == "stop" else ids
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(text_ids, skip_special_tokens=s.params.skip_special_tokens)
-        completion = CompletionOutput(0, text, list(ids), finish_reason=s.finish_reason)
+    def _output(self, req: _Request, new_tokens: dict[Sequence, int]) -> RequestOutput:
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        completions = []
+        for seq, detok in zip(req.seqs, req.detoks, strict=True):
+            text = delta = ""
+            if detok is not None:
+                delta = detok.release(seq.finished)
+                text = detok.text[: detok.released]
+            token = new_tokens.get(seq)
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(seq.output_ids),
+                    cumulative_logprob=(
+                        req.cumulative_logprob[seq.index]
+                        if seq.params.logprobs is not None
+                        else None
+                    ),
+                    logprobs=(
+                        list(req.logprobs[seq.index]) if seq.params.logprobs is not None else None
+                    ),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    delta_text=delta,
+                    delta_token_ids=[] if token is None else [token],
+                )
+            )
         return RequestOutput(
-            s.request_id, s.prompt, s.prompt_token_ids, [completion], finished=True
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=completions,
+            finished=req.finished,
+            num_cached_tokens=req.seqs[0].num_cached_tokens,
         )
 
 
-def _check_supported(params: SamplingParams) -> None:
-    """Rejects what this engine does not do yet, rather than silently ignoring it."""
-    unsupported = {
-        "temperature": params.temperature != 0.0,
-        "n": params.n != 1,
-        "logprobs": params.logprobs is not None,
-        "prompt_logprobs": params.prompt_logprobs is not None,
-        "stop": bool(params.stop),
-        "logit_bias": bool(params.logit_bias),
-        "presence_penalty": params.presence_penalty != 0.0,
-        "frequency_penalty": params.frequency_penalty != 0.0,
-        "repetition_penalty": params.repetition_penalty != 1.0,
-    }
-    names = [name for name, bad in unsupported.items() if bad]
-    if names:
-        raise ValueError(
-            f"not supported yet: {', '.join(f'{n}={getattr(params, n)!r}' for n in names)}; "
-            "this engine decodes greedily (temperature=0) with max_tokens, min_tokens, "
-            "ignore_eos and stop_token_ids"
-        )
+__all__ = ["LLMEngine", "Status"]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jax.sharding import Mesh
+from tqdm import tqdm
 
 from jaxserve.assets import DEFAULT_MODEL, EMBEDDED_MODELS
 from jaxserve.config import CacheConfig, EngineConfig, ModelConfig
@@ -38,7 +39,9 @@ def resolve_model_dir(model: str | os.PathLike | None) -> str:
 class LLM:
     """Offline generation over a local Hugging Face model directory.
 
-    With no model, the embedded demo model is used.
+    With no model, the embedded demo model is used. Offline runs compile step
+    programs as their shapes first occur; `warmup=True` compiles every bucket
+    up front, as a server does.
 
     >>> llm = LLM(model="path/to/model", dtype="float32")
     >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
@@ -56,8 +59,13 @@ class LLM:
         block_size: int = 16,
         num_kv_pages: int | None = None,
         kv_cache_memory_bytes: int = 1 << 30,
+        enable_prefix_caching: bool = True,
         attention_backend: str = "reference",
         seed: int = 0,
+        warmup: bool = False,
+        compile_guard: bool = False,
+        compilation_cache_dir: str | None = None,
+        debug_preemption_rate: float = 0.0,
         mesh: Mesh | None = None,
     ):
         model_dir = resolve_model_dir(model)
@@ -71,8 +79,13 @@ class LLM:
             cache=CacheConfig(
                 page_size=block_size, num_pages=num_kv_pages, memory_bytes=kv_cache_memory_bytes
             ),
+            enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend,
             seed=seed,
+            warmup=warmup,
+            compile_guard=compile_guard,
+            compilation_cache_dir=compilation_cache_dir,
+            debug_preemption_rate=debug_preemption_rate,
         )
         self.tokenizer = Tokenizer(model_dir)
         self.engine = LLMEngine(self.config, self.tokenizer, mesh)
@@ -82,11 +95,16 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; results come back in the prompts' order.
 
         A prompt is text, or {"prompt_token_ids": [...]} (optionally with "prompt").
         All prompts are validated before any is queued, so a bad one changes nothing.
+        If interrupted, the requests still running are aborted and their pages freed.
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
@@ -99,20 +117,43 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         requests = [(str(next(self._ids)), *self._tokenize(p, i)) for i, p in enumerate(prompts)]
         added = []
         for i, ((request_id, text, ids), sp) in enumerate(zip(requests, params, strict=True)):
             try:
-                self.engine.add_request(request_id, ids, sp, prompt=text)
+                self.engine.add_request(
+                    request_id,
+                    ids,
+                    sp,
+                    prompt=text,
+                    cache_salt=cache_salt,
+                    priority=0 if priority is None else priority[i],
+                )
             except ValueError as e:
                 for earlier in added:
                     self.engine.abort(earlier)
                 raise ValueError(f"prompts[{i}]: {e}") from e
             added.append(request_id)
         results: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                results[out.request_id] = out
+        try:
+            with tqdm(
+                total=len(requests),
+                desc="generate",
+                unit="req",
+                disable=not use_tqdm,
+                mininterval=1,
+            ) as bar:
+                while len(results) < len(requests):
+                    for out in self.engine.step():
+                        if out.finished:
+                            results[out.request_id] = out
+                            bar.update(1)
+        finally:
+            for request_id in added:
+                if request_id not in results:
+                    self.engine.abort(request_id)
         return [results[request_id] for request_id, _, _ in requests]
 
     def _tokenize(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:

@@ -13,6 +13,9 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort", or None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    delta_text: str = ""  # text new since the previous output (for streaming)
+    delta_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -1,51 +1,183 @@
-"""The pool of KV pages: which pages of the pre-allocated array are free.
+"""The pool of KV pages, with reference counts and an automatic prefix cache.
 
-Page 0 is the null page (padding writes there) and is never handed out.
+Every page but the null page (0) is in exactly one state:
+  free     ref 0, holds nothing reusable;            on the LRU list
+  cached   ref 0, holds a full page found by hash;   on the LRU list, evictable
+  in use   ref > 0 (shared pages have ref > 1);      off the list
+
+Allocation takes the least recently freed page from the head of the LRU list,
+evicting its cache entry if it had one. A freed page joins the tail, so the
+content freed last is evicted last.
+
+Prefix cache keys are chained: a full page's key is (parent page's uid, the
+page's tokens, extra keys such as a tenant's salt), and each cached page gets a
+fresh uid that is never reused. Keys are compared by value in a dict, so two
+different prefixes can never share an entry: the cache is collision-free by
+construction, not by the odds of a hash.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
+from collections.abc import Hashable, Sequence
+
+NULL_PAGE = 0
+ROOT_UID = 0  # the parent uid of a sequence's first page
+
+PageKey = tuple[int, tuple[int, ...], Hashable]
 
 
 class PagePool:
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, *, enable_prefix_caching: bool = True):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
         self.num_pages = num_pages
-        self._free = collections.deque(range(1, num_pages))
-        self._in_use: set[int] = set()
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref = [0] * num_pages
+        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict(
+            (p, None) for p in range(1, num_pages)
+        )
+        self._page_of_key: dict[PageKey, int] = {}
+        self._key_of_page: dict[int, PageKey] = {}
+        self._uid_of_page: dict[int, int] = {}
+        self._uids = itertools.count(ROOT_UID + 1)
+        # Counters for metrics.
+        self.queries = 0  # prompt tokens looked up
+        self.hits = 0  # prompt tokens found cached
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
+    # ------------------------------------------------------------------ capacity
 
     @property
     def capacity(self) -> int:
         """Pages a sequence can ever own (all but the null page)."""
         return self.num_pages - 1
 
+    @property
+    def num_free(self) -> int:
+        """Pages allocatable now: free plus cached-evictable."""
+        return len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._key_of_page)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of pages in use by running sequences."""
+        return 1.0 - self.num_free / self.capacity
+
+    # ---------------------------------------------------------------- allocation
+
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} pages, {len(self._free)} free")
-        pages = [self._free.popleft() for _ in range(n)]
-        self._in_use.update(pages)
+        if n > len(self._lru):
+            raise RuntimeError(f"asked for {n} pages, {len(self._lru)} allocatable")
+        pages = []
+        for _ in range(n):
+            page, _ = self._lru.popitem(last=False)
+            self._evict(page)
+            self._ref[page] = 1
+            pages.append(page)
         return pages
 
-    def free(self, pages: list[int]) -> None:
-        for p in pages:
-            if p not in self._in_use:
-                raise RuntimeError(f"page {p} freed but not in use")
-            self._in_use.remove(p)
-            self._free.append(p)
+    def free(self, pages: Sequence[int]) -> None:
+        """Drops one reference per page; pages reaching 0 join the LRU tail in reverse
+        order, so a sequence's last pages (least likely to be shared) are evicted first."""
+        for page in reversed(pages):
+            if self._ref[page] <= 0:
+                raise RuntimeError(f"page {page} freed but not in use")
+            self._ref[page] -= 1
+            if self._ref[page] == 0:
+                self._lru[page] = None
+
+    def _take(self, page: int) -> None:
+        """Adds a reference to a cached page (a prefix hit)."""
+        if self._ref[page] == 0:
+            del self._lru[page]
+        self._ref[page] += 1
+
+    # -------------------------------------------------------------- prefix cache
+
+    def lookup(
+        self,
+        token_ids: Sequence[int],
+        page_size: int,
+        salt: Hashable = None,
+        max_tokens: int | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """The longest cached prefix of full pages; takes a reference on each hit page.
+
+        Only whole pages within the first `max_tokens` tokens are considered.
+        Returns (pages, uids): the hit pages and their chain uids.
+        """
+        limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
+        self.queries += limit
+        if not self.enable_prefix_caching:
+            return [], []
+        pages, uids, parent = [], [], ROOT_UID
+        for start in range(0, limit - page_size + 1, page_size):
+            key = (parent, tuple(token_ids[start : start + page_size]), salt)
+            page = self._page_of_key.get(key)
+            if page is None:
+                break
+            self._take(page)
+            pages.append(page)
+            parent = self._uid_of_page[page]
+            uids.append(parent)
+        self.hits += len(pages) * page_size
+        return pages, uids
+
+    def cache_page(
+        self, page: int, parent_uid: int, tokens: Sequence[int], salt: Hashable = None
+    ) -> int:
+        """Registers a just-filled page; returns the uid its next page chains from.
+
+        If an identical page is already cached (computed concurrently by another
+        sequence), that entry is kept and its uid returned; `page` stays uncached.
+        """
+        if not self.enable_prefix_caching:
+            return ROOT_UID
+        key = (parent_uid, tuple(tokens), salt)
+        existing = self._page_of_key.get(key)
+        if existing is not None:
+            return self._uid_of_page[existing]
+        if page in self._key_of_page:
+            raise RuntimeError(f"page {page} is cached twice")
+        uid = next(self._uids)
+        self._page_of_key[key] = page
+        self._key_of_page[page] = key
+        self._uid_of_page[page] = uid
+        return uid
+
+    def _evict(self, page: int) -> None:
+        key = self._key_of_page.pop(page, None)
+        if key is not None:
+            del self._page_of_key[key]
+            del self._uid_of_page[page]
+
+    def reset_prefix_cache(self) -> None:
+        for page in list(self._key_of_page):
+            self._evict(page)
+
+    # ---------------------------------------------------------------- invariants
 
     def check_invariant(self) -> None:
-        """free + in use == all pages but the null page, with no page in both."""
-        free = set(self._free)
-        if len(free) != len(self._free) or free & self._in_use or 0 in free | self._in_use:
-            raise AssertionError("page pool corrupted: duplicate, shared or null page")
-        if len(free) + len(self._in_use) != self.capacity:
+        """free + cached-evictable + in use == all pages but the null page."""
+        lru = set(self._lru)
+        in_use = {p for p in range(1, self.num_pages) if self._ref[p] > 0}
+        if NULL_PAGE in lru or self._ref[NULL_PAGE] != 0:
+            raise AssertionError("the null page was handed out")
+        if lru & in_use:
+            raise AssertionError(f"pages both free and in use: {sorted(lru & in_use)[:8]}")
+        if any(r < 0 for r in self._ref):
+            raise AssertionError("negative reference count")
+        cached_free = lru & set(self._key_of_page)
+        if len(lru - cached_free) + len(cached_free) + len(in_use) != self.capacity:
             raise AssertionError(
-                f"page pool leaked: {len(free)} free + {len(self._in_use)} in use "
-                f"!= {self.capacity}"
+                f"page pool leaked: {len(lru - cached_free)} free + {len(cached_free)} cached "
+                f"+ {len(in_use)} in use != {self.capacity}"
             )
+        if len(self._page_of_key) != len(self._key_of_page) or any(
+            self._page_of_key[k] != p for p, k in self._key_of_page.items()
+        ):
+            raise AssertionError("prefix cache maps disagree")

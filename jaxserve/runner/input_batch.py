@@ -13,7 +13,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxserve.sampling_params import SamplingParams
+
 NULL_PAGE = 0
+MAX_TOP_LOGPROBS = 20  # the sampler always computes this many; requests take what they asked
 
 
 def pow2_buckets(minimum: int, maximum: int) -> tuple[int, ...]:
@@ -116,4 +119,91 @@ def build_batch(
         cu_q_lens=cu_q_lens,
         num_seqs=np.array([len(work)], np.int32),
         logits_indices=logits_indices,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling settings, [B] unless noted; padding rows are greedy and unused.
+
+    Built here from numpy; `runner.sampler` registers it as a pytree for the step.
+    """
+
+    temperature: np.ndarray  # f32; 0 = greedy
+    top_k: np.ndarray  # i32; 0 = off
+    top_p: np.ndarray  # f32; 1 = off
+    min_p: np.ndarray  # f32; 0 = off
+    presence_penalty: np.ndarray  # f32
+    frequency_penalty: np.ndarray  # f32
+    repetition_penalty: np.ndarray  # f32; 1 = off
+    seed: np.ndarray  # u32
+    position: np.ndarray  # i32: index of the output token being sampled
+    bias_ids: np.ndarray  # [B, NB] i32: logit_bias and min_tokens-blocked token ids
+    bias_values: np.ndarray  # [B, NB] f32: added to those logits (-inf blocks)
+    history: np.ndarray  # [B, L] i32: prompt + output ids for penalties, -1 = none
+    num_prompt: np.ndarray  # i32: how many of `history` are prompt tokens
+    want_logprobs: np.ndarray  # [1] bool: any row asks for logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleRow:
+    """What the sampler needs to know of one sequence at this step."""
+
+    params: SamplingParams
+    token_ids: Sequence[int]  # prompt + outputs so far
+    num_prompt: int
+    seed: int
+    blocked_ids: Sequence[int] = ()  # EOS / stop ids while under min_tokens
+
+
+def build_sampling(
+    rows: Sequence[SampleRow], *, seq_bucket: int, history_len: int, max_bias: int
+) -> SamplingMetadata:
+    b = seq_bucket
+    temperature = np.zeros(b, np.float32)
+    top_k = np.zeros(b, np.int32)
+    top_p = np.ones(b, np.float32)
+    min_p = np.zeros(b, np.float32)
+    presence = np.zeros(b, np.float32)
+    frequency = np.zeros(b, np.float32)
+    repetition = np.ones(b, np.float32)
+    seed = np.zeros(b, np.uint32)
+    position = np.zeros(b, np.int32)
+    bias_ids = np.zeros((b, max_bias), np.int32)
+    bias_values = np.zeros((b, max_bias), np.float32)
+    history = np.full((b, history_len), -1, np.int32)
+    num_prompt = np.zeros(b, np.int32)
+    want_logprobs = False
+    for i, row in enumerate(rows):
+        p = row.params
+        temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+        presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
+        repetition[i] = p.repetition_penalty
+        seed[i] = row.seed & 0xFFFFFFFF
+        position[i] = len(row.token_ids) - row.num_prompt
+        bias = dict(p.logit_bias or {})
+        bias.update(dict.fromkeys(row.blocked_ids, -np.inf))
+        if len(bias) > max_bias:
+            raise ValueError(f"{len(bias)} biased or blocked tokens exceed the cap {max_bias}")
+        bias_ids[i, : len(bias)] = list(bias)
+        bias_values[i, : len(bias)] = list(bias.values())
+        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            history[i, : len(row.token_ids)] = row.token_ids
+            num_prompt[i] = row.num_prompt
+        want_logprobs |= p.logprobs is not None
+    return SamplingMetadata(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        seed=seed,
+        position=position,
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+        history=history,
+        num_prompt=num_prompt,
+        want_logprobs=np.array([want_logprobs]),
     )

@@ -1,4 +1,4 @@
-"""The model runner: owns the weights, the KV caches and the compiled step."""
+"""The model runner: owns the weights, the KV caches and the compiled steps."""
 
 from __future__ import annotations
 
@@ -7,16 +7,44 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+from tqdm import tqdm
 
 from jaxserve import parallel
 from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
-from jaxserve.runner.input_batch import HostBatch, SeqWork, build_batch, pick_bucket, pow2_buckets
-from jaxserve.runner.step import StepInput, make_step
+from jaxserve.runner.input_batch import (
+    HostBatch,
+    SampleRow,
+    SamplingMetadata,
+    SeqWork,
+    build_batch,
+    build_sampling,
+    pick_bucket,
+    pow2_buckets,
+)
+from jaxserve.runner.step import StepInput, make_sampling_step, make_step
 
 logger = logging.getLogger(__name__)
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts XLA compilations in this process (a JAX monitoring listener)."""
+
+    def __init__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        if event == _BACKEND_COMPILE_EVENT:
+            self.count += 1
+
+    def close(self) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._on_event)
 
 
 class ModelRunner:
@@ -36,10 +64,14 @@ class ModelRunner:
         self.num_pages = config.num_kv_pages()
         self.kv_caches = self._allocate_kv(mesh)
         self._step = make_step(self.graphdef)
-        self.token_buckets = pow2_buckets(16, config.max_num_batched_tokens)
+        self._sampling_step = make_sampling_step(self.graphdef)
+        self.token_buckets = pow2_buckets(config.min_token_bucket, config.max_num_batched_tokens)
         self.seq_buckets = pow2_buckets(1, config.max_num_seqs)
+        self.history_len = config.pages_per_seq * config.cache.page_size
+        self.compiles = CompileCounter()
+        self.warmed_up = False
         m, page = config.model, config.cache.page_size
-        kv_tokens = (self.num_pages - 1) * page
+        self.kv_tokens = (self.num_pages - 1) * page
         logger.info(
             "loaded %s (%s) in %.1fs; KV cache: %d pages x %d tokens = %d tokens (%.1f MiB), "
             "maximum concurrency at max_model_len %d: %.2fx",
@@ -48,10 +80,10 @@ class ModelRunner:
             time.perf_counter() - t0,
             self.num_pages - 1,
             page,
-            kv_tokens,
+            self.kv_tokens,
             self.num_pages * config.kv_bytes_per_page() / 2**20,
             config.max_model_len,
-            kv_tokens / config.max_model_len,
+            self.kv_tokens / config.max_model_len,
         )
 
     def _allocate_kv(self, mesh: Mesh | None) -> list[jax.Array]:
@@ -64,18 +96,71 @@ class ModelRunner:
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
         return [zeros() for _ in range(m.num_layers)]
 
+    # ------------------------------------------------------------------ inputs
+
+    def buckets_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        return (
+            pick_bucket(num_tokens, self.token_buckets, what="tokens"),
+            pick_bucket(num_seqs, self.seq_buckets, what="sequences"),
+        )
+
     def build(self, work: list[SeqWork], *, all_logits: bool = False) -> HostBatch:
-        num_tokens = sum(len(w.token_ids) for w in work)
+        t, b = self.buckets_for(sum(len(w.token_ids) for w in work), len(work))
         return build_batch(
             work,
             page_size=self.config.cache.page_size,
             pages_per_seq=self.config.pages_per_seq,
-            token_bucket=pick_bucket(num_tokens, self.token_buckets, what="tokens"),
-            seq_bucket=pick_bucket(len(work), self.seq_buckets, what="sequences"),
+            token_bucket=t,
+            seq_bucket=b,
             all_logits=all_logits,
         )
 
+    def build_sampling(self, rows: list[SampleRow], seq_bucket: int) -> SamplingMetadata:
+        return build_sampling(
+            rows,
+            seq_bucket=seq_bucket,
+            history_len=self.history_len,
+            max_bias=self.config.max_logit_bias,
+        )
+
+    # ------------------------------------------------------------------- steps
+
     def execute(self, batch: HostBatch) -> jax.Array:
-        """Runs one step; returns logits [B, V] (float32, on device)."""
+        """Runs one step; returns logits [B, V] (float32, on device). For tests and tools."""
         logits, self.kv_caches = self._step(self.state, self.kv_caches, StepInput.from_host(batch))
         return logits
+
+    def execute_and_sample(self, batch: HostBatch, sampling: SamplingMetadata):
+        """Runs one serving step; returns the SamplerOutput as numpy arrays."""
+        before = self.compiles.count
+        out, self.kv_caches = self._sampling_step(
+            self.state, self.kv_caches, StepInput.from_host(batch), sampling
+        )
+        out = jax.tree.map(np.asarray, out)
+        if self.warmed_up and self.compiles.count != before and self.config.compile_guard:
+            raise RuntimeError(
+                f"a step compiled after warm-up (token bucket {len(batch.input_ids)}, "
+                f"sequence bucket {len(batch.kv_lens)}): a shape escaped the buckets"
+            )
+        return out
+
+    def warmup(self) -> None:
+        """Compiles the serving step for every (token bucket, sequence bucket) pair."""
+        pairs = [(t, b) for t in self.token_buckets for b in self.seq_buckets if b <= t]
+        t0, before = time.perf_counter(), self.compiles.count
+        for t, b in tqdm(pairs, desc="warm-up (compiling buckets)", mininterval=2):
+            batch = build_batch(
+                [],
+                page_size=self.config.cache.page_size,
+                pages_per_seq=self.config.pages_per_seq,
+                token_bucket=t,
+                seq_bucket=b,
+            )
+            self.execute_and_sample(batch, self.build_sampling([], b))
+        self.warmed_up = True
+        logger.info(
+            "warm-up: %d step programs ready in %.1fs (%d compiled)",
+            len(pairs),
+            time.perf_counter() - t0,
+            self.compiles.count - before,
+        )

@@ -43,7 +43,7 @@ def test_generate_jsonl_matches_the_python_api(tiny_model_dir, tmp_path):
     results = [json.loads(line) for line in dst.read_text().splitlines()]
     assert len(results) == 3
 
-    llm = LLM(tiny_model_dir, max_model_len=64)
+    llm = LLM(tiny_model_dir, max_model_len=64, warmup=False)
     chat_ids = llm.tokenizer.encode_chat(prompts[2]["messages"])
     want = llm.generate(
         ["The quick brown fox", prompts[1], {"prompt_token_ids": chat_ids}],

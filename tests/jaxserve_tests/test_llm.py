@@ -36,7 +36,8 @@ def test_text_and_token_prompts(llm):
     a, b = text_out.outputs[0], ids_out.outputs[0]
     assert a.token_ids == b.token_ids and len(a.token_ids) == 12
     assert a.finish_reason == "length"
-    assert a.text == llm.tokenizer.decode(a.token_ids)
+    # A random model may end on half a UTF-8 character, which is never emitted.
+    assert a.text == llm.tokenizer.decode(a.token_ids).rstrip("\ufffd")
     _assert_idle(llm)
 
 
@@ -63,7 +64,8 @@ def test_stop_token_ids_and_min_tokens(llm):
     )[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == free[: first + 1]
-    assert out.text == llm.tokenizer.decode(free[:first])  # the stop token is not rendered
+    # The stop token is not rendered.
+    assert out.text == llm.tokenizer.decode(free[:first]).rstrip("\ufffd")
     later = llm.generate(
         [prompt],
         SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=[stop_at]),
@@ -92,7 +94,6 @@ def test_per_prompt_sampling_params(llm):
         ({"prompt_token_ids": [-1]}, GREEDY, "outside the vocabulary"),
         ({"prompt_token_ids": [5] * 96}, GREEDY, "max_model_len is 96"),
         ({"prompt_token_ids": [5] * 90}, GREEDY, r"max_tokens \(12\) exceeds max_model_len"),
-        ("hello", SamplingParams(temperature=0.8), "temperature"),
         (42, GREEDY, r"prompts\[1\] must be a string"),
     ],
 )
@@ -105,7 +106,9 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(llm, prompt, par
 
 
 def test_request_larger_than_the_pool_is_rejected(tiny_model_dir):
-    small = LLM(tiny_model_dir, max_model_len=96, block_size=8, num_kv_pages=4, max_num_seqs=2)
+    small = LLM(
+        tiny_model_dir, max_model_len=96, block_size=8, num_kv_pages=4, max_num_seqs=2, warmup=False
+    )
     with pytest.raises(ValueError, match="whole pool has 3"):
         small.generate([{"prompt_token_ids": [5] * 30}], GREEDY)
 
@@ -138,7 +141,9 @@ def test_model_must_be_a_local_directory(tmp_path):
 
 
 def test_bfloat16_runs(tiny_model_dir):
-    llm = LLM(tiny_model_dir, dtype="bf16", max_model_len=64, block_size=8, num_kv_pages=16)
+    llm = LLM(
+        tiny_model_dir, dtype="bf16", max_model_len=64, block_size=8, num_kv_pages=16, warmup=False
+    )
     out = llm.generate(["The quick brown fox"], GREEDY)[0].outputs[0]
     assert len(out.token_ids) == 12
     assert llm.engine.runner.kv_caches[0].dtype.name == "bfloat16"

@@ -1,0 +1,98 @@
+"""Engine statistics: counters, gauges and the periodic stats log line (no JAX).
+
+The same figures feed the Prometheus endpoint of the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsSnapshot:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of pages held by running sequences
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of those, found cached
+    num_preemptions: int
+    prompt_tokens: int  # computed prompt tokens (recomputation included)
+    generation_tokens: int
+    requests_finished: int
+    requests_aborted: int
+    num_compiles: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+
+class EngineStats:
+    def __init__(self, engine, *, interval_s: float):
+        self._engine = engine
+        self.interval_s = interval_s
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.requests_added = 0
+        self.requests_finished = 0
+        self.requests_aborted = 0
+        self._last_log = time.monotonic()
+        self._last = (0, 0)
+
+    def on_add(self) -> None:
+        self.requests_added += 1
+
+    def on_step(self, plan, num_sampled: int) -> None:
+        decode = sum(s.num_tokens for s in plan.scheduled if s.start >= s.seq.num_prompt_tokens)
+        self.prompt_tokens += plan.num_tokens - decode
+        self.generation_tokens += num_sampled
+        now = time.monotonic()
+        if self.interval_s > 0 and now - self._last_log >= self.interval_s:
+            self.log(now)
+
+    def on_finish(self, req, *, aborted: bool = False) -> None:
+        if aborted:
+            self.requests_aborted += 1
+        else:
+            self.requests_finished += 1
+
+    def snapshot(self) -> StatsSnapshot:
+        e = self._engine
+        return StatsSnapshot(
+            num_running=len(e.scheduler.running),
+            num_waiting=len(e.scheduler.waiting),
+            kv_cache_usage=e.pool.usage,
+            prefix_cache_queries=e.pool.queries,
+            prefix_cache_hits=e.pool.hits,
+            num_preemptions=e.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            requests_finished=self.requests_finished,
+            requests_aborted=self.requests_aborted,
+            num_compiles=e.runner.compiles.count,
+        )
+
+    def log(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        s = self.snapshot()
+        dt = max(now - self._last_log, 1e-9)
+        prompt_tps = (s.prompt_tokens - self._last[0]) / dt
+        gen_tps = (s.generation_tokens - self._last[1]) / dt
+        logger.info(
+            "prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d | "
+            "KV cache %.1f%% | prefix cache hit rate %.1f%% | preemptions %d",
+            prompt_tps,
+            gen_tps,
+            s.num_running,
+            s.num_waiting,
+            100 * s.kv_cache_usage,
+            100 * s.prefix_cache_hit_rate,
+            s.num_preemptions,
+        )
+        self._last_log, self._last = now, (s.prompt_tokens, s.generation_tokens)

@@ -1,0 +1,69 @@
+"""The host-side state of one sequence (a request, or one of its n samples)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Hashable
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One stream of tokens: its prompt, outputs, pages and progress.
+
+    A request with n > 1 has n sequences; siblings after the first wait until
+    the first has computed the prompt, then reuse its cached pages.
+    """
+
+    request_id: str
+    index: int  # which of the request's n samples
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival: int  # admission order: FCFS ties and "newest" for preemption
+    priority: int = 0  # lower runs first (vLLM's convention)
+    salt: Hashable = None  # cache_salt: tenants never share prefix-cache pages
+    seed: int = 0  # the sampling key's seed; fixed at arrival
+    leader: Sequence | None = None  # for n > 1 siblings
+    prompt: str | None = None
+
+    status: Status = Status.WAITING
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    page_uids: list[int] = dataclasses.field(default_factory=list)  # of cached full pages
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_token_ids)  # prompt + outputs, appended in place
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+    def sort_key(self) -> tuple[int, int]:
+        """Who goes first: lower priority value, then earlier arrival."""
+        return (self.priority, self.arrival)

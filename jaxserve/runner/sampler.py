@@ -1,0 +1,124 @@
+"""On-device sampling: every request's own settings, in one batch, in one program.
+
+Processing follows vLLM's order and semantics: logit bias (and the tokens that
+min_tokens blocks), repetition / frequency / presence penalties, temperature,
+min-p, top-k and top-p, then a draw. Greedy rows (temperature 0) take the argmax
+of the processed logits. A row's randomness comes only from its own seed and
+its own output position (`fold_in(key(seed), position)`), so a seeded request
+samples the same tokens whatever its batch neighbours are.
+
+The costly parts (penalty counts over [B, V], the random draw and the sort for
+top-k/top-p, the logprobs) run under `lax.cond`, so a batch that does not ask for them does
+not pay for them, and no setting changes the compiled program.
+
+Logprobs are those of the raw model distribution (log-softmax of the logits),
+as vLLM returns by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxserve.runner.input_batch import MAX_TOP_LOGPROBS, SamplingMetadata
+
+# Built on the host (JAX-free) in input_batch; a pytree of data fields here.
+jax.tree_util.register_dataclass(
+    SamplingMetadata,
+    data_fields=[f.name for f in dataclasses.fields(SamplingMetadata)],
+    meta_fields=[],
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: jax.Array  # [B] i32
+    logprobs: jax.Array  # [B] f32: raw logprob of each sampled token (0 unless asked)
+    top_ids: jax.Array  # [B, 20] i32 (zeros unless requested)
+    top_logprobs: jax.Array  # [B, 20] f32
+
+
+def _apply_penalties(logits, md: SamplingMetadata):
+    b, v = logits.shape
+    hist = md.history
+    valid = hist >= 0
+    is_output = valid & (jnp.arange(hist.shape[1])[None, :] >= md.num_prompt[:, None])
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], hist.shape)
+    ids = jnp.where(valid, hist, 0)
+    seen = jnp.zeros((b, v), jnp.bool_).at[rows, ids].max(valid)
+    counts = jnp.zeros((b, v), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32))
+    rep = md.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - md.frequency_penalty[:, None] * counts
+    return logits - md.presence_penalty[:, None] * (counts > 0)
+
+
+def _top_k_top_p(logits, md: SamplingMetadata):
+    """Masks what falls outside each row's top-k and top-p nucleus (ties at the edge kept)."""
+    v = logits.shape[1]
+    ordered = -jnp.sort(-logits, axis=-1)  # descending
+    k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, v), v)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each entry
+    keep = (before < md.top_p[:, None]) & (jnp.arange(v)[None, :] < k[:, None])
+    # The smallest kept value; keep is never empty (the first entry always passes).
+    threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+    threshold = jnp.maximum(threshold, kth)
+    return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
+def _draw(x, md: SamplingMetadata):
+    """Temperature, min-p, top-k/top-p, then a Gumbel-max draw from each row's own key."""
+    v = x.shape[1]
+    greedy = md.temperature <= 0.0
+    x = x / jnp.where(greedy, 1.0, md.temperature)[:, None]
+    probs = jax.nn.softmax(x, axis=-1)
+    x = jnp.where(probs < md.min_p[:, None] * probs.max(axis=-1, keepdims=True), -jnp.inf, x)
+    needs_sort = jnp.any(((md.top_k > 0) & (md.top_k < v)) | (md.top_p < 1.0))
+    x = lax.cond(needs_sort, _top_k_top_p, lambda x, md: x, x, md)
+
+    def gumbel(seed, position):
+        key = jax.random.fold_in(jax.random.key(seed), position)
+        return jax.random.gumbel(key, (v,), jnp.float32)
+
+    noise = jax.vmap(gumbel)(md.seed, md.position)
+    return jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+    """logits [B, V] float32 -> one token per row, with logprobs where asked."""
+    b = logits.shape[0]
+    x = logits.at[jnp.arange(b)[:, None], md.bias_ids].add(md.bias_values)
+    needs_penalty = jnp.any(
+        (md.repetition_penalty != 1.0)
+        | (md.frequency_penalty != 0.0)
+        | (md.presence_penalty != 0.0)
+    )
+    x = lax.cond(needs_penalty, _apply_penalties, lambda x, md: x, x, md)
+
+    # Greedy rows need none of the rest: min-p, top-k and top-p never remove the argmax.
+    greedy = md.temperature <= 0.0
+    argmax = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    drawn = lax.cond(jnp.all(greedy), lambda x, md: argmax, _draw, x, md)
+    sampled = jnp.where(greedy, argmax, drawn)
+
+    def with_logprobs(logits):
+        raw = jax.nn.log_softmax(logits, axis=-1)
+        chosen = jnp.take_along_axis(raw, sampled[:, None], axis=-1)[:, 0]
+        vals, ids = lax.top_k(raw, MAX_TOP_LOGPROBS)
+        return chosen, ids.astype(jnp.int32), vals
+
+    def without(logits):
+        return (
+            jnp.zeros((b,), jnp.float32),
+            jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.int32),
+            jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.float32),
+        )
+
+    chosen, top_ids, top_vals = lax.cond(md.want_logprobs[0], with_logprobs, without, logits)
+    return SamplerOutput(sampled, chosen, top_ids, top_vals)

@@ -1,0 +1,185 @@
+"""The token-budget scheduler: decides each step's work; touches no device.
+
+Each step has a budget of `max_num_batched_tokens` tokens and at most
+`max_num_seqs` sequences. Running sequences go first (a decode token, or the
+next chunk of a prompt: chunked prefill keeps decodes flowing), then waiting
+sequences are admitted, each starting after its longest cached prefix. When a
+running sequence needs a page and none is left, the lowest-priority, newest
+running sequence is preempted: its pages are released (its full pages stay in
+the prefix cache) and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import random
+
+from jaxserve.kv.page_pool import ROOT_UID, PagePool
+from jaxserve.request import Sequence, Status
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first token to compute (== seq.num_computed when scheduled)
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, so its logits predict."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """The plan for one step."""
+
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: PagePool,
+        *,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        debug_preemption_rate: float = 0.0,
+        seed: int = 0,
+    ):
+        self.pool = pool
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.running: list[Sequence] = []  # in admission order
+        # Test mode: preempt a random running sequence at random steps.
+        self.debug_preemption_rate = debug_preemption_rate
+        self._rng = random.Random(seed)
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- queueing
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends a sequence (finished or aborted) and releases its pages."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self.pool.free(seq.pages)
+        seq.pages, seq.page_uids = [], []
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- planning
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        if self.running and self._rng.random() < self.debug_preemption_rate:
+            victim = self._rng.choice(self.running)
+            self._preempt(victim)
+            preempted.append(victim)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self._grow(seq, seq.num_computed + n):
+                victim = max(self.running[i:], key=Sequence.sort_key)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+                budget -= n
+                i += 1
+
+        if not preempted:
+            budget = self._admit(budget, scheduled)
+        return SchedulerOutput(scheduled, preempted)
+
+    def _admit(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
+        blocked = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            leader = seq.leader
+            if (
+                leader is not None
+                and leader.num_computed < leader.num_prompt_tokens
+                and (leader.status is not Status.FINISHED)
+            ):
+                # An n > 1 sibling waits for the first sample to compute (and cache) the prompt.
+                blocked.append(self.waiting.pop(0))
+                continue
+            pages, uids = self.pool.lookup(
+                seq.token_ids, self.page_size, seq.salt, max_tokens=seq.num_tokens - 1
+            )
+            computed = len(pages) * self.page_size
+            n = min(seq.num_tokens - computed, budget)
+            need = -(-(computed + n) // self.page_size) - len(pages)
+            if need > self.pool.num_free:
+                self.pool.free(pages)
+                break
+            self.waiting.pop(0)
+            seq.pages = pages + self.pool.allocate(need)
+            seq.page_uids = uids
+            seq.num_computed = computed
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = computed
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, computed, n))
+            budget -= n
+        for seq in blocked:
+            bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+        return budget
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Gives `seq` pages for `num_tokens` tokens; False if the pool cannot."""
+        need = -(-num_tokens // self.page_size) - len(seq.pages)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free:
+            return False
+        seq.pages.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.free(seq.pages)
+        seq.pages, seq.page_uids = [], []
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    # --------------------------------------------------------------- after step
+
+    def on_computed(self, item: ScheduledSeq) -> None:
+        """Advances a sequence past its computed chunk and caches the pages it filled."""
+        seq = item.seq
+        seq.num_computed = item.start + item.num_tokens
+        page = self.page_size
+        for j in range(len(seq.page_uids), seq.num_computed // page):
+            parent = seq.page_uids[-1] if seq.page_uids else ROOT_UID
+            tokens = seq.token_ids[j * page : (j + 1) * page]
+            seq.page_uids.append(self.pool.cache_page(seq.pages[j], parent, tokens, seq.salt))

@@ -1,0 +1,85 @@
+"""A model runner whose next token is computable by hand (JetStream's mock-engine idea).
+
+Each sequence's next token is (sum of all its tokens so far) mod vocab, so the
+right output depends on the whole history: a token lost, duplicated or mixed
+between sequences by the scheduler changes every later token. It also checks,
+at every step, that the plan only computes tokens that follow what is cached.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+from jaxserve.runner.input_batch import (
+    SamplingMetadata,
+    build_batch,
+    build_sampling,
+    pick_bucket,
+    pow2_buckets,
+)
+
+
+def expected_tokens(prompt: list[int], n: int, vocab: int) -> list[int]:
+    ids, out = list(prompt), []
+    for _ in range(n):
+        out.append(sum(ids) % vocab)
+        ids.append(out[-1])
+    return out
+
+
+class MockRunner:
+    def __init__(self, config, num_pages: int):
+        self.config = config
+        self.num_pages = num_pages
+        self.kv_tokens = (num_pages - 1) * config.cache.page_size
+        self.vocab = config.model.vocab_size
+        self.token_buckets = pow2_buckets(config.min_token_bucket, config.max_num_batched_tokens)
+        self.seq_buckets = pow2_buckets(1, config.max_num_seqs)
+        self.compiles = types.SimpleNamespace(count=0)
+        # What each page slot holds: (page, offset) -> token id; checks the KV bookkeeping.
+        self.slots: dict[int, int] = {}
+        self.steps = 0
+
+    def build(self, work):
+        t = pick_bucket(sum(len(w.token_ids) for w in work), self.token_buckets, what="tokens")
+        b = pick_bucket(len(work), self.seq_buckets, what="sequences")
+        self._work = work
+        return build_batch(
+            work,
+            page_size=self.config.cache.page_size,
+            pages_per_seq=self.config.pages_per_seq,
+            token_bucket=t,
+            seq_bucket=b,
+        )
+
+    def build_sampling(self, rows, seq_bucket) -> SamplingMetadata:
+        self._rows = rows
+        return build_sampling(rows, seq_bucket=seq_bucket, history_len=1, max_bias=64)
+
+    def warmup(self):
+        pass
+
+    def execute_and_sample(self, batch, sampling):
+        self.steps += 1
+        page_size = self.config.cache.page_size
+        token_ids = np.zeros(len(batch.kv_lens), np.int32)
+        for i, (w, row) in enumerate(zip(self._work, self._rows, strict=True)):
+            for j, tok in enumerate(w.token_ids):
+                pos = w.start + j
+                self.slots[w.pages[pos // page_size] * page_size + pos % page_size] = tok
+            # The sequence's full history, read back through its page table.
+            end = w.start + len(w.token_ids)
+            history = [
+                self.slots[w.pages[p // page_size] * page_size + p % page_size] for p in range(end)
+            ]
+            assert history == list(row.token_ids[:end]), "KV pages hold the wrong tokens"
+            token_ids[i] = sum(history) % self.vocab
+        zeros = np.zeros((len(token_ids), 20))
+        return types.SimpleNamespace(
+            token_ids=token_ids,
+            logprobs=np.zeros(len(token_ids)),
+            top_ids=zeros.astype(np.int32),
+            top_logprobs=zeros,
+        )
