@@ -67,7 +67,9 @@ class LLM:
         compilation_cache_dir: str | None = None,
         debug_preemption_rate: float = 0.0,
         mesh: Mesh | None = None,
+        **engine_options,
     ):
+        """Arguments as vLLM's; `engine_options` are further `EngineConfig` fields."""
         model_dir = resolve_model_dir(model)
         self.config = EngineConfig(
             model_dir=model_dir,
@@ -86,6 +88,7 @@ class LLM:
             compile_guard=compile_guard,
             compilation_cache_dir=compilation_cache_dir,
             debug_preemption_rate=debug_preemption_rate,
+            **engine_options,
         )
         self.tokenizer = Tokenizer(model_dir)
         self.engine = LLMEngine(self.config, self.tokenizer, mesh)

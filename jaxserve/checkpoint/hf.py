@@ -145,4 +145,5 @@ def save_weights(model: nnx.Module, model_dir: str, *, dtype: str | None = None)
     os.makedirs(model_dir, exist_ok=True)
     path = os.path.join(model_dir, "model.safetensors")
     save_file(tensors, path, metadata={"format": "pt"})
+    os.chmod(path, 0o644)  # safetensors creates the file private; it is meant to be shared
     return path

@@ -25,7 +25,7 @@ from jaxserve.runner.input_batch import (
     pick_bucket,
     pow2_buckets,
 )
-from jaxserve.runner.step import StepInput, make_sampling_step, make_step
+from jaxserve.runner.step import StepInput, sample_step, step
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,6 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.num_pages = config.num_kv_pages()
         self.kv_caches = self._allocate_kv(mesh)
-        self._step = make_step(self.graphdef)
-        self._sampling_step = make_sampling_step(self.graphdef)
         self.token_buckets = pow2_buckets(config.min_token_bucket, config.max_num_batched_tokens)
         self.seq_buckets = pow2_buckets(1, config.max_num_seqs)
         self.history_len = config.pages_per_seq * config.cache.page_size
@@ -126,17 +124,19 @@ class ModelRunner:
     # ------------------------------------------------------------------- steps
 
     def execute(self, batch: HostBatch) -> jax.Array:
-        """Runs one step; returns logits [B, V] (float32, on device). For tests and tools."""
-        logits, self.kv_caches = self._step(self.state, self.kv_caches, StepInput.from_host(batch))
+        """Runs one step; returns logits [B, V] (float32, on device)."""
+        logits, self.kv_caches = step(
+            self.graphdef, self.state, self.kv_caches, StepInput.from_host(batch)
+        )
         return logits
 
     def execute_and_sample(self, batch: HostBatch, sampling: SamplingMetadata):
-        """Runs one serving step; returns the SamplerOutput as numpy arrays."""
+        """Runs one serving step; returns the SamplerOutput as numpy arrays.
+
+        Only the sampled ids and logprobs cross back to the host.
+        """
         before = self.compiles.count
-        out, self.kv_caches = self._sampling_step(
-            self.state, self.kv_caches, StepInput.from_host(batch), sampling
-        )
-        out = jax.tree.map(np.asarray, out)
+        out = jax.tree.map(np.asarray, sample_step(self.execute(batch), sampling))
         if self.warmed_up and self.compiles.count != before and self.config.compile_guard:
             raise RuntimeError(
                 f"a step compiled after warm-up (token bucket {len(batch.input_ids)}, "

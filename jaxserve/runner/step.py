@@ -8,7 +8,7 @@ import functools
 import jax
 from flax import nnx
 
-from jaxserve.runner.input_batch import HostBatch, SamplingMetadata
+from jaxserve.runner.input_batch import HostBatch
 from jaxserve.runner.sampler import sample
 from pallas_kernels import AttentionMetadata
 
@@ -39,29 +39,21 @@ class StepInput:
         )
 
 
-def _forward(graphdef, state, kv_caches, batch: StepInput):
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def step(
+    graphdef: nnx.GraphDef, state: nnx.State, kv_caches: list[jax.Array], batch: StepInput
+) -> tuple[jax.Array, list[jax.Array]]:
+    """One forward pass: (logits [B, V] float32, the updated KV caches).
+
+    The graphdef is static (hashable), so every runner of the same model shares
+    the compiled programs. The KV caches are donated: XLA updates them in place,
+    and the caller must use the returned ones from then on.
+    """
     model = nnx.merge(graphdef, state)
     hidden, kv_caches = model(kv_caches, batch.input_ids, batch.positions, batch.attention)
     return model.compute_logits(hidden[batch.logits_indices]), kv_caches
 
 
-def make_step(graphdef: nnx.GraphDef):
-    """Returns `step(state, kv_caches, batch) -> (logits [B, V] f32, kv_caches)`, jitted.
-
-    The KV caches are donated: XLA updates them in place, and the caller must
-    use the returned ones from then on.
-    """
-    return jax.jit(functools.partial(_forward, graphdef), donate_argnums=1)
-
-
-def make_sampling_step(graphdef: nnx.GraphDef):
-    """Returns `step(state, kv_caches, batch, sampling) -> (SamplerOutput, kv_caches)`, jitted.
-
-    The serving step: only the sampled ids (and logprobs) leave the device.
-    """
-
-    def step(state, kv_caches, batch: StepInput, sampling: SamplingMetadata):
-        logits, kv_caches = _forward(graphdef, state, kv_caches, batch)
-        return sample(logits, sampling), kv_caches
-
-    return jax.jit(step, donate_argnums=1)
+# Sampling is its own program: it depends only on the sequence bucket, not the
+# token bucket, so it compiles once per sequence bucket; logits stay on device.
+sample_step = jax.jit(sample)

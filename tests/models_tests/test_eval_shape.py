@@ -1,5 +1,7 @@
 """Every supported architecture builds and traces at its real size without allocating."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ from flax import nnx
 from jaxserve.checkpoint import abstract_model
 from jaxserve.config import ModelConfig
 from jaxserve.runner.input_batch import SeqWork, build_batch
-from jaxserve.runner.step import StepInput, make_step
+from jaxserve.runner.step import StepInput, step
 from models import supported_architectures
 
 # Published configs (config.json fields) and parameter counts.
@@ -139,6 +141,7 @@ def test_real_size_builds_and_traces_abstractly(name):
         token_bucket=32,
         seq_bucket=4,
     )
-    logits, new_kv = jax.eval_shape(make_step(graphdef), state, kv, StepInput.from_host(batch))
+    forward = functools.partial(step, graphdef)
+    logits, new_kv = jax.eval_shape(forward, state, kv, StepInput.from_host(batch))
     assert logits.shape == (4, config.vocab_size) and logits.dtype == jnp.float32
     assert [x.shape for x in new_kv] == [x.shape for x in kv]
