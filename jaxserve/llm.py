@@ -19,6 +19,9 @@ from jaxserve.tokenizer import Tokenizer
 
 PromptType = str | dict[str, Any]
 
+# JAX's persistent compilation cache: a restart reuses compiled step programs.
+DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
+
 
 def resolve_model_dir(model: str | os.PathLike | None) -> str:
     """A local Hugging Face model directory, or an embedded model's name (no downloads)."""
@@ -64,7 +67,7 @@ class LLM:
         seed: int = 0,
         warmup: bool = False,
         compile_guard: bool = False,
-        compilation_cache_dir: str | None = None,
+        compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
         debug_preemption_rate: float = 0.0,
         mesh: Mesh | None = None,
         **engine_options,

@@ -1,11 +1,14 @@
 """`jaxserve generate`: offline generation for one prompt or a JSONL file of prompts.
 
   jaxserve generate --prompt="Return the number of" --max_tokens=32   (embedded demo model)
-  jaxserve generate --model=DIR --prompt="Once upon a time" --max_tokens=32
   jaxserve generate --model=DIR --input=prompts.jsonl --output=results.jsonl
 
 Each input line is {"prompt": "..."}, {"prompt_token_ids": [...]} or
-{"messages": [...]} (rendered with the model's chat template).
+{"messages": [...]} (rendered with the model's chat template), optionally with
+"sampling_params": {...} overriding the sampling flags for that line.
+
+Results are written as each request finishes, one JSON line each with the
+input's line `index`, so an interrupted run keeps everything finished so far.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import time
 import tomllib
 
 from absl import flags
+from tqdm import tqdm
 
-from jaxserve.llm import LLM
+from jaxserve.llm import DEFAULT_COMPILATION_CACHE, LLM
 from jaxserve.sampling_params import SamplingParams
 
 FLAGS = flags.FLAGS
@@ -32,20 +36,26 @@ flags.DEFINE_string(
 flags.DEFINE_string("prompt", None, "One prompt to complete (or use --input).")
 flags.DEFINE_string("input", None, "JSONL file of prompts.")
 flags.DEFINE_string("output", None, "JSONL file for the results (default: stdout).")
+flags.DEFINE_string("config", None, "TOML engine preset (configs/*.toml); flags given override it.")
+
+# Engine options (may come from a --config preset).
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype.")
-flags.DEFINE_integer("max_tokens", 64, "Tokens to generate per prompt.")
-flags.DEFINE_integer("min_tokens", 0, "Tokens to generate before EOS may stop.")
-flags.DEFINE_bool("ignore_eos", False, "Keep generating past EOS.")
 flags.DEFINE_integer("max_model_len", None, "Longest prompt + output (default: the model's).")
 flags.DEFINE_integer("max_num_seqs", 64, "Sequences per step.")
 flags.DEFINE_integer("max_num_batched_tokens", 2048, "Tokens per step.")
 flags.DEFINE_integer("block_size", 16, "Tokens per KV page.")
 flags.DEFINE_integer("num_kv_pages", None, "KV pool size in pages (default: from the budget).")
 flags.DEFINE_integer("kv_cache_memory_bytes", 1 << 30, "KV cache budget in bytes.")
+flags.DEFINE_bool("enable_prefix_caching", True, "Reuse the KV pages of shared prefixes.")
 flags.DEFINE_string("attention_backend", "reference", "Attention implementation.")
-flags.DEFINE_string("config", None, "TOML engine preset (configs/*.toml); flags given override it.")
+flags.DEFINE_integer("seed", 0, "Engine seed (for requests without their own seed).")
+flags.DEFINE_bool("warmup", False, "Compile every step bucket before generating.")
+flags.DEFINE_string(
+    "compilation_cache_dir",
+    DEFAULT_COMPILATION_CACHE,
+    "JAX persistent compilation cache ('' disables it).",
+)
 
-# Flags that configure the engine, and so may come from a --config preset.
 ENGINE_FLAGS = (
     "dtype",
     "max_model_len",
@@ -54,8 +64,31 @@ ENGINE_FLAGS = (
     "block_size",
     "num_kv_pages",
     "kv_cache_memory_bytes",
+    "enable_prefix_caching",
     "attention_backend",
+    "seed",
+    "warmup",
+    "compilation_cache_dir",
 )
+
+# Sampling options: the defaults of SamplingParams, except greedy by default.
+flags.DEFINE_integer("n", 1, "Samples per prompt.")
+flags.DEFINE_float("temperature", 0.0, "0 is greedy.")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.")
+flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off).")
+flags.DEFINE_float("min_p", 0.0, "Min-p sampling.")
+flags.DEFINE_float("presence_penalty", 0.0, "OpenAI presence penalty.")
+flags.DEFINE_float("frequency_penalty", 0.0, "OpenAI frequency penalty.")
+flags.DEFINE_float("repetition_penalty", 1.0, "Repetition penalty (1: off).")
+flags.DEFINE_integer("sampling_seed", None, "Per-request seed for reproducible sampling.")
+flags.DEFINE_multi_string("stop", [], "Stop string (repeatable).")
+flags.DEFINE_list("stop_token_ids", [], "Comma-separated token ids that stop generation.")
+flags.DEFINE_bool("include_stop_str_in_output", False, "Keep the stop string in the text.")
+flags.DEFINE_bool("ignore_eos", False, "Keep generating past EOS.")
+flags.DEFINE_integer("max_tokens", 64, "Tokens to generate per prompt.")
+flags.DEFINE_integer("min_tokens", 0, "Tokens to generate before EOS or a stop may end it.")
+flags.DEFINE_integer("logprobs", None, "Top logprobs to return per generated token.")
+flags.DEFINE_bool("skip_special_tokens", True, "Leave special tokens out of the text.")
 
 
 def engine_kwargs() -> dict:
@@ -67,77 +100,143 @@ def engine_kwargs() -> dict:
         unknown = sorted(set(preset) - set(ENGINE_FLAGS))
         if unknown:
             raise SystemExit(f"{FLAGS.config}: unknown keys {unknown}; known: {ENGINE_FLAGS}")
-    return {
+    kw = {
         name: FLAGS[name].value if FLAGS[name].present or name not in preset else preset[name]
         for name in ENGINE_FLAGS
     }
+    kw["compilation_cache_dir"] = kw["compilation_cache_dir"] or None
+    return kw
 
 
-def _read_prompts() -> list:
+def sampling_kwargs() -> dict:
+    try:
+        stop_ids = [int(t) for t in FLAGS.stop_token_ids]
+    except ValueError:
+        raise SystemExit(f"--stop_token_ids must be integers, got {FLAGS.stop_token_ids}") from None
+    return dict(
+        n=FLAGS.n,
+        temperature=FLAGS.temperature,
+        top_p=FLAGS.top_p,
+        top_k=FLAGS.top_k,
+        min_p=FLAGS.min_p,
+        presence_penalty=FLAGS.presence_penalty,
+        frequency_penalty=FLAGS.frequency_penalty,
+        repetition_penalty=FLAGS.repetition_penalty,
+        seed=FLAGS.sampling_seed,
+        stop=FLAGS.stop,
+        stop_token_ids=stop_ids,
+        include_stop_str_in_output=FLAGS.include_stop_str_in_output,
+        ignore_eos=FLAGS.ignore_eos,
+        max_tokens=FLAGS.max_tokens,
+        min_tokens=FLAGS.min_tokens,
+        logprobs=FLAGS.logprobs,
+        skip_special_tokens=FLAGS.skip_special_tokens,
+    )
+
+
+def _read_inputs() -> list[dict]:
     if (FLAGS.prompt is None) == (FLAGS.input is None):
         raise SystemExit("give exactly one of --prompt and --input")
     if FLAGS.prompt is not None:
-        return [FLAGS.prompt]
-    prompts = []
+        return [{"prompt": FLAGS.prompt}]
+    records = []
     with open(FLAGS.input) as f:
         for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    prompts.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise SystemExit(f"{FLAGS.input}:{n}: not JSON: {e}") from None
-    return prompts
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{FLAGS.input}:{n}: not JSON: {e}") from None
+            if isinstance(record, str):
+                record = {"prompt": record}
+            if not isinstance(record, dict):
+                raise SystemExit(f"{FLAGS.input}:{n}: expected an object or a string")
+            records.append(record)
+    return records
+
+
+def _to_request(llm: LLM, record: dict, index: int, base: dict):
+    """(prompt text, token ids, SamplingParams) of one input record."""
+    sp = SamplingParams(**{**base, **record.get("sampling_params", {})})
+    if "messages" in record:
+        text = llm.tokenizer.apply_chat_template(record["messages"])
+        return text, llm.tokenizer.encode(text, add_special_tokens=False), sp
+    if "prompt_token_ids" in record:
+        return record.get("prompt"), list(record["prompt_token_ids"]), sp
+    if isinstance(record.get("prompt"), str):
+        return record["prompt"], llm.tokenizer.encode(record["prompt"]), sp
+    raise ValueError(f"input {index} needs 'prompt', 'prompt_token_ids' or 'messages'")
 
 
 def main(argv) -> None:
     del argv
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)  # e.g. "Unable to initialize backend"
     try:
         _generate()
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, TypeError) as e:
         raise SystemExit(f"jaxserve generate: {e}") from None
 
 
 def _generate() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    prompts = _read_prompts()
+    records = _read_inputs()
     llm = LLM(FLAGS.model, **engine_kwargs())
-    engine_prompts = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, dict) and "messages" in p:
-            p = {
-                "prompt_token_ids": llm.tokenizer.encode_chat(p["messages"]),
-                "prompt": llm.tokenizer.apply_chat_template(p["messages"]),
-            }
-        elif isinstance(p, dict) and "prompt" in p and "prompt_token_ids" not in p:
-            p = p["prompt"]
-        elif not isinstance(p, str | dict):
-            raise SystemExit(f"prompt {i} must be a string or an object, got {p!r}")
-        engine_prompts.append(p)
-    params = SamplingParams(
-        temperature=0.0,
-        max_tokens=FLAGS.max_tokens,
-        min_tokens=FLAGS.min_tokens,
-        ignore_eos=FLAGS.ignore_eos,
-    )
+    engine, base = llm.engine, sampling_kwargs()
+    # Validate every input before running any, so a bad line costs no work.
+    requests = []
+    for i, record in enumerate(records):
+        try:
+            text, ids, sp = _to_request(llm, record, i, base)
+            engine.validate(ids, sp)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"input {i}: {e}") from None
+        requests.append((str(i), text, ids, sp))
+    for rid, text, ids, sp in requests:
+        engine.add_request(rid, ids, sp, prompt=text)
+
+    prompt_tokens = sum(len(ids) for _, _, ids, _ in requests)
+    generated = written = 0
     t0 = time.perf_counter()
-    results = llm.generate(engine_prompts, params)
-    elapsed = time.perf_counter() - t0
     to_file = FLAGS.output is not None
-    with open(FLAGS.output, "w") if to_file else contextlib.nullcontext(sys.stdout) as out:
-        for r in results:
-            c = r.outputs[0]
-            record = {
-                "prompt": r.prompt,
-                "text": c.text,
-                "token_ids": c.token_ids,
-                "finish_reason": c.finish_reason,
-            }
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-    generated = sum(len(r.outputs[0].token_ids) for r in results)
+    with (
+        open(FLAGS.output, "w") if to_file else contextlib.nullcontext(sys.stdout) as out,
+        tqdm(total=len(requests), desc="generate", unit="req", disable=not to_file) as bar,
+    ):
+        try:
+            while engine.has_unfinished():
+                for r in engine.step():
+                    if not r.finished:
+                        continue
+                    for c in r.outputs:
+                        generated += len(c.token_ids)
+                        record = {
+                            "index": int(r.request_id),
+                            "prompt": r.prompt,
+                            "text": c.text,
+                            "token_ids": c.token_ids,
+                            "finish_reason": c.finish_reason,
+                        }
+                        if len(r.outputs) > 1:
+                            record["sample"] = c.index
+                        if c.logprobs is not None:
+                            record["logprobs"] = [
+                                {str(k): v for k, v in lp.items()} for lp in c.logprobs
+                            ]
+                        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                    out.flush()
+                    written += 1
+                    bar.update(1)
+        except KeyboardInterrupt:
+            for rid in list(engine.requests):
+                engine.abort(rid)
+            logging.warning("interrupted: %d of %d results written", written, len(requests))
+    elapsed = time.perf_counter() - t0
     logging.info(
-        "%d prompts, %d tokens generated in %.2fs (%.1f tokens/s)",
-        len(results),
-        generated,
+        "%d requests in %.2fs: %.2f req/s, %.1f prompt tokens/s, %.1f generated tokens/s",
+        written,
         elapsed,
+        written / elapsed,
+        prompt_tokens / elapsed,
         generated / elapsed,
     )

@@ -40,11 +40,14 @@ def test_generate_jsonl_matches_the_python_api(tiny_model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "KV cache:" in proc.stderr and "maximum concurrency" in proc.stderr
     assert "tokens/s" in proc.stderr
-    results = [json.loads(line) for line in dst.read_text().splitlines()]
-    assert len(results) == 3
+    results = sorted(
+        (json.loads(line) for line in dst.read_text().splitlines()), key=lambda r: r["index"]
+    )
+    assert [r["index"] for r in results] == [0, 1, 2]
 
     llm = LLM(tiny_model_dir, max_model_len=64, warmup=False)
     chat_ids = llm.tokenizer.encode_chat(prompts[2]["messages"])
+    assert results[2]["prompt"] == llm.tokenizer.apply_chat_template(prompts[2]["messages"])
     want = llm.generate(
         ["The quick brown fox", prompts[1], {"prompt_token_ids": chat_ids}],
         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
@@ -78,3 +81,49 @@ def test_config_presets_name_only_engine_flags(preset):
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     with open(os.path.join(root, "configs", f"{preset}.toml"), "rb") as f:
         assert set(tomllib.load(f)) <= set(ENGINE_FLAGS)
+
+
+@pytest.mark.slow
+def test_default_model_and_sampling_flags(tmp_path):
+    """The README's first command: no --model, the embedded demo model answers."""
+    args = [
+        "generate",
+        "--prompt=The function returns",
+        "--max_tokens=12",
+        "--temperature=0.8",
+        "--top_p=0.9",
+        "--sampling_seed=3",
+        "--n=2",
+        "--logprobs=2",
+        f"--output={tmp_path / 'out.jsonl'}",
+    ]
+    proc = _jaxserve(*args)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted(r["sample"] for r in lines) == [0, 1]
+    assert all(len(r["logprobs"]) == len(r["token_ids"]) for r in lines)
+
+    want = LLM(warmup=False).generate(
+        ["The function returns"],
+        SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, n=2, logprobs=2),
+        use_tqdm=False,
+    )[0]
+    got = {r["sample"]: r["token_ids"] for r in lines}
+    assert [got[c.index] for c in want.outputs] == [c.token_ids for c in want.outputs]
+
+
+@pytest.mark.slow
+def test_a_bad_input_line_is_named_and_nothing_runs(tiny_model_dir, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"prompt": "fine"}\n{"prompt_token_ids": [99999]}\n')
+    proc = _jaxserve(
+        "generate",
+        f"--model={tiny_model_dir}",
+        f"--input={src}",
+        f"--output={dst}",
+        "--max_model_len=64",
+        "--max_tokens=8",
+    )
+    assert proc.returncode != 0
+    assert "input 1: prompt_token_ids has ids outside the vocabulary" in proc.stderr
+    assert not dst.exists()
