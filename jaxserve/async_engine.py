@@ -1,0 +1,155 @@
+"""AsyncLLMEngine: the engine behind asyncio code (the gRPC server).
+
+One thread owns the engine and runs its loop; nothing else touches it.
+Coroutines hand it commands (add, abort) through a thread-safe queue and read
+their request's outputs from their own asyncio queue. A stream that is closed
+or cancelled before its request finished aborts the request, which frees its
+pages within a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from jaxserve.engine import LLMEngine
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an unexpected error; no request can be served."""
+
+
+@dataclasses.dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ client
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests accepted and not yet finished (queued commands included)."""
+        return len(self._streams)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs until it finishes.
+
+        Raises ValueError (before anything is queued) for an invalid request,
+        and EngineDeadError if the engine loop has died.
+        """
+        if not self.healthy:
+            raise EngineDeadError(f"the engine loop stopped: {self.error!r}")
+        self.engine.validate(list(prompt_token_ids), params)  # reads only immutable state
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._send(
+            (
+                "add",
+                request_id,
+                list(prompt_token_ids),
+                params,
+                dict(prompt=prompt, priority=priority, cache_salt=cache_salt),
+            )
+        )
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _send(self, command) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # ------------------------------------------------------------ engine thread
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request_id, ids, params, kw = command
+                if request_id not in self._streams:
+                    continue  # cancelled before it reached the engine
+                try:
+                    self.engine.add_request(request_id, ids, params, **kw)
+                except ValueError as e:
+                    self._streams[request_id].put(e)
+            else:
+                self.engine.abort(command[1])
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+        except BaseException as e:  # the engine is broken: fail every stream, stay dead
+            logger.exception("engine loop died")
+            self.error = e
+            dead = EngineDeadError(f"the engine loop stopped: {e!r}")
+            for stream in list(self._streams.values()):
+                stream.put(dead)

@@ -1,0 +1,133 @@
+"""The asyncio wrapper: concurrent streams, cancellation, errors, a dead engine."""
+
+import asyncio
+import random
+import time
+
+import pytest
+from mock_runner import expected_tokens
+from test_scheduler import VOCAB, assert_idle, make_engine
+
+from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxserve.sampling_params import SamplingParams
+
+
+def params(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def slow_engine():
+    """A mock engine whose steps take 5 ms, so a stream can be cut mid-flight."""
+    engine = make_engine()
+    run_step = engine.runner.execute_and_sample
+
+    def slow_step(*args):
+        time.sleep(0.005)
+        return run_step(*args)
+
+    engine.runner.execute_and_sample = slow_step
+    return engine
+
+
+async def collect(engine, rid, prompt, n):
+    outs = [o async for o in engine.generate(rid, prompt, params(n))]
+    return outs
+
+
+async def wait_idle(aengine):
+    for _ in range(200):
+        if not aengine.engine.has_unfinished() and not aengine.num_requests:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("engine did not go idle")
+
+
+def test_many_concurrent_streams_get_exactly_their_tokens():
+    async def main():
+        aengine = AsyncLLMEngine(make_engine(num_pages=64, max_num_seqs=8, budget=32))
+        rs = random.Random(0)
+        jobs = {
+            f"r{i}": ([rs.randrange(1, VOCAB) for _ in range(rs.randint(1, 30))], rs.randint(1, 20))
+            for i in range(100)
+        }
+        results = await asyncio.gather(
+            *(collect(aengine, rid, p, n) for rid, (p, n) in jobs.items())
+        )
+        for (rid, (prompt, n)), outs in zip(jobs.items(), results, strict=True):
+            streamed = [t for o in outs for t in o.outputs[0].delta_token_ids]
+            assert streamed == outs[-1].outputs[0].token_ids == expected_tokens(prompt, n, VOCAB)
+            assert outs[-1].finished and sum(o.finished for o in outs) == 1
+        await wait_idle(aengine)
+        assert_idle(aengine.engine)
+        aengine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_closing_a_stream_aborts_its_request_and_frees_its_pages():
+    async def main():
+        aengine = AsyncLLMEngine(slow_engine())
+        stream = aengine.generate("c", [1, 2, 3], params(200))
+        first = await stream.__anext__()
+        assert not first.finished
+        await stream.aclose()
+        await wait_idle(aengine)
+        assert_idle(aengine.engine)
+        assert aengine.engine.stats.requests_aborted == 1
+        # The engine still serves.
+        outs = await collect(aengine, "d", [4, 5], 3)
+        assert outs[-1].outputs[0].token_ids == expected_tokens([4, 5], 3, VOCAB)
+        aengine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_cancelling_the_task_aborts_too():
+    async def main():
+        aengine = AsyncLLMEngine(slow_engine())
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in aengine.generate("x", [1, 2, 3], params(200)):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_idle(aengine)
+        assert_idle(aengine.engine)
+        aengine.abort("x")  # after the fact: harmless
+        aengine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_invalid_request_raises_before_queueing():
+    async def main():
+        aengine = AsyncLLMEngine(make_engine())
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await collect(aengine, "bad", [VOCAB + 1], 3)
+        assert aengine.num_requests == 0
+        aengine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_dead_engine_fails_streams_and_refuses_new_ones():
+    async def main():
+        engine = make_engine()
+        aengine = AsyncLLMEngine(engine)
+
+        def broken(*a, **k):
+            raise RuntimeError("device lost")
+
+        engine.runner.execute_and_sample = broken
+        with pytest.raises(EngineDeadError, match="device lost"):
+            await collect(aengine, "a", [1, 2], 3)
+        assert not aengine.healthy
+        with pytest.raises(EngineDeadError):
+            await collect(aengine, "b", [1, 2], 3)
+
+    asyncio.run(main())
