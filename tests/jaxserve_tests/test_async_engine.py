@@ -53,7 +53,7 @@ def test_many_concurrent_streams_get_exactly_their_tokens():
         results = await asyncio.gather(
             *(collect(aengine, rid, p, n) for rid, (p, n) in jobs.items())
         )
-        for (rid, (prompt, n)), outs in zip(jobs.items(), results, strict=True):
+        for (prompt, n), outs in zip(jobs.values(), results, strict=True):
             streamed = [t for o in outs for t in o.outputs[0].delta_token_ids]
             assert streamed == outs[-1].outputs[0].token_ids == expected_tokens(prompt, n, VOCAB)
             assert outs[-1].finished and sum(o.finished for o in outs) == 1
