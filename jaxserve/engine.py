@@ -13,6 +13,7 @@ import logging
 import random
 import time
 
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
@@ -42,6 +43,9 @@ class _Request:
     cumulative_logprob: list[float]
     arrival_time: float
     first_token_time: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(
+        default_factory=lambda: [None]  # the first prompt token has no prediction
+    )
 
     @property
     def finished(self) -> bool:
@@ -144,8 +148,6 @@ class LLMEngine:
                 f"logit_bias names token {max(params.logit_bias)}, outside the "
                 f"vocabulary [0, {vocab})"
             )
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet; use logprobs for outputs")
         return max_tokens
 
     def add_request(
@@ -235,12 +237,19 @@ class LLMEngine:
         ]
         batch = runner.build(work)
         rows = [self._sample_row(s.seq) for s in plan.scheduled]
-        out = runner.execute_and_sample(batch, runner.build_sampling(rows, len(batch.kv_lens)))
+        targets = self._prompt_targets(plan, len(batch.input_ids))
+        out, prompt_lp = runner.execute_and_sample(
+            batch, runner.build_sampling(rows, len(batch.kv_lens)), targets
+        )
 
         touched: dict[str, _Request] = {}
         new_tokens: dict[Sequence, int] = {}
+        offset = 0
         for i, item in enumerate(plan.scheduled):
             self.scheduler.on_computed(item)
+            if prompt_lp is not None:
+                touched.update(self._record_prompt_logprobs(item, offset, prompt_lp))
+            offset += item.num_tokens
             if not item.samples:
                 continue
             seq = item.seq
@@ -261,6 +270,41 @@ class LLMEngine:
                 req = self.requests.pop(o.request_id)
                 self.stats.on_finish(req)
         return outputs
+
+    def _prompt_targets(self, plan, num_rows: int) -> np.ndarray | None:
+        """Next-prompt-token ids of the rows whose prompt logprobs are wanted, else None."""
+        targets, wanted, offset = np.zeros(num_rows, np.int32), False, 0
+        for item in plan.scheduled:
+            seq = item.seq
+            if seq.params.prompt_logprobs is not None and seq.index == 0:
+                end = min(item.start + item.num_tokens, seq.num_prompt_tokens - 1)
+                if end > item.start:
+                    targets[offset : offset + end - item.start] = seq.prompt_token_ids[
+                        item.start + 1 : end + 1
+                    ]
+                    wanted = True
+            offset += item.num_tokens
+        return targets if wanted else None
+
+    def _record_prompt_logprobs(self, item, offset: int, prompt_lp) -> dict[str, _Request]:
+        seq = item.seq
+        if seq.params.prompt_logprobs is None or seq.index != 0:
+            return {}
+        req = self.requests[seq.request_id]
+        chosen, top_ids, top_lp = prompt_lp
+        k = seq.params.prompt_logprobs
+        # Entry i is for prompt token i, predicted at position i - 1; a recomputation
+        # after preemption finds its entries already there.
+        for pos in range(item.start, min(item.start + item.num_tokens, seq.num_prompt_tokens - 1)):
+            if len(req.prompt_logprobs) != pos + 1:
+                continue
+            row = offset + pos - item.start
+            entry = {
+                int(t): float(v) for t, v in zip(top_ids[row, :k], top_lp[row, :k], strict=True)
+            }
+            entry[seq.prompt_token_ids[pos + 1]] = float(chosen[row])
+            req.prompt_logprobs.append(entry)
+        return {}
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         blocked = ()
@@ -334,6 +378,9 @@ class LLMEngine:
             outputs=completions,
             finished=req.finished,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
+            prompt_logprobs=(
+                list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None
+            ),
         )
 
 

@@ -30,3 +30,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then per token.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

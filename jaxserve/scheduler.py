@@ -130,8 +130,10 @@ class Scheduler:
                 # An n > 1 sibling waits for the first sample to compute (and cache) the prompt.
                 blocked.append(self.waiting.pop(0))
                 continue
+            # Prompt logprobs need every prompt position's logits: no cached prefix.
+            cacheable = seq.num_tokens - 1 if seq.params.prompt_logprobs is None else 0
             pages, uids = self.pool.lookup(
-                seq.token_ids, self.page_size, seq.salt, max_tokens=seq.num_tokens - 1
+                seq.token_ids, self.page_size, seq.salt, max_tokens=cacheable
             )
             computed = len(pages) * self.page_size
             n = min(seq.num_tokens - computed, budget)

@@ -61,7 +61,7 @@ class MockRunner:
     def warmup(self):
         pass
 
-    def execute_and_sample(self, batch, sampling):
+    def execute_and_sample(self, batch, sampling, prompt_targets=None):
         self.steps += 1
         page_size = self.config.cache.page_size
         token_ids = np.zeros(len(batch.kv_lens), np.int32)
@@ -77,9 +77,10 @@ class MockRunner:
             assert history == list(row.token_ids[:end]), "KV pages hold the wrong tokens"
             token_ids[i] = sum(history) % self.vocab
         zeros = np.zeros((len(token_ids), 20))
-        return types.SimpleNamespace(
+        out = types.SimpleNamespace(
             token_ids=token_ids,
             logprobs=np.zeros(len(token_ids)),
             top_ids=zeros.astype(np.int32),
             top_logprobs=zeros,
         )
+        return out, None

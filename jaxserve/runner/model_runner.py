@@ -25,7 +25,13 @@ from jaxserve.runner.input_batch import (
     pick_bucket,
     pow2_buckets,
 )
-from jaxserve.runner.step import StepInput, sample_step, step
+from jaxserve.runner.step import (
+    StepInput,
+    forward,
+    logits_step,
+    prompt_logprobs_step,
+    sample_step,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,31 +129,47 @@ class ModelRunner:
 
     # ------------------------------------------------------------------- steps
 
-    def execute(self, batch: HostBatch) -> jax.Array:
-        """Runs one step; returns logits [B, V] (float32, on device)."""
-        logits, self.kv_caches = step(
+    def _forward(self, batch: HostBatch) -> tuple[jax.Array, jax.Array]:
+        hidden, selected, self.kv_caches = forward(
             self.graphdef, self.state, self.kv_caches, StepInput.from_host(batch)
         )
-        return logits
+        return hidden, selected
 
-    def execute_and_sample(self, batch: HostBatch, sampling: SamplingMetadata):
-        """Runs one serving step; returns the SamplerOutput as numpy arrays.
+    def execute(self, batch: HostBatch) -> jax.Array:
+        """Runs one step; returns the selected rows' logits [B, V] (float32, on device)."""
+        return logits_step(self.graphdef, self.state, self._forward(batch)[1])
 
-        Only the sampled ids and logprobs cross back to the host.
+    def execute_and_sample(
+        self, batch: HostBatch, sampling: SamplingMetadata, prompt_targets: np.ndarray | None = None
+    ):
+        """Runs one serving step; returns (SamplerOutput, prompt logprobs) as numpy.
+
+        Only the sampled ids and logprobs cross back to the host. With
+        `prompt_targets` ([T] next-prompt-token ids), also returns each token row's
+        (logprob of its target, top ids, top logprobs); otherwise None.
         """
         before = self.compiles.count
-        out = jax.tree.map(np.asarray, sample_step(self.execute(batch), sampling))
+        hidden, selected = self._forward(batch)
+        out = jax.tree.map(np.asarray, sample_step(self.graphdef, self.state, selected, sampling))
+        prompt_lp = None
+        if prompt_targets is not None:
+            prompt_lp = jax.tree.map(
+                np.asarray, prompt_logprobs_step(self.graphdef, self.state, hidden, prompt_targets)
+            )
         if self.warmed_up and self.compiles.count != before and self.config.compile_guard:
             raise RuntimeError(
                 f"a step compiled after warm-up (token bucket {len(batch.input_ids)}, "
                 f"sequence bucket {len(batch.kv_lens)}): a shape escaped the buckets"
             )
-        return out
+        return out, prompt_lp
 
     def warmup(self) -> None:
-        """Compiles the serving step for every (token bucket, sequence bucket) pair."""
+        """Compiles every program a serving step can need: the forward pass for each
+        (token bucket, sequence bucket) pair, sampling for each sequence bucket and
+        prompt logprobs for each token bucket."""
         pairs = [(t, b) for t in self.token_buckets for b in self.seq_buckets if b <= t]
         t0, before = time.perf_counter(), self.compiles.count
+        done_t, done_b = set(), set()
         for t, b in tqdm(pairs, desc="warm-up (compiling buckets)", mininterval=2):
             batch = build_batch(
                 [],
@@ -156,10 +178,17 @@ class ModelRunner:
                 token_bucket=t,
                 seq_bucket=b,
             )
-            self.execute_and_sample(batch, self.build_sampling([], b))
+            targets = None if t in done_t else np.zeros(t, np.int32)
+            if b in done_b and targets is None:
+                self._forward(batch)
+            else:
+                self.execute_and_sample(batch, self.build_sampling([], b), targets)
+            done_t.add(t)
+            done_b.add(b)
+        jax.block_until_ready(self.kv_caches)
         self.warmed_up = True
         logger.info(
-            "warm-up: %d step programs ready in %.1fs (%d compiled)",
+            "warm-up: %d forward programs ready in %.1fs (%d compiled)",
             len(pairs),
             time.perf_counter() - t0,
             self.compiles.count - before,

@@ -6,10 +6,11 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.runner.input_batch import HostBatch
-from jaxserve.runner.sampler import sample
+from jaxserve.runner.input_batch import MAX_TOP_LOGPROBS, HostBatch, SamplingMetadata
+from jaxserve.runner.sampler import SamplerOutput, sample
 from pallas_kernels import AttentionMetadata
 
 
@@ -40,20 +41,45 @@ class StepInput:
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def step(
+def forward(
     graphdef: nnx.GraphDef, state: nnx.State, kv_caches: list[jax.Array], batch: StepInput
-) -> tuple[jax.Array, list[jax.Array]]:
-    """One forward pass: (logits [B, V] float32, the updated KV caches).
+) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
+    """One forward pass: hidden states of all tokens [T, D] and of the selected rows
+    [B, D] (`logits_indices`), and the updated KV caches.
 
     The graphdef is static (hashable), so every runner of the same model shares
     the compiled programs. The KV caches are donated: XLA updates them in place,
-    and the caller must use the returned ones from then on.
+    and the caller must use the returned ones from then on. The LM head is left
+    to the programs below, which depend on B or T alone and so compile once per
+    sequence bucket (or token bucket) instead of once per pair.
     """
     model = nnx.merge(graphdef, state)
     hidden, kv_caches = model(kv_caches, batch.input_ids, batch.positions, batch.attention)
-    return model.compute_logits(hidden[batch.logits_indices]), kv_caches
+    return hidden, hidden[batch.logits_indices], kv_caches
 
 
-# Sampling is its own program: it depends only on the sequence bucket, not the
-# token bucket, so it compiles once per sequence bucket; logits stay on device.
-sample_step = jax.jit(sample)
+@functools.partial(jax.jit, static_argnums=0)
+def logits_step(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> jax.Array:
+    """[B, D] -> logits [B, V] float32."""
+    return nnx.merge(graphdef, state).compute_logits(hidden)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def sample_step(
+    graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array, sampling: SamplingMetadata
+) -> SamplerOutput:
+    """[B, D] -> one sampled token per row (logits never leave the device)."""
+    return sample(nnx.merge(graphdef, state).compute_logits(hidden), sampling)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def prompt_logprobs_step(
+    graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array, targets: jax.Array
+):
+    """Prompt logprobs: for each token row [T, D], the logprob of `targets` [T] (the
+    next prompt token) and the top MAX_TOP_LOGPROBS entries."""
+    logits = nnx.merge(graphdef, state).compute_logits(hidden)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+    top, ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
+    return chosen, ids.astype(jnp.int32), top

@@ -182,7 +182,9 @@ def test_no_compilation_after_warm_up(tiny_model_dir):
     ]
     settings = [
         SamplingParams(temperature=0, max_tokens=3),
-        SamplingParams(temperature=0.7, top_k=5, top_p=0.8, max_tokens=6, logprobs=2),
+        SamplingParams(
+            temperature=0.7, top_k=5, top_p=0.8, max_tokens=6, logprobs=2, prompt_logprobs=3
+        ),
         SamplingParams(temperature=1.0, min_p=0.2, n=3, max_tokens=4, seed=1),
         SamplingParams(
             temperature=0,
@@ -198,3 +200,21 @@ def test_no_compilation_after_warm_up(tiny_model_dir):
         batch = prompts[i::2]
         llm.generate(batch, [settings[(i + j) % 4] for j in range(len(batch))], use_tqdm=False)
     assert llm.engine.runner.compiles.count == compiled
+
+
+@pytest.mark.parametrize("budget", [64, 8])
+def test_prompt_logprobs_match_the_model(tiny_model_dir, budget):
+    prompt = np.random.RandomState(9).randint(3, 320, size=21).tolist()
+    logits = prompt_logits(make_llm(tiny_model_dir).engine.runner, prompt, [40, 41, 42])
+    llm = make_llm(tiny_model_dir, max_num_batched_tokens=budget, min_token_bucket=8)
+    raw = logits - logits.max(-1, keepdims=True)
+    raw -= np.log(np.exp(raw).sum(-1, keepdims=True))
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    for _ in range(2):  # the second time the prompt is cached: logprobs must not be skipped
+        out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        lps = out.prompt_logprobs
+        assert len(lps) == len(prompt) and lps[0] is None
+        for i in range(1, len(prompt)):
+            assert lps[i][prompt[i]] == pytest.approx(raw[i - 1, prompt[i]], abs=1e-4)
+            top2 = np.argsort(raw[i - 1])[-2:]
+            assert set(top2.tolist()) <= set(lps[i])

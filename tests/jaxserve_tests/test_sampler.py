@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxserve.runner.input_batch import SampleRow, build_sampling
-from jaxserve.runner.step import sample_step
+from jaxserve.runner.sampler import sample
 from jaxserve.sampling_params import SamplingParams
 
 V = 50
@@ -13,7 +13,7 @@ V = 50
 
 def run(logits, rows, *, history_len=16):
     md = build_sampling(rows, seq_bucket=len(logits), history_len=history_len, max_bias=8)
-    return jax.tree.map(np.asarray, sample_step(np.asarray(logits, np.float32), md))
+    return jax.tree.map(np.asarray, jax.jit(sample)(np.asarray(logits, np.float32), md))
 
 
 def row(seed=0, tokens=(1, 2, 3), num_prompt=3, blocked=(), **params):

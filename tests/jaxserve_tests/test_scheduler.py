@@ -212,7 +212,6 @@ def test_abort_frees_pages_and_is_idempotent():
         ([1] * 250, params(10), "exceeds max_model_len"),
         ([1] * 200, params(50), "whole pool has 15"),
         ([1], SamplingParams(logit_bias={VOCAB + 5: 1.0}), "logit_bias names token"),
-        ([1], SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
     ],
 )
 def test_admission_errors_leave_other_requests_untouched(prompt, sp, match):
