@@ -226,14 +226,17 @@ def _sliding_windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, .
 class CacheConfig:
     """The paged KV array: `num_pages` pages of `page_size` tokens each.
 
-    `num_pages=None` sizes the pool from `memory_bytes`, capped at what
-    `max_num_seqs` sequences of `max_model_len` tokens can use. Page 0 is the
-    null page that padding tokens write to; it is never handed to a sequence.
+    `num_pages=None` sizes the pool from a memory budget, capped at what
+    `max_num_seqs` sequences of `max_model_len` tokens can use: on a device that
+    reports its memory (GPU, TPU) `memory_fraction` of it minus what is already
+    in use (the weights), else `memory_bytes` (the CPU). Page 0 is the null page
+    that padding tokens write to; it is never handed to a sequence.
     """
 
     page_size: int = 16
     num_pages: int | None = None
     memory_bytes: int = 1 << 30
+    memory_fraction: float | None = None  # like vLLM's gpu_memory_utilization
     dtype: str | None = None  # None: the model's dtype.
 
     def __post_init__(self):
@@ -245,6 +248,10 @@ class CacheConfig:
             )
         if self.memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.memory_bytes}")
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.memory_fraction}"
+            )
         if self.dtype is not None:
             object.__setattr__(self, "dtype", normalize_dtype(self.dtype, field="kv_cache_dtype"))
 
@@ -307,15 +314,25 @@ class EngineConfig:
         m = self.model
         return m.num_layers * self.cache.page_size * 2 * m.num_kv_heads * m.head_dim * itemsize
 
-    def num_kv_pages(self) -> int:
-        """The pool size in pages, null page included."""
+    def num_kv_pages(self, device_memory: tuple[int, int] | None = None) -> int:
+        """The pool size in pages, null page included.
+
+        `device_memory` is (bytes limit, bytes in use) where the device reports them.
+        """
         if self.cache.num_pages is not None:
             return self.cache.num_pages
         useful = self.max_num_seqs * self.pages_per_seq + 1
-        budget = self.cache.memory_bytes // self.kv_bytes_per_page()
+        if self.cache.memory_fraction is not None and device_memory is not None:
+            limit, in_use = device_memory
+            budget_bytes = int(self.cache.memory_fraction * limit) - in_use
+            what = f"kv_cache_memory_fraction={self.cache.memory_fraction} of {limit} bytes"
+        else:
+            budget_bytes = self.cache.memory_bytes
+            what = f"kv_cache_memory_bytes={budget_bytes}"
+        budget = max(budget_bytes, 0) // self.kv_bytes_per_page()
         if budget < 2:
             raise ValueError(
-                f"kv_cache_memory_bytes={self.cache.memory_bytes} holds {budget} pages of "
-                f"{self.kv_bytes_per_page()} bytes; at least 2 are needed"
+                f"{what} holds {budget} pages of {self.kv_bytes_per_page()} bytes; "
+                "at least 2 are needed"
             )
         return min(useful, budget)

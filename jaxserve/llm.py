@@ -62,6 +62,7 @@ class LLM:
         block_size: int = 16,
         num_kv_pages: int | None = None,
         kv_cache_memory_bytes: int = 1 << 30,
+        kv_cache_memory_fraction: float | None = None,
         enable_prefix_caching: bool = True,
         attention_backend: str = "reference",
         seed: int = 0,
@@ -82,7 +83,10 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             cache=CacheConfig(
-                page_size=block_size, num_pages=num_kv_pages, memory_bytes=kv_cache_memory_bytes
+                page_size=block_size,
+                num_pages=num_kv_pages,
+                memory_bytes=kv_cache_memory_bytes,
+                memory_fraction=kv_cache_memory_fraction,
             ),
             enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend,

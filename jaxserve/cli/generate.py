@@ -45,7 +45,12 @@ flags.DEFINE_integer("max_num_seqs", 64, "Sequences per step.")
 flags.DEFINE_integer("max_num_batched_tokens", 2048, "Tokens per step.")
 flags.DEFINE_integer("block_size", 16, "Tokens per KV page.")
 flags.DEFINE_integer("num_kv_pages", None, "KV pool size in pages (default: from the budget).")
-flags.DEFINE_integer("kv_cache_memory_bytes", 1 << 30, "KV cache budget in bytes.")
+flags.DEFINE_integer("kv_cache_memory_bytes", 1 << 30, "KV cache budget in bytes (CPU).")
+flags.DEFINE_float(
+    "kv_cache_memory_fraction",
+    None,
+    "KV cache budget as a fraction of device memory, less the weights (GPU/TPU).",
+)
 flags.DEFINE_bool("enable_prefix_caching", True, "Reuse the KV pages of shared prefixes.")
 flags.DEFINE_string("attention_backend", "reference", "Attention implementation.")
 flags.DEFINE_integer("seed", 0, "Engine seed (for requests without their own seed).")
@@ -64,6 +69,7 @@ ENGINE_FLAGS = (
     "block_size",
     "num_kv_pages",
     "kv_cache_memory_bytes",
+    "kv_cache_memory_fraction",
     "enable_prefix_caching",
     "attention_backend",
     "seed",

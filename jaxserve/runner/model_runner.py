@@ -53,6 +53,14 @@ class CompileCounter:
         jax.monitoring.unregister_event_duration_listener(self._on_event)
 
 
+def _device_memory() -> tuple[int, int] | None:
+    """(bytes limit, bytes in use) of the first device, where it reports them (not the CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"], stats.get("bytes_in_use", 0)
+
+
 class ModelRunner:
     """Runs steps of ragged batches against one pre-allocated paged KV cache."""
 
@@ -67,7 +75,7 @@ class ModelRunner:
             mesh=mesh,
         )
         self.graphdef, self.state = nnx.split(model)
-        self.num_pages = config.num_kv_pages()
+        self.num_pages = config.num_kv_pages(_device_memory())
         self.kv_caches = self._allocate_kv(mesh)
         self.token_buckets = pow2_buckets(config.min_token_bucket, config.max_num_batched_tokens)
         self.seq_buckets = pow2_buckets(1, config.max_num_seqs)

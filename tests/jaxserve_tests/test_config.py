@@ -132,3 +132,17 @@ def test_bad_engine_configs(kwargs, match):
 def test_bad_cache_configs(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CacheConfig(**kwargs)
+
+
+def test_pool_from_a_fraction_of_device_memory():
+    model = ModelConfig.from_hf(LLAMA)
+    cfg = EngineConfig(
+        "x", model, max_model_len=256, max_num_seqs=64, cache=CacheConfig(memory_fraction=0.5)
+    )
+    # 0.5 * 1 MiB - 256 KiB of weights = 256 KiB = 32 pages of 8 KiB.
+    assert cfg.num_kv_pages(device_memory=(1 << 20, 1 << 18)) == 32
+    assert cfg.num_kv_pages(device_memory=None) == 64 * 16 + 1  # CPU: the byte budget
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction=0.5 of 1048576 bytes holds 0"):
+        cfg.num_kv_pages(device_memory=(1 << 20, 1 << 20))
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction must be in"):
+        CacheConfig(memory_fraction=1.5)
