@@ -238,17 +238,18 @@ class LLMEngine:
         batch = runner.build(work)
         rows = [self._sample_row(s.seq) for s in plan.scheduled]
         targets = self._prompt_targets(plan, len(batch.input_ids))
-        out, prompt_lp = runner.execute_and_sample(
-            batch, runner.build_sampling(rows, len(batch.kv_lens)), targets
-        )
+        pending = runner.dispatch(batch, runner.build_sampling(rows, len(batch.kv_lens)), targets)
+        # While the device runs: the bookkeeping that does not need the sampled tokens.
+        for item in plan.scheduled:
+            self.scheduler.on_computed(item)
+        out, prompt_lp = runner.fetch(pending)
 
         touched: dict[str, _Request] = {}
         new_tokens: dict[Sequence, int] = {}
         offset = 0
         for i, item in enumerate(plan.scheduled):
-            self.scheduler.on_computed(item)
             if prompt_lp is not None:
-                touched.update(self._record_prompt_logprobs(item, offset, prompt_lp))
+                self._record_prompt_logprobs(item, offset, prompt_lp)
             offset += item.num_tokens
             if not item.samples:
                 continue
@@ -286,10 +287,10 @@ class LLMEngine:
             offset += item.num_tokens
         return targets if wanted else None
 
-    def _record_prompt_logprobs(self, item, offset: int, prompt_lp) -> dict[str, _Request]:
+    def _record_prompt_logprobs(self, item, offset: int, prompt_lp) -> None:
         seq = item.seq
         if seq.params.prompt_logprobs is None or seq.index != 0:
-            return {}
+            return
         req = self.requests[seq.request_id]
         chosen, top_ids, top_lp = prompt_lp
         k = seq.params.prompt_logprobs
@@ -304,7 +305,6 @@ class LLMEngine:
             }
             entry[seq.prompt_token_ids[pos + 1]] = float(chosen[row])
             req.prompt_logprobs.append(entry)
-        return {}
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         blocked = ()

@@ -61,7 +61,11 @@ class MockRunner:
     def warmup(self):
         pass
 
-    def execute_and_sample(self, batch, sampling, prompt_targets=None):
+    @staticmethod
+    def fetch(pending):
+        return pending
+
+    def dispatch(self, batch, sampling, prompt_targets=None):
         self.steps += 1
         page_size = self.config.cache.page_size
         token_ids = np.zeros(len(batch.kv_lens), np.int32)

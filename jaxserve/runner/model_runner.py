@@ -147,29 +147,40 @@ class ModelRunner:
         """Runs one step; returns the selected rows' logits [B, V] (float32, on device)."""
         return logits_step(self.graphdef, self.state, self._forward(batch)[1])
 
-    def execute_and_sample(
+    def dispatch(
         self, batch: HostBatch, sampling: SamplingMetadata, prompt_targets: np.ndarray | None = None
     ):
-        """Runs one serving step; returns (SamplerOutput, prompt logprobs) as numpy.
+        """Starts one serving step on the device and returns at once (JAX dispatch is
+        asynchronous): the host can do other work before `fetch` waits for it.
 
-        Only the sampled ids and logprobs cross back to the host. With
-        `prompt_targets` ([T] next-prompt-token ids), also returns each token row's
-        (logprob of its target, top ids, top logprobs); otherwise None.
+        With `prompt_targets` ([T] next-prompt-token ids), the step also computes each
+        token row's (logprob of its target, top ids, top logprobs).
         """
         before = self.compiles.count
         hidden, selected = self._forward(batch)
-        out = jax.tree.map(np.asarray, sample_step(self.graphdef, self.state, selected, sampling))
+        out = sample_step(self.graphdef, self.state, selected, sampling)
         prompt_lp = None
         if prompt_targets is not None:
-            prompt_lp = jax.tree.map(
-                np.asarray, prompt_logprobs_step(self.graphdef, self.state, hidden, prompt_targets)
-            )
+            prompt_lp = prompt_logprobs_step(self.graphdef, self.state, hidden, prompt_targets)
         if self.warmed_up and self.compiles.count != before and self.config.compile_guard:
             raise RuntimeError(
                 f"a step compiled after warm-up (token bucket {len(batch.input_ids)}, "
                 f"sequence bucket {len(batch.kv_lens)}): a shape escaped the buckets"
             )
         return out, prompt_lp
+
+    @staticmethod
+    def fetch(pending):
+        """Waits for a dispatched step; returns (SamplerOutput, prompt logprobs) as numpy.
+
+        Only the sampled ids and logprobs cross back to the host.
+        """
+        return jax.tree.map(np.asarray, pending)
+
+    def execute_and_sample(
+        self, batch: HostBatch, sampling: SamplingMetadata, prompt_targets: np.ndarray | None = None
+    ):
+        return self.fetch(self.dispatch(batch, sampling, prompt_targets))
 
     def warmup(self) -> None:
         """Compiles every program a serving step can need: the forward pass for each

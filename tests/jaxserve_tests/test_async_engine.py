@@ -19,13 +19,13 @@ def params(n):
 def slow_engine():
     """A mock engine whose steps take 5 ms, so a stream can be cut mid-flight."""
     engine = make_engine()
-    run_step = engine.runner.execute_and_sample
+    run_step = engine.runner.dispatch
 
     def slow_step(*args):
         time.sleep(0.005)
         return run_step(*args)
 
-    engine.runner.execute_and_sample = slow_step
+    engine.runner.dispatch = slow_step
     return engine
 
 
@@ -123,7 +123,7 @@ def test_a_dead_engine_fails_streams_and_refuses_new_ones():
         def broken(*a, **k):
             raise RuntimeError("device lost")
 
-        engine.runner.execute_and_sample = broken
+        engine.runner.dispatch = broken
         with pytest.raises(EngineDeadError, match="device lost"):
             await collect(aengine, "a", [1, 2], 3)
         assert not aengine.healthy
