@@ -17,7 +17,7 @@ def engine_config(path: str, *, page_size=8, num_pages=64, max_model_len=128, **
         model=ModelConfig.from_pretrained(path),
         cache=CacheConfig(page_size=page_size, num_pages=num_pages),
         max_model_len=max_model_len,
-        **{"max_num_seqs": 8, **kw},
+        **{"max_num_seqs": 8, "warmup": False, **kw},
     )
 
 
