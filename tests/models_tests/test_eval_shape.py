@@ -11,7 +11,7 @@ from flax import nnx
 from jaxserve.checkpoint import abstract_model
 from jaxserve.config import ModelConfig
 from jaxserve.runner.input_batch import SeqWork, build_batch
-from jaxserve.runner.step import StepInput, step
+from jaxserve.runner.step import StepInput, forward, logits_step
 from models import supported_architectures
 
 # Published configs (config.json fields) and parameter counts.
@@ -141,7 +141,10 @@ def test_real_size_builds_and_traces_abstractly(name):
         token_bucket=32,
         seq_bucket=4,
     )
-    forward = functools.partial(step, graphdef)
-    logits, new_kv = jax.eval_shape(forward, state, kv, StepInput.from_host(batch))
+    hidden, selected, new_kv = jax.eval_shape(
+        functools.partial(forward, graphdef), state, kv, StepInput.from_host(batch)
+    )
+    logits = jax.eval_shape(functools.partial(logits_step, graphdef), state, selected)
+    assert hidden.shape == (32, config.hidden_size)
     assert logits.shape == (4, config.vocab_size) and logits.dtype == jnp.float32
     assert [x.shape for x in new_kv] == [x.shape for x in kv]
