@@ -136,6 +136,8 @@ class Tokenizer:
         """Renders `messages` to the prompt text (the template adds any BOS itself)."""
         if self.chat_template is None:
             raise ValueError("this model's tokenizer has no chat_template; send a plain prompt")
+        if not messages:
+            raise ValueError("messages must not be empty")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
                 raise ValueError(f"messages[{i}] must be a dict with a 'role', got {m!r}")

@@ -18,65 +18,18 @@ import json
 import logging
 import sys
 import time
-import tomllib
 
 from absl import flags
 from tqdm import tqdm
 
-from jaxserve.llm import DEFAULT_COMPILATION_CACHE, LLM
+from jaxserve.cli.engine_flags import engine_kwargs
+from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string(
-    "model",
-    None,
-    "Local Hugging Face model directory, or an embedded model's name "
-    "(default: the embedded demo-model).",
-)
 flags.DEFINE_string("prompt", None, "One prompt to complete (or use --input).")
 flags.DEFINE_string("input", None, "JSONL file of prompts.")
 flags.DEFINE_string("output", None, "JSONL file for the results (default: stdout).")
-flags.DEFINE_string("config", None, "TOML engine preset (configs/*.toml); flags given override it.")
-
-# Engine options (may come from a --config preset).
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype.")
-flags.DEFINE_integer("max_model_len", None, "Longest prompt + output (default: the model's).")
-flags.DEFINE_integer("max_num_seqs", 64, "Sequences per step.")
-flags.DEFINE_integer("max_num_batched_tokens", 2048, "Tokens per step.")
-flags.DEFINE_integer("block_size", 16, "Tokens per KV page.")
-flags.DEFINE_integer("num_kv_pages", None, "KV pool size in pages (default: from the budget).")
-flags.DEFINE_integer("kv_cache_memory_bytes", 1 << 30, "KV cache budget in bytes (CPU).")
-flags.DEFINE_float(
-    "kv_cache_memory_fraction",
-    None,
-    "KV cache budget as a fraction of device memory, less the weights (GPU/TPU).",
-)
-flags.DEFINE_bool("enable_prefix_caching", True, "Reuse the KV pages of shared prefixes.")
-flags.DEFINE_string("attention_backend", "reference", "Attention implementation.")
-flags.DEFINE_integer("seed", 0, "Engine seed (for requests without their own seed).")
-flags.DEFINE_bool("warmup", False, "Compile every step bucket before generating.")
-flags.DEFINE_string(
-    "compilation_cache_dir",
-    DEFAULT_COMPILATION_CACHE,
-    "JAX persistent compilation cache ('' disables it).",
-)
-
-ENGINE_FLAGS = (
-    "dtype",
-    "max_model_len",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "block_size",
-    "num_kv_pages",
-    "kv_cache_memory_bytes",
-    "kv_cache_memory_fraction",
-    "enable_prefix_caching",
-    "attention_backend",
-    "seed",
-    "warmup",
-    "compilation_cache_dir",
-)
-
 # Sampling options: the defaults of SamplingParams, except greedy by default.
 flags.DEFINE_integer("n", 1, "Samples per prompt.")
 flags.DEFINE_float("temperature", 0.0, "0 is greedy.")
@@ -95,23 +48,6 @@ flags.DEFINE_integer("max_tokens", 64, "Tokens to generate per prompt.")
 flags.DEFINE_integer("min_tokens", 0, "Tokens to generate before EOS or a stop may end it.")
 flags.DEFINE_integer("logprobs", None, "Top logprobs to return per generated token.")
 flags.DEFINE_bool("skip_special_tokens", True, "Leave special tokens out of the text.")
-
-
-def engine_kwargs() -> dict:
-    """Engine options: flags given on the command line, else the preset, else flag defaults."""
-    preset = {}
-    if FLAGS.config:
-        with open(FLAGS.config, "rb") as f:
-            preset = tomllib.load(f)
-        unknown = sorted(set(preset) - set(ENGINE_FLAGS))
-        if unknown:
-            raise SystemExit(f"{FLAGS.config}: unknown keys {unknown}; known: {ENGINE_FLAGS}")
-    kw = {
-        name: FLAGS[name].value if FLAGS[name].present or name not in preset else preset[name]
-        for name in ENGINE_FLAGS
-    }
-    kw["compilation_cache_dir"] = kw["compilation_cache_dir"] or None
-    return kw
 
 
 def sampling_kwargs() -> dict:

@@ -11,6 +11,8 @@ import sys
 
 COMMANDS = {
     "generate": ("jaxserve.cli.generate", "offline batch generation"),
+    "serve": ("jaxserve.cli.serve", "the gRPC server"),
+    "client": ("server.client", "stream a completion from a server"),
 }
 
 

@@ -76,7 +76,7 @@ def test_config_presets_name_only_engine_flags(preset):
     import os
     import tomllib
 
-    from jaxserve.cli.generate import ENGINE_FLAGS
+    from jaxserve.cli.engine_flags import ENGINE_FLAGS
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     with open(os.path.join(root, "configs", f"{preset}.toml"), "rb") as f:

@@ -1,0 +1,230 @@
+"""The gRPC server: servicer, health, reflection, metrics, auth, TLS, draining.
+
+The port opens first, reporting NOT_SERVING while the model loads and warms up,
+then SERVING; it goes back to NOT_SERVING if the engine dies and while draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxserve.async_engine import AsyncLLMEngine
+from jaxserve.engine import LLMEngine
+from jaxserve.tokenizer import Tokenizer
+from server import jaxserve_pb2 as pb
+from server import jaxserve_pb2_grpc as pb_grpc
+from server.metrics import ServerMetrics
+from server.servicer import JaxServeServicer, ServingState
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
+_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port
+    metrics_port: int | None = None  # None: no /metrics endpoint
+    max_pending: int = 1024  # past this many requests in flight: RESOURCE_EXHAUSTED
+    max_message_bytes: int = 4 << 20
+    api_key: str | None = None  # checked from "authorization: Bearer KEY" or "x-api-key"
+    tls_cert: str | None = None  # PEM files; both or neither
+    tls_key: str | None = None
+    drain_grace_s: float = 30.0
+
+    def __post_init__(self):
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.max_pending <= 0:
+            raise ValueError(f"max_pending must be positive, got {self.max_pending}")
+
+
+class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without the API key (health checks and reflection stay open)."""
+
+    def __init__(self, key: str):
+        self._accepted = {("authorization", f"Bearer {key}"), ("x-api-key", key)}
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if details.method.startswith(_OPEN_METHODS) or self._accepted & set(
+            details.invocation_metadata or ()
+        ):
+            return handler
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
+
+        if handler is not None and handler.response_streaming:
+
+            async def deny_stream(request, context):
+                await deny(request, context)
+                yield  # pragma: no cover - makes this an async generator
+
+            return grpc.unary_stream_rpc_method_handler(
+                deny_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            deny,
+            request_deserializer=handler.request_deserializer if handler else None,
+            response_serializer=handler.response_serializer if handler else None,
+        )
+
+
+class _MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Answers a request that does not parse with INVALID_ARGUMENT (gRPC's own answer is
+    UNKNOWN), by parsing inside the handler instead of before it."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        parse = handler.request_deserializer
+
+        async def parsed(raw, context):
+            try:
+                return parse(raw)
+            except DecodeError as e:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"malformed {details.method} request: {e}"
+                )
+
+        if handler.unary_unary is not None:
+
+            async def unary(raw, context):
+                return await handler.unary_unary(await parsed(raw, context), context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, response_serializer=handler.response_serializer
+            )
+
+        async def stream(raw, context):
+            async for item in handler.unary_stream(await parsed(raw, context), context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(
+            stream, response_serializer=handler.response_serializer
+        )
+
+
+class JaxServeServer:
+    """One gRPC server over one engine built by `make_engine` (in a worker thread)."""
+
+    def __init__(
+        self,
+        make_engine: Callable[[], tuple[LLMEngine, Tokenizer]],
+        options: ServerOptions,
+        *,
+        model_name: str = "",
+    ):
+        self.options = options
+        self._make_engine = make_engine
+        self.state = ServingState(model_name=model_name, max_pending=options.max_pending)
+        self.metrics = ServerMetrics(model_name, self._stats)
+        self.health = health.aio.HealthServicer()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._metrics_http = None
+        self._watch: asyncio.Task | None = None
+        self.ready = asyncio.Event()
+
+    def _stats(self):
+        engine = self.state.engine
+        return None if engine is None else engine.engine.stats.snapshot()
+
+    async def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def start(self) -> int:
+        """Opens the port (NOT_SERVING), loads the engine, then reports SERVING."""
+        o = self.options
+        interceptors = [_MalformedRequestInterceptor()]
+        if o.api_key:
+            interceptors.insert(0, _ApiKeyInterceptor(o.api_key))
+        self._server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", o.max_message_bytes),
+                ("grpc.max_send_message_length", o.max_message_bytes),
+            ],
+        )
+        pb_grpc.add_JaxServeServicer_to_server(
+            JaxServeServicer(self.state, self.metrics), self._server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self._server,
+        )
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = f"{o.host}:{o.port}"
+        if o.tls_cert:
+            with open(o.tls_cert, "rb") as c, open(o.tls_key, "rb") as k:
+                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+            self.port = self._server.add_secure_port(address, creds)
+        else:
+            self.port = self._server.add_insecure_port(address)
+        await self._server.start()
+        if o.metrics_port is not None:
+            self._metrics_http = self.metrics.serve(o.metrics_port, o.host)
+            self.metrics_port = self._metrics_http.server_port
+        logger.info("listening on %s:%d (NOT_SERVING while the model loads)", o.host, self.port)
+        return self.port
+
+    async def load(self) -> None:
+        """Builds (and warms up) the engine off the event loop, then serves."""
+        engine, tokenizer = await asyncio.to_thread(self._make_engine)
+        self.state.config, self.state.tokenizer = engine.config, tokenizer
+        self.state.engine = AsyncLLMEngine(engine)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._watch = asyncio.create_task(self._watch_engine())
+        self.ready.set()
+        logger.info("SERVING %s", self.state.model_name)
+
+    async def _watch_engine(self) -> None:
+        while self.state.engine.healthy:
+            await asyncio.sleep(0.5)
+        logger.error("the engine died: %r; reporting NOT_SERVING", self.state.engine.error)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drains: NOT_SERVING, refuse new calls, let running ones finish within `grace`."""
+        grace = self.options.drain_grace_s if grace is None else grace
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        if self.state.engine is not None:
+            self.state.engine.shutdown()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+
+    async def wait(self) -> None:
+        await self._server.wait_for_termination()
+
+
+def default_model_name(model_dir: str) -> str:
+    return os.path.basename(os.path.normpath(model_dir))

@@ -1,0 +1,113 @@
+"""Prometheus metrics of a server, with the names vLLM users know (prefix `jaxserve:`).
+
+Engine figures (queue sizes, KV usage, token and cache counters) are read from
+the engine's stats snapshot at scrape time; request latencies are observed by
+the servicer. Each server has its own registry: no process-global state.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+
+
+class _EngineCollector:
+    def __init__(self, stats_fn, model_name: str):
+        self._stats_fn = stats_fn
+        self._labels = ("model_name",), (model_name,)
+
+    def _family(self, cls, name, doc, value):
+        family = cls(name, doc, labels=self._labels[0])
+        family.add_metric(self._labels[1], value)
+        return family
+
+    def collect(self):
+        s = self._stats_fn()
+        if s is None:  # the engine is still loading
+            return
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(
+            g, "jaxserve:num_requests_running", "Requests in the running batch.", s.num_running
+        )
+        yield self._family(
+            g, "jaxserve:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting
+        )
+        yield self._family(
+            g,
+            "jaxserve:kv_cache_usage_perc",
+            "Fraction of KV pages held by running requests (0-1).",
+            s.kv_cache_usage,
+        )
+        yield self._family(
+            c, "jaxserve:prefix_cache_queries", "Prompt tokens looked up.", s.prefix_cache_queries
+        )
+        yield self._family(
+            c, "jaxserve:prefix_cache_hits", "Prompt tokens found cached.", s.prefix_cache_hits
+        )
+        yield self._family(
+            c, "jaxserve:num_preemptions", "Preemptions by recompute.", s.num_preemptions
+        )
+        yield self._family(c, "jaxserve:prompt_tokens", "Prompt tokens computed.", s.prompt_tokens)
+        yield self._family(
+            c, "jaxserve:generation_tokens", "Tokens generated.", s.generation_tokens
+        )
+        yield self._family(
+            c, "jaxserve:compilations", "XLA compilations in this process.", s.num_compiles
+        )
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, stats_fn):
+        """`stats_fn()` returns the engine's StatsSnapshot, or None before it exists."""
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats_fn, model_name))
+        kw = dict(registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.ttft = Histogram(
+            "jaxserve:time_to_first_token_seconds",
+            "Time from request arrival to its first token.",
+            **kw,
+        )
+        self.itl = Histogram(
+            "jaxserve:inter_token_latency_seconds",
+            "Time between consecutive streamed tokens.",
+            **kw,
+        )
+        self.e2e = Histogram(
+            "jaxserve:e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            **kw,
+        )
+        self.requests = Counter(
+            "jaxserve:request_success",
+            "Finished requests, by finish reason.",
+            ["finished_reason"],
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "jaxserve:request_rejected",
+            "Requests refused before reaching the engine, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+
+    def serve(self, port: int, host: str = "127.0.0.1"):
+        """Starts the /metrics HTTP endpoint on its own port; returns the server."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server

@@ -1,0 +1,273 @@
+"""The JaxServe gRPC servicer: thin, it turns messages into engine calls and back.
+
+Every request is validated before it reaches the engine; a bad field is
+INVALID_ARGUMENT naming the field, and nothing else is disturbed. Past the
+pending-request bound, new requests get RESOURCE_EXHAUSTED. A client that
+cancels or disconnects aborts its request (the engine stream's cleanup).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import grpc
+
+from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxserve.config import EngineConfig
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import Tokenizer
+from server import jaxserve_pb2 as pb
+from server import jaxserve_pb2_grpc as pb_grpc
+from server.metrics import ServerMetrics
+
+_OPTIONAL_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "logprobs",
+    "prompt_logprobs",
+    "n",
+    "skip_special_tokens",
+)
+
+
+def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Builds validated SamplingParams; unset optional fields keep vLLM's defaults."""
+    kw = {f: getattr(msg, f) for f in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(f)}
+    kw.update(
+        stop=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
+        logit_bias=dict(msg.logit_bias) or None,
+    )
+    return SamplingParams(**kw)
+
+
+def _logprobs_proto(entries: list[dict[int, float]], chosen: list[int]) -> list[pb.TokenLogprobs]:
+    out = []
+    for entry, token in zip(entries, chosen, strict=True):
+        first = [pb.Logprob(token_id=token, logprob=entry[token])]
+        rest = [pb.Logprob(token_id=t, logprob=v) for t, v in entry.items() if t != token]
+        out.append(pb.TokenLogprobs(entries=first + rest))
+    return out
+
+
+def _prompt_logprobs_proto(out: RequestOutput) -> list[pb.TokenLogprobs]:
+    if out.prompt_logprobs is None:
+        return []
+    ids = out.prompt_token_ids
+    return [pb.TokenLogprobs()] + _logprobs_proto(out.prompt_logprobs[1:], ids[1:])
+
+
+def _usage(out: RequestOutput) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=len(out.prompt_token_ids),
+        completion_tokens=sum(len(c.token_ids) for c in out.outputs),
+        cached_prompt_tokens=out.num_cached_tokens,
+    )
+
+
+@dataclasses.dataclass
+class ServingState:
+    """What the servicer serves with; `engine` is None until the model is loaded."""
+
+    config: EngineConfig | None = None
+    tokenizer: Tokenizer | None = None
+    engine: AsyncLLMEngine | None = None
+    model_name: str = ""
+    max_pending: int = 1024
+
+
+class JaxServeServicer(pb_grpc.JaxServeServicer):
+    def __init__(self, state: ServingState, metrics: ServerMetrics):
+        self.state = state
+        self.metrics = metrics
+        self._ids = itertools.count()
+
+    # ---------------------------------------------------------------- helpers
+
+    async def _ready(self, context) -> AsyncLLMEngine:
+        engine = self.state.engine
+        if engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        if not engine.healthy:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"the engine has stopped: {engine.error!r}"
+            )
+        return engine
+
+    async def _invalid(self, context, message: str):
+        self.metrics.rejected.labels("invalid").inc()
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    async def _prompt_ids(self, request, context) -> tuple[str | None, list[int]]:
+        tok = self.state.tokenizer
+        kind = request.WhichOneof("input")
+        try:
+            if kind == "prompt":
+                return request.prompt, tok.encode(request.prompt)
+            if kind == "prompt_token_ids":
+                return None, list(request.prompt_token_ids.ids)
+            if kind == "messages":
+                messages = [
+                    {"role": m.role, "content": m.content} for m in request.messages.messages
+                ]
+                text = tok.apply_chat_template(messages)
+                return text, tok.encode(text, add_special_tokens=False)
+        except ValueError as e:
+            await self._invalid(context, f"messages: {e}")
+        await self._invalid(context, "one of prompt, prompt_token_ids or messages is required")
+
+    async def _admit(self, request, context):
+        """Validates a GenerateRequest; returns (engine, request_id, prompt, ids, params)."""
+        engine = await self._ready(context)
+        if engine.num_requests >= self.state.max_pending:
+            self.metrics.rejected.labels("overloaded").inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{engine.num_requests} requests pending (the bound is "
+                f"{self.state.max_pending}); retry later",
+            )
+        prompt, ids = await self._prompt_ids(request, context)
+        try:
+            params = sampling_params_from_proto(request.sampling_params)
+        except ValueError as e:
+            await self._invalid(context, str(e))
+        rid = request.request_id or f"req-{next(self._ids)}"
+        return engine, rid, prompt, ids, params
+
+    async def _stream(self, request, context):
+        """Yields the engine's RequestOutputs, recording latency metrics."""
+        engine, rid, prompt, ids, params = await self._admit(request, context)
+        start = last = time.monotonic()
+        first = True
+        try:
+            async for out in engine.generate(
+                rid,
+                ids,
+                params,
+                prompt=prompt,
+                priority=request.priority,
+                cache_salt=request.cache_salt or None,
+            ):
+                now = time.monotonic()
+                if any(c.delta_token_ids for c in out.outputs):
+                    (self.metrics.ttft if first else self.metrics.itl).observe(now - last)
+                    first, last = False, now
+                yield rid, out
+                if out.finished:
+                    self.metrics.e2e.observe(now - start)
+                    for c in out.outputs:
+                        self.metrics.requests.labels(c.finish_reason).inc()
+        except ValueError as e:  # refused by the engine's validation, before anything ran
+            await self._invalid(context, str(e))
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    # -------------------------------------------------------------------- RPCs
+
+    async def Generate(self, request, context):
+        sent_prompt_logprobs = False
+        async for rid, out in self._stream(request, context):
+            for c in out.outputs:
+                if not c.delta_token_ids and not c.finished:
+                    continue
+                msg = self._delta(rid, c, out)
+                if not sent_prompt_logprobs:
+                    msg.prompt_logprobs.extend(_prompt_logprobs_proto(out))
+                    sent_prompt_logprobs = True
+                yield msg
+            if out.finished:
+                yield pb.GenerateResponse(request_id=rid, usage=_usage(out))
+
+    @staticmethod
+    def _delta(rid: str, c: CompletionOutput, out: RequestOutput) -> pb.GenerateResponse:
+        msg = pb.GenerateResponse(
+            request_id=rid, index=c.index, text=c.delta_text, token_ids=c.delta_token_ids
+        )
+        if c.finished:
+            msg.finish_reason = c.finish_reason
+            if c.stop_reason is not None:
+                msg.stop_reason = str(c.stop_reason)
+        if c.logprobs is not None and c.delta_token_ids:
+            n = len(c.delta_token_ids)
+            msg.logprobs.extend(_logprobs_proto(c.logprobs[-n:], c.delta_token_ids))
+        return msg
+
+    async def Complete(self, request, context):
+        final, rid = None, ""
+        async for request_id, out in self._stream(request, context):
+            final, rid = out, request_id
+        completions = []
+        for c in final.outputs:
+            comp = pb.Completion(
+                index=c.index,
+                text=c.text,
+                token_ids=c.token_ids,
+                finish_reason=c.finish_reason or "",
+                stop_reason="" if c.stop_reason is None else str(c.stop_reason),
+            )
+            if c.logprobs is not None:
+                comp.logprobs.extend(_logprobs_proto(c.logprobs, c.token_ids))
+                comp.cumulative_logprob = c.cumulative_logprob
+            completions.append(comp)
+        return pb.CompleteResponse(
+            request_id=rid,
+            completions=completions,
+            usage=_usage(final),
+            prompt_logprobs=_prompt_logprobs_proto(final),
+        )
+
+    async def Tokenize(self, request, context):
+        await self._ready(context)
+        tok = self.state.tokenizer
+        kind = request.WhichOneof("input")
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        if kind == "text":
+            return pb.TokenizeResponse(
+                token_ids=tok.encode(request.text, add_special_tokens=add_special)
+            )
+        if kind == "messages":
+            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            try:
+                return pb.TokenizeResponse(token_ids=tok.encode_chat(messages))
+            except ValueError as e:
+                await self._invalid(context, f"messages: {e}")
+        await self._invalid(context, "one of text or messages is required")
+
+    async def Detokenize(self, request, context):
+        await self._ready(context)
+        vocab = self.state.config.model.vocab_size
+        bad = [t for t in request.token_ids if not 0 <= t < vocab]
+        if bad:
+            await self._invalid(
+                context, f"token_ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+            )
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return pb.DetokenizeResponse(
+            text=self.state.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
+        )
+
+    async def GetModelInfo(self, request, context):
+        engine = await self._ready(context)
+        c = self.state.config
+        return pb.ModelInfo(
+            model=self.state.model_name,
+            max_model_len=c.max_model_len,
+            vocab_size=c.model.vocab_size,
+            kv_cache_tokens=engine.engine.runner.kv_tokens,
+            max_num_seqs=c.max_num_seqs,
+            dtype=c.dtype,
+            block_size=c.cache.page_size,
+        )

@@ -1,0 +1,101 @@
+"""`jaxserve serve` as a process: health, the client command, SIGTERM draining."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from server import jaxserve_pb2 as pb
+from server import jaxserve_pb2_grpc as pb_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(target, proc, timeout=180):
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("server never reported SERVING")
+
+
+@pytest.mark.slow
+def test_serve_client_and_sigterm_drain(tiny_model_dir):
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxserve.cli.main",
+            "serve",
+            f"--model={tiny_model_dir}",
+            f"--port={port}",
+            "--max_model_len=128",
+            "--max_num_seqs=4",
+            "--max_num_batched_tokens=64",
+            "--block_size=8",
+            "--drain_grace_s=60",
+            "--compilation_cache_dir=",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_serving(target, proc)
+        client = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "jaxserve.cli.main",
+                "client",
+                f"--target={target}",
+                "--prompt=The quick brown fox",
+                "--max_tokens=5",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert client.returncode == 0, client.stderr
+        assert client.stdout.startswith("The quick brown fox")
+        assert "5 generated" in client.stderr
+
+        # A request in flight when SIGTERM arrives still finishes (drain), while new
+        # requests are refused.
+        stub = pb_grpc.JaxServeStub(grpc.insecure_channel(target))
+        long_request = pb.GenerateRequest(
+            prompt="The quick", sampling_params=pb.SamplingParams(max_tokens=100, ignore_eos=True)
+        )
+        stream = stub.Generate(long_request)
+        tokens = len(next(stream).token_ids)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Complete(long_request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        tokens += sum(len(m.token_ids) for m in stream)
+        assert tokens == 100
+        assert proc.wait(60) == 0
+        assert "draining" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)

@@ -1,0 +1,316 @@
+"""The gRPC server end to end, with real clients on loopback."""
+
+import asyncio
+import filecmp
+import os
+import random
+import time
+import urllib.request
+
+import grpc
+import pytest
+from conftest import ServerThread
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from jaxserve import LLM, SamplingParams
+from server import gen_protos
+from server import jaxserve_pb2 as pb
+from server import jaxserve_pb2_grpc as pb_grpc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+
+def stub(target):
+    return pb_grpc.JaxServeStub(grpc.insecure_channel(target))
+
+
+def request(prompt="The quick brown fox", **params):
+    params = {"max_tokens": 8, "temperature": 0.0, **params}
+    return pb.GenerateRequest(prompt=prompt, sampling_params=pb.SamplingParams(**params))
+
+
+def wait_idle(engine, timeout=10):
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished() or engine.requests:
+        assert time.monotonic() < deadline, "engine did not go idle"
+        time.sleep(0.02)
+    engine.pool.check_invariant()
+    assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_stubs_are_current(tmp_path):
+    for path in gen_protos.generate(str(tmp_path)):
+        committed = os.path.join(ROOT, "server", os.path.basename(path))
+        assert filecmp.cmp(path, committed, shallow=False), (
+            f"{committed} is stale: run python -m server.gen_protos"
+        )
+
+
+def test_health_goes_from_not_serving_to_serving(tiny_model_dir):
+    server = ServerThread(tiny_model_dir, load=False)
+    try:
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.target))
+        check = health_pb2.HealthCheckRequest(service="jaxserve.v1.JaxServe")
+        assert health.Check(check).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            stub(server.target).Complete(request())
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        server.load()
+        assert health.Check(check).status == health_pb2.HealthCheckResponse.SERVING
+        assert stub(server.target).Complete(request()).completions[0].token_ids
+    finally:
+        server.stop()
+
+
+def test_stream_equals_unary_equals_offline(served, tiny_model_dir):
+    params = dict(
+        max_tokens=12, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True, n=2, logprobs=2
+    )
+    s = stub(served.target)
+    streamed = {0: ([], ""), 1: ([], "")}
+    finish, usage = {}, None
+    for msg in s.Generate(request(**params)):
+        if msg.HasField("usage"):
+            usage = msg.usage
+            continue
+        ids, text = streamed[msg.index]
+        streamed[msg.index] = (ids + list(msg.token_ids), text + msg.text)
+        assert len(msg.logprobs) == len(msg.token_ids)
+        if msg.finish_reason:
+            finish[msg.index] = msg.finish_reason
+    unary = s.Complete(request(**params))
+    offline = LLM(tiny_model_dir, max_model_len=128, warmup=False).generate(
+        ["The quick brown fox"], SamplingParams(**{**params, "max_tokens": 12}), use_tqdm=False
+    )[0]
+    for c, o in zip(unary.completions, offline.outputs, strict=True):
+        assert streamed[c.index] == (list(c.token_ids), c.text) == (o.token_ids, o.text)
+        assert finish[c.index] == c.finish_reason == "length"
+        assert c.logprobs[0].entries[0].token_id == c.token_ids[0]
+        assert c.cumulative_logprob == pytest.approx(o.cumulative_logprob, abs=1e-4)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        unary.usage.prompt_tokens,
+        unary.usage.completion_tokens,
+    )
+    assert unary.usage.cached_prompt_tokens == 8  # the same prompt again: one full page cached
+    assert usage.completion_tokens == 24 and usage.prompt_tokens == len(offline.prompt_token_ids)
+
+
+def test_chat_messages_use_the_template(served):
+    s = stub(served.target)
+    messages = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Ça va? 東京")])
+    want = served.server.state.tokenizer.encode_chat([{"role": "user", "content": "Ça va? 東京"}])
+    assert list(s.Tokenize(pb.TokenizeRequest(messages=messages)).token_ids) == want
+    out = s.Complete(
+        pb.GenerateRequest(messages=messages, sampling_params=pb.SamplingParams(max_tokens=3))
+    )
+    assert out.usage.prompt_tokens == len(want)
+    text = s.Detokenize(pb.DetokenizeRequest(token_ids=want, skip_special_tokens=False)).text
+    assert text.startswith("<s><|user|>Ça va? 東京<|end|>")
+
+
+def test_model_info(served):
+    info = stub(served.target).GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.model, info.max_model_len, info.vocab_size, info.block_size) == (
+        "tiny",
+        128,
+        320,
+        8,
+    )
+    assert info.kv_cache_tokens == 255 * 8
+
+
+def test_cancelled_stream_is_aborted_and_frees_its_pages(served):
+    engine = served.engine
+    aborted = engine.stats.requests_aborted
+    call = stub(served.target).Generate(request(max_tokens=100, ignore_eos=True))
+    first = next(call)
+    assert first.token_ids
+    call.cancel()
+    wait_idle(engine)
+    assert engine.stats.requests_aborted == aborted + 1
+    assert len(engine.scheduler.running) == 0
+    # Aborting again, or after the request is gone, is harmless.
+    served.server.state.engine.abort(first.request_id)
+    assert stub(served.target).Complete(request()).completions[0].finish_reason == "length"
+
+
+async def _stream_tokens(target, req):
+    async with grpc.aio.insecure_channel(target) as channel:
+        ids, ends = [], 0
+        async for msg in pb_grpc.JaxServeStub(channel).Generate(req):
+            ids += msg.token_ids
+            ends += bool(msg.finish_reason)
+        return ids, ends
+
+
+@pytest.mark.slow
+def test_200_concurrent_streams_then_overload_and_recovery(served):
+    rs = random.Random(0)
+    vocab = 320
+    jobs = [
+        pb.GenerateRequest(
+            request_id=f"load-{i}",
+            prompt_token_ids=pb.TokenIds(
+                ids=[rs.randrange(3, vocab) for _ in range(rs.randint(1, 60))]
+            ),
+            sampling_params=pb.SamplingParams(
+                max_tokens=rs.randint(1, 16),
+                ignore_eos=True,
+                temperature=rs.choice([0.0, 0.7]),
+                seed=i,
+            ),
+        )
+        for i in range(220)
+    ]
+
+    async def run_all():
+        return await asyncio.gather(*(_stream_tokens(served.target, j) for j in jobs))
+
+    results = asyncio.run(run_all())
+    for job, (ids, ends) in zip(jobs, results, strict=True):
+        assert len(ids) == job.sampling_params.max_tokens and ends == 1
+    wait_idle(served.engine)
+
+    # Overload: a bound of 4 pending requests refuses the rest, then recovers.
+    served.server.state.max_pending = 4
+    try:
+
+        async def burst():
+            return await asyncio.gather(
+                *(
+                    _stream_tokens(served.target, request(max_tokens=30, ignore_eos=True))
+                    for _ in range(20)
+                ),
+                return_exceptions=True,
+            )
+
+        outcomes = asyncio.run(burst())
+        refused = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+        assert refused and all(o.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for o in refused)
+        assert len(refused) < 20
+    finally:
+        served.server.state.max_pending = 1024
+    wait_idle(served.engine)
+    assert stub(served.target).Complete(request()).usage.completion_tokens == 8
+
+
+BAD = [
+    (pb.GenerateRequest(sampling_params=pb.SamplingParams()), "one of prompt"),
+    (pb.GenerateRequest(prompt_token_ids=pb.TokenIds()), "must not be empty"),
+    (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5, 320])), "outside the vocabulary"),
+    (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5] * 128)), "max_model_len"),
+    (request(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (request(max_tokens=500), "exceeds max_model_len"),
+    (request(temperature=float("nan")), "temperature must be a finite number"),
+    (request(temperature=-1.0), "temperature must be >= 0"),
+    (request(top_p=0.0), "top_p must be in"),
+    (request(min_p=1.5), "min_p must be in"),
+    (request(logprobs=21), "logprobs must be an integer in"),
+    (request(n=0), "n must be an integer >= 1"),
+    (request(top_k=-5), "top_k"),
+    (request(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+    (request(presence_penalty=3.0), "presence_penalty must be in"),
+    (request(min_tokens=20, max_tokens=5), "min_tokens"),
+    (request(stop=[""]), "stop must be non-empty strings"),
+    (request(logit_bias={999: 1.0}), "logit_bias names token 999"),
+    (request(logit_bias={5: 500.0}), r"logit_bias\[5\] must be in"),
+    (pb.GenerateRequest(messages=pb.ChatMessages()), "messages must not be empty"),
+]
+
+
+@pytest.mark.parametrize("req,match", BAD)
+def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(served, req, match):
+    s = stub(served.target)
+    with pytest.raises(grpc.RpcError) as e:
+        list(s.Generate(req))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert pytest.importorskip("re").search(match, e.value.details()), e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        s.Complete(req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert s.Complete(request(max_tokens=2)).usage.completion_tokens == 2
+
+
+def test_malformed_and_oversized_messages_are_refused(served):
+    channel = grpc.insecure_channel(served.target)
+    raw = channel.unary_unary("/jaxserve.v1.JaxServe/Complete")
+    with pytest.raises(grpc.RpcError) as e:
+        raw(b"\xff\xff\xff\xff garbage")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed /jaxserve.v1.JaxServe/Complete request" in e.value.details()
+    huge = pb.GenerateRequest(prompt="x" * (5 << 20))
+    with pytest.raises(grpc.RpcError) as e:
+        stub(served.target).Complete(huge)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stub(served.target).Complete(request(max_tokens=2)).usage.completion_tokens == 2
+
+
+def test_reflection_lists_the_services(served):
+    s = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(served.target))
+    responses = s.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    names = {x.name for r in responses for x in r.list_services_response.service}
+    assert {"jaxserve.v1.JaxServe", "grpc.health.v1.Health"} <= names
+
+
+def _scrape(port) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    values = {}
+    for line in text.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_metrics_agree_with_what_was_sent(served):
+    wait_idle(served.engine)
+    before = _scrape(served.server.metrics_port)
+    s = stub(served.target)
+    sent = [(5, 3), (9, 6), (17, 4)]
+    for n, m in sent:
+        s.Complete(
+            pb.GenerateRequest(
+                prompt_token_ids=pb.TokenIds(ids=list(range(50, 50 + n))),
+                sampling_params=pb.SamplingParams(max_tokens=m, ignore_eos=True),
+            )
+        )
+    after = _scrape(served.server.metrics_port)
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    label = '{model_name="tiny"}'
+    assert delta(f"jaxserve:generation_tokens_total{label}") == sum(m for _, m in sent)
+    assert delta(f"jaxserve:prompt_tokens_total{label}") + delta(
+        f"jaxserve:prefix_cache_hits_total{label}"
+    ) == sum(n for n, _ in sent)
+    assert delta('jaxserve:request_success_total{finished_reason="length"}') == 3
+    assert delta("jaxserve:e2e_request_latency_seconds_count") == 3
+    assert delta("jaxserve:time_to_first_token_seconds_count") == 3
+    assert delta("jaxserve:inter_token_latency_seconds_count") == sum(m - 1 for _, m in sent)
+    assert after[f"jaxserve:num_requests_running{label}"] == 0
+
+
+def test_api_key_is_required_but_health_stays_open(tiny_model_dir):
+    server = ServerThread(tiny_model_dir, api_key="s3cret", metrics_port=None)
+    try:
+        channel = grpc.insecure_channel(server.target)
+        s = pb_grpc.JaxServeStub(channel)
+        for call in (
+            lambda md: s.Complete(request(), metadata=md),
+            lambda md: list(s.Generate(request(), metadata=md)),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                call([("authorization", "Bearer wrong")])
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert s.Complete(request(), metadata=[("x-api-key", "s3cret")]).completions
+        assert list(s.Generate(request(), metadata=[("authorization", "Bearer s3cret")]))
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest()).status == (
+            health_pb2.HealthCheckResponse.SERVING
+        )
+    finally:
+        server.stop()
