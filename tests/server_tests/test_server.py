@@ -4,6 +4,7 @@ import asyncio
 import filecmp
 import os
 import random
+import subprocess
 import time
 import urllib.request
 
@@ -312,5 +313,40 @@ def test_api_key_is_required_but_health_stays_open(tiny_model_dir):
         assert health.Check(health_pb2.HealthCheckRequest()).status == (
             health_pb2.HealthCheckResponse.SERVING
         )
+    finally:
+        server.stop()
+
+
+def test_tls(tiny_model_dir, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    server = ServerThread(tiny_model_dir, tls_cert=str(cert), tls_key=str(key), metrics_port=None)
+    try:
+        creds = grpc.ssl_channel_credentials(cert.read_bytes())
+        secure = pb_grpc.JaxServeStub(grpc.secure_channel(server.target, creds))
+        assert secure.Complete(request(max_tokens=2)).usage.completion_tokens == 2
+        with pytest.raises(grpc.RpcError):  # plaintext is refused
+            stub(server.target).Complete(request(max_tokens=2), timeout=5)
     finally:
         server.stop()
