@@ -267,7 +267,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     cache: CacheConfig = CacheConfig()
-    attention_backend: str = "reference"
+    attention_backend: str = "auto"  # pallas_tpu on TPU, pallas_gpu on GPU, else reference
     seed: int = 0
     enable_prefix_caching: bool = True
     min_token_bucket: int = 16

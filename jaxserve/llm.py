@@ -64,7 +64,7 @@ class LLM:
         kv_cache_memory_bytes: int = 1 << 30,
         kv_cache_memory_fraction: float | None = None,
         enable_prefix_caching: bool = True,
-        attention_backend: str = "reference",
+        attention_backend: str = "auto",
         seed: int = 0,
         warmup: bool = False,
         compile_guard: bool = False,

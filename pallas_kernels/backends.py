@@ -1,17 +1,26 @@
 """Attention backends: which KV write and which ragged attention a model calls.
 
 Every backend has the same two functions with the reference's signatures, so the
-engine switches backend by configuration alone.
+engine switches backend by configuration alone:
+
+  reference              pure jnp, compiled by XLA: the CPU default
+  pallas_tpu             the Mosaic kernels (TPU)
+  pallas_gpu             the Triton kernels (GPU)
+  pallas_*_interpret     the same kernels run by the Pallas interpreter (any device)
+  auto                   pallas_tpu on TPU, pallas_gpu on GPU, else reference
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
 
 from pallas_kernels import ragged_paged_attention as reference
+from pallas_kernels import ragged_paged_attention_gpu as gpu
+from pallas_kernels import ragged_paged_attention_tpu as tpu
 from pallas_kernels.metadata import AttentionMetadata
 
 
@@ -49,11 +58,41 @@ class AttentionBackend:
         return out, kv_cache
 
 
+def _tpu_attention(queries, kv_cache, *args, interpret=False, **kwargs):
+    """The TPU kernel with block sizes for the device it is traced for."""
+    kind = jax.devices()[0].device_kind if jax.default_backend() == "tpu" else "TPU v5 lite"
+    sizes = tpu.TpuBlockSizes.for_device(kind, queries.shape[-1])
+    return tpu.ragged_paged_attention(
+        queries, kv_cache, *args, block_sizes=sizes, interpret=interpret, **kwargs
+    )
+
+
 BACKENDS = {
     "reference": AttentionBackend(
         "reference", reference.write_kv, reference.ragged_paged_attention
     ),
+    "pallas_tpu": AttentionBackend("pallas_tpu", tpu.write_kv, _tpu_attention),
+    "pallas_gpu": AttentionBackend("pallas_gpu", gpu.write_kv, gpu.ragged_paged_attention),
+    "pallas_tpu_interpret": AttentionBackend(
+        "pallas_tpu_interpret",
+        functools.partial(tpu.write_kv, interpret=True),
+        functools.partial(_tpu_attention, interpret=True),
+    ),
+    "pallas_gpu_interpret": AttentionBackend(
+        "pallas_gpu_interpret",
+        functools.partial(gpu.write_kv, interpret=True),
+        functools.partial(gpu.ragged_paged_attention, interpret=True),
+    ),
 }
+
+_BY_PLATFORM = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
+
+
+def resolve_backend_name(name: str, platform: str | None = None) -> str:
+    """'auto' -> the backend for `platform` (default: JAX's default backend)."""
+    if name != "auto":
+        return name
+    return _BY_PLATFORM.get(platform or jax.default_backend(), "reference")
 
 
 def get_backend(name: str | AttentionBackend) -> AttentionBackend:
@@ -61,8 +100,8 @@ def get_backend(name: str | AttentionBackend) -> AttentionBackend:
     if isinstance(name, AttentionBackend):
         return name
     try:
-        return BACKENDS[name]
+        return BACKENDS[resolve_backend_name(name)]
     except KeyError:
         raise ValueError(
-            f"attention_backend must be one of {sorted(BACKENDS)}, got {name!r}"
+            f"attention_backend must be one of {sorted([*BACKENDS, 'auto'])}, got {name!r}"
         ) from None

@@ -31,7 +31,11 @@ flags.DEFINE_float(
     "KV cache budget as a fraction of device memory, less the weights (GPU/TPU).",
 )
 flags.DEFINE_bool("enable_prefix_caching", True, "Reuse the KV pages of shared prefixes.")
-flags.DEFINE_string("attention_backend", "reference", "Attention implementation.")
+flags.DEFINE_string(
+    "attention_backend",
+    "auto",
+    "reference, pallas_tpu, pallas_gpu, pallas_*_interpret, or auto (by platform).",
+)
 flags.DEFINE_integer("seed", 0, "Engine seed (for requests without their own seed).")
 flags.DEFINE_bool("warmup", False, "Compile every step bucket before generating.")
 flags.DEFINE_string(

@@ -1,0 +1,225 @@
+"""The Pallas kernels (interpret mode) against the reference, and lowering for TPU and CUDA."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import AbstractDevice, AbstractMesh
+from test_reference import make_case
+
+from pallas_kernels import ragged_paged_attention as ref
+from pallas_kernels import ragged_paged_attention_gpu as gpu
+from pallas_kernels import ragged_paged_attention_tpu as tpu
+
+KERNELS = {"tpu": tpu, "gpu": gpu}
+BATCHES = {
+    "decode": ([1, 1, 1, 1], [1, 8, 17, 50]),  # under a page, exactly one, several, many
+    "prefill": ([16, 5, 33, 8], [16, 5, 33, 8]),
+    "mixed": ([1, 7, 1, 20, 3], [40, 7, 9, 52, 3]),
+    "chunk_after_cache": ([4, 16], [36, 16]),
+}
+TOLERANCE = {np.float32: 2e-5, ml_dtypes.bfloat16: 2e-2}
+
+
+def run_and_compare(kernel, batch, *, heads=(8, 2), head_dim=16, dtype=np.float32, **kw):
+    q_lens, kv_lens = BATCHES[batch]
+    num_heads, num_kv_heads = heads
+    q, kv, kvl, pi, cu, ns, _ = make_case(
+        q_lens,
+        kv_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=8,
+        pages_per_seq=8,
+        num_pages=48,
+        token_bucket=sum(q_lens) + 5,
+        seq_bucket=len(q_lens) + 2,
+    )
+    q, kv = q.astype(dtype), kv.astype(dtype)
+    want = np.asarray(
+        ref.ragged_paged_attention_jit(q, kv, kvl, pi, cu, ns, sm_scale=0.25, **kw), np.float32
+    )
+    got = np.asarray(
+        KERNELS[kernel].ragged_paged_attention(
+            q, kv, kvl, pi, cu, ns, sm_scale=0.25, interpret=True, **kw
+        ),
+        np.float32,
+    )
+    t = sum(q_lens)
+    assert np.isfinite(got).all()  # unowned pages are NaN: any stray read shows here
+    tol = TOLERANCE[dtype]
+    np.testing.assert_allclose(got[:t], want[:t], atol=tol, rtol=tol)
+    np.testing.assert_array_equal(got[t:], 0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (7, 1), (16, 2)])  # 1:1, 4:1, 7:1, 8:1
+def test_batches_and_gqa_ratios(kernel, batch, heads):
+    run_and_compare(kernel, batch, heads=heads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])
+def test_head_dims_and_dtypes(kernel, head_dim, dtype):
+    run_and_compare(kernel, "mixed", head_dim=head_dim, dtype=dtype)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize(
+    "kw", [dict(sliding_window=5), dict(soft_cap=2.0), dict(sliding_window=9, soft_cap=1.5)]
+)
+def test_sliding_window_and_soft_cap(kernel, kw):
+    run_and_compare(kernel, "mixed", **kw)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])
+def test_kv_write_equals_the_reference_exactly(kernel, dtype):
+    rs = np.random.RandomState(0)
+    kv = rs.randn(6, 8, 6, 80).astype(dtype)
+    keys, values = (rs.randn(5, 3, 80).astype(np.float32) for _ in range(2))
+    slots = np.array([13, 20, 7, 0, 0], np.int32)  # two padding tokens -> the null page
+    want = np.asarray(jax.jit(ref.write_kv)(kv.copy(), keys, values, slots))
+    got = np.asarray(KERNELS[kernel].write_kv(jnp.asarray(kv), keys, values, slots, interpret=True))
+    np.testing.assert_array_equal(got[1:], want[1:])  # page 0 takes racing padding writes
+
+
+# ------------------------------------------------------------------------- lowering
+
+TPU_KINDS = ["TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite"]
+
+
+def tpu_context(kind):
+    return jax.sharding.use_abstract_mesh(
+        AbstractMesh(
+            (1,),
+            ("x",),
+            abstract_device=AbstractDevice(device_kind=kind, num_cores=1, platform="tpu"),
+        )
+    )
+
+
+def lower(fn, args, platform, kind="TPU v5 lite"):
+    if platform == "tpu":
+        with tpu_context(kind):
+            return export.export(jax.jit(fn), platforms=["tpu"])(*args)
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
+
+
+def kernel_args(head_dim, dtype, t=64, n=8, k=2, p=64, s=16, b=8, m=16):
+    sds = jax.ShapeDtypeStruct
+    return (
+        sds((t, n, head_dim), dtype),
+        sds((p, s, 2 * k, head_dim), dtype),
+        sds((b,), jnp.int32),
+        sds((b, m), jnp.int32),
+        sds((b + 1,), jnp.int32),
+        sds((1,), jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("kind", TPU_KINDS)
+@pytest.mark.parametrize(
+    "head_dim,dtype", [(128, jnp.bfloat16), (64, jnp.bfloat16), (80, jnp.float32)]
+)
+def test_tpu_kernels_lower(kind, head_dim, dtype):
+    attn = functools.partial(
+        tpu.ragged_paged_attention, sm_scale=0.1, sliding_window=32, soft_cap=30.0
+    )
+    assert lower(attn, kernel_args(head_dim, dtype), "tpu", kind).mlir_module()
+    a = kernel_args(head_dim, dtype)
+    write_args = (
+        a[1],
+        jax.ShapeDtypeStruct((64, 2, head_dim), dtype),
+        jax.ShapeDtypeStruct((64, 2, head_dim), dtype),
+        jax.ShapeDtypeStruct((64,), jnp.int32),
+    )
+    assert lower(tpu.write_kv, write_args, "tpu", kind).mlir_module()
+
+
+@pytest.mark.parametrize(
+    "head_dim,dtype", [(128, jnp.bfloat16), (64, jnp.float32), (80, jnp.bfloat16)]
+)
+def test_gpu_kernels_lower(head_dim, dtype):
+    attn = functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, soft_cap=30.0)
+    assert lower(attn, kernel_args(head_dim, dtype), "cuda").mlir_module()
+    a = kernel_args(head_dim, dtype)
+    write_args = (
+        a[1],
+        jax.ShapeDtypeStruct((64, 2, head_dim), dtype),
+        jax.ShapeDtypeStruct((64, 2, head_dim), dtype),
+        jax.ShapeDtypeStruct((64,), jnp.int32),
+    )
+    assert lower(gpu.write_kv, write_args, "cuda").mlir_module()
+
+
+@pytest.mark.parametrize("backend,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
+def test_the_engine_step_lowers_with_the_pallas_backend(backend, platform):
+    from flax import nnx
+
+    from jaxserve.checkpoint import abstract_model
+    from jaxserve.config import ModelConfig
+    from jaxserve.runner.input_batch import SeqWork, build_batch
+    from jaxserve.runner.step import StepInput, forward
+
+    config = ModelConfig.from_hf(
+        dict(
+            architectures=["Qwen2ForCausalLM"],
+            vocab_size=1024,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=512,
+        )
+    )
+    graphdef, state = nnx.split(abstract_model(config, dtype="bfloat16", attention_backend=backend))
+    kv = [jax.ShapeDtypeStruct((32, 16, 4, 64), jnp.bfloat16)] * 2
+    batch = StepInput.from_host(
+        build_batch(
+            [SeqWork(list(range(20)), 0, [1, 2]), SeqWork([5], 40, [3, 4, 5])],
+            page_size=16,
+            pages_per_seq=8,
+            token_bucket=32,
+            seq_bucket=4,
+        )
+    )
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+
+    def step(state, kv, batch):
+        return forward(graphdef, state, kv, batch)
+
+    text = lower(step, (state, kv, batch), platform).mlir_module()
+    assert ("tpu_custom_call" in text) if platform == "tpu" else ("triton" in text)
+
+
+def test_backend_selection():
+    from pallas_kernels.backends import get_backend, resolve_backend_name
+
+    assert resolve_backend_name("auto", "tpu") == "pallas_tpu"
+    assert resolve_backend_name("auto", "gpu") == "pallas_gpu"
+    assert resolve_backend_name("auto", "cpu") == "reference"
+    assert get_backend("pallas_gpu_interpret").name == "pallas_gpu_interpret"
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        get_backend("flash")
+
+
+def test_block_sizes_are_validated():
+    with pytest.raises(ValueError, match="block_q must be a power of two >= 16"):
+        gpu.GpuBlockSizes(block_q=24)
+    with pytest.raises(ValueError, match="block_q must be a positive multiple of 8"):
+        tpu.TpuBlockSizes(block_q=12)
+    assert tpu.TpuBlockSizes.for_device("TPU v3", 128).block_q == 8
+    assert tpu.TpuBlockSizes.for_device("TPU v5 lite", 128).resolve_pages_per_block(16) == 8
