@@ -223,3 +223,19 @@ def test_block_sizes_are_validated():
         tpu.TpuBlockSizes(block_q=12)
     assert tpu.TpuBlockSizes.for_device("TPU v3", 128).block_q == 8
     assert tpu.TpuBlockSizes.for_device("TPU v5 lite", 128).resolve_pages_per_block(16) == 8
+
+
+@pytest.mark.slow
+def test_microbenchmark_runs():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "pallas_kernels.bench", "--small", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if "GB/s" in line]
+    assert len(rows) == 6 and all("e-0" in r or "0.0e+00" in r for r in rows)
