@@ -227,6 +227,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output for every request that made progress."""
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
@@ -239,10 +240,12 @@ class LLMEngine:
         rows = [self._sample_row(s.seq) for s in plan.scheduled]
         targets = self._prompt_targets(plan, len(batch.input_ids))
         pending = runner.dispatch(batch, runner.build_sampling(rows, len(batch.kv_lens)), targets)
+        t1 = time.perf_counter()
         # While the device runs: the bookkeeping that does not need the sampled tokens.
         for item in plan.scheduled:
             self.scheduler.on_computed(item)
         out, prompt_lp = runner.fetch(pending)
+        t2 = time.perf_counter()
 
         touched: dict[str, _Request] = {}
         new_tokens: dict[Sequence, int] = {}
@@ -264,12 +267,14 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             touched[seq.request_id] = req
-        self.stats.on_step(plan, len(new_tokens))
         outputs = [self._output(req, new_tokens) for req in touched.values()]
         for o in outputs:
             if o.finished:
                 req = self.requests.pop(o.request_id)
                 self.stats.on_finish(req)
+        self.stats.on_step(
+            plan, len(new_tokens), host_s=(t1 - t0) + (time.perf_counter() - t2), device_s=t2 - t1
+        )
         return outputs
 
     def _prompt_targets(self, plan, num_rows: int) -> np.ndarray | None:

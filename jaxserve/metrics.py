@@ -25,6 +25,17 @@ class StatsSnapshot:
     requests_finished: int
     requests_aborted: int
     num_compiles: int
+    steps: int = 0
+    host_seconds: float = 0.0  # scheduling, input building, output processing
+    device_seconds: float = 0.0  # waiting for the device (host bookkeeping overlapped)
+    peak_kv_pages: int = 0  # most pages ever held by running sequences at once
+    kv_waste_at_peak: float = 0.0  # of those pages' slots, the fraction holding no token
+
+    @property
+    def host_overhead(self) -> float:
+        """Host time as a fraction of step time."""
+        total = self.host_seconds + self.device_seconds
+        return self.host_seconds / total if total else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -42,16 +53,30 @@ class EngineStats:
         self.requests_added = 0
         self.requests_finished = 0
         self.requests_aborted = 0
+        self.steps = 0
+        self.host_seconds = 0.0
+        self.device_seconds = 0.0
+        self.peak_kv_pages = 0
+        self.kv_waste_at_peak = 0.0
         self._last_log = time.monotonic()
         self._last = (0, 0)
 
     def on_add(self) -> None:
         self.requests_added += 1
 
-    def on_step(self, plan, num_sampled: int) -> None:
+    def on_step(self, plan, num_sampled: int, *, host_s: float, device_s: float) -> None:
         decode = sum(s.num_tokens for s in plan.scheduled if s.start >= s.seq.num_prompt_tokens)
         self.prompt_tokens += plan.num_tokens - decode
         self.generation_tokens += num_sampled
+        self.steps += 1
+        self.host_seconds += host_s
+        self.device_seconds += device_s
+        running = self._engine.scheduler.running
+        pages = sum(len(s.pages) for s in running)
+        if pages >= self.peak_kv_pages:  # the latest step at the peak: its fullest pages
+            slots = pages * self._engine.config.cache.page_size
+            self.peak_kv_pages = pages
+            self.kv_waste_at_peak = 1.0 - sum(s.num_computed for s in running) / slots
         now = time.monotonic()
         if self.interval_s > 0 and now - self._last_log >= self.interval_s:
             self.log(now)
@@ -76,6 +101,11 @@ class EngineStats:
             requests_finished=self.requests_finished,
             requests_aborted=self.requests_aborted,
             num_compiles=e.runner.compiles.count,
+            steps=self.steps,
+            host_seconds=self.host_seconds,
+            device_seconds=self.device_seconds,
+            peak_kv_pages=self.peak_kv_pages,
+            kv_waste_at_peak=self.kv_waste_at_peak,
         )
 
     def log(self, now: float | None = None) -> None:

@@ -13,6 +13,7 @@ COMMANDS = {
     "generate": ("jaxserve.cli.generate", "offline batch generation"),
     "serve": ("jaxserve.cli.serve", "the gRPC server"),
     "client": ("server.client", "stream a completion from a server"),
+    "bench": ("jaxserve.cli.bench", "throughput and latency benchmarks"),
 }
 
 

@@ -1,0 +1,1 @@
+"""Benchmark workloads and reports (no JAX here): used by `jaxserve bench`."""

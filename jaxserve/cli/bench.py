@@ -1,0 +1,361 @@
+"""`jaxserve bench`: throughput and latency benchmarks, as vLLM's `bench` reports them.
+
+  jaxserve bench --mode=offline --workload=random --num_requests=128
+  jaxserve bench --mode=offline --workload=shared-prefix --compare_prefix_caching
+  jaxserve bench --mode=serving --request_rate=4 --goodput=ttft:500,tpot:100
+  jaxserve bench --mode=serving --target=host:50051     # against a running server
+  jaxserve bench --roofline                             # batch-1 decode vs bandwidth
+
+Offline mode submits every request at once to an engine and steps it to the
+end; serving mode sends them to a gRPC server (started in-process unless
+--target is given) at a Poisson rate or a fixed concurrency. Both report
+request and token throughput and per-request TTFT, TPOT (time per output token
+after the first), inter-token latency and end-to-end latency (mean, median,
+p90, p99), plus the engine's own figures: host overhead per step, KV waste at
+peak, preemptions and the prefix-cache hit rate. Results go to a JSON file and
+a PNG of latency CDFs, and a table to the terminal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import jax
+import numpy as np
+from absl import flags
+from tqdm import tqdm
+
+from jaxserve.bench import report, workloads
+from jaxserve.cli.engine_flags import engine_kwargs
+from jaxserve.llm import LLM, resolve_model_dir
+from jaxserve.sampling_params import SamplingParams
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("mode", "offline", ["offline", "serving"], "What to measure.")
+flags.DEFINE_enum("workload", "random", ["random", "sharegpt", "shared-prefix"], "Requests.")
+flags.DEFINE_integer("num_requests", 64, "Requests in the workload.")
+flags.DEFINE_integer("input_len", 128, "random: mean prompt length.")
+flags.DEFINE_integer("output_len", 64, "random / shared-prefix: mean output length.")
+flags.DEFINE_float("range_ratio", 0.0, "random: lengths vary by +- this fraction.")
+flags.DEFINE_integer("num_prefixes", 4, "shared-prefix: distinct system prompts.")
+flags.DEFINE_integer("prefix_len", 256, "shared-prefix: system prompt length.")
+flags.DEFINE_integer("suffix_len", 32, "shared-prefix: per-request suffix length.")
+flags.DEFINE_bool("ignore_eos", True, "Generate exactly the requested number of tokens.")
+flags.DEFINE_integer("bench_seed", 0, "Workload seed.")
+flags.DEFINE_bool("compare_prefix_caching", False, "Run twice, caching on and off.")
+flags.DEFINE_bool("roofline", False, "Measure batch-1 decode against memory bandwidth.")
+flags.DEFINE_string("target", None, "serving: address of a running server.")
+flags.DEFINE_float("request_rate", float("inf"), "serving: Poisson arrival rate (req/s).")
+flags.DEFINE_integer("max_concurrency", None, "serving: most requests in flight.")
+flags.DEFINE_string("goodput", None, "SLOs in ms, e.g. ttft:500,tpot:100,e2e:5000.")
+flags.DEFINE_string("output_json", "bench_result.json", "Where the results go.")
+flags.DEFINE_string("output_png", "bench_result.png", "Latency CDF plot ('' for none).")
+FLAGS.set_default("warmup", True)  # compile before measuring
+
+
+def _workload(vocab: int, max_len: int) -> list[workloads.BenchRequest]:
+    n, seed = FLAGS.num_requests, FLAGS.bench_seed
+    if FLAGS.workload == "random":
+        return workloads.random_workload(
+            n,
+            input_len=FLAGS.input_len,
+            output_len=FLAGS.output_len,
+            range_ratio=FLAGS.range_ratio,
+            vocab=vocab,
+            seed=seed,
+        )
+    if FLAGS.workload == "sharegpt":
+        return workloads.sharegpt_like(n, vocab=vocab, max_len=max_len, seed=seed)
+    return workloads.shared_prefix(
+        n,
+        num_prefixes=FLAGS.num_prefixes,
+        prefix_len=FLAGS.prefix_len,
+        suffix_len=FLAGS.suffix_len,
+        output_len=FLAGS.output_len,
+        vocab=vocab,
+        seed=seed,
+    )
+
+
+def _latencies(arrive, first, ends, token_times) -> dict:
+    ttft = [first[i] - arrive[i] for i in ends]
+    e2e = [ends[i] - arrive[i] for i in ends]
+    tpot = [
+        (ends[i] - first[i]) / (len(token_times[i]) - 1) for i in ends if len(token_times[i]) > 1
+    ]
+    itl = [b - a for i in ends for a, b in zip(token_times[i], token_times[i][1:], strict=False)]
+    return {"ttft": ttft, "tpot": tpot, "itl": itl, "e2e": e2e}
+
+
+def _goodput(arrive, first, ends, token_times, elapsed: float) -> dict | None:
+    """Requests (per second) that met every SLO given in --goodput."""
+    if not FLAGS.goodput:
+        return None
+    slos = {k: float(v) / 1e3 for k, v in (p.split(":") for p in FLAGS.goodput.split(","))}
+    good = 0
+    for i in ends:
+        n = len(token_times[i])
+        measured = {
+            "ttft": first[i] - arrive[i],
+            "e2e": ends[i] - arrive[i],
+            "tpot": (ends[i] - first[i]) / (n - 1) if n > 1 else 0.0,
+        }
+        good += all(measured[k] <= slo for k, slo in slos.items())
+    return {
+        "slos_ms": {k: v * 1e3 for k, v in slos.items()},
+        "good_requests": good,
+        "goodput_req_s": good / elapsed,
+    }
+
+
+def _run_offline(llm: LLM, reqs) -> dict:
+    engine = llm.engine
+    base = engine.stats.snapshot()
+    arrive, first, ends, token_times = {}, {}, {}, {}
+    t0 = time.perf_counter()
+    for i, r in enumerate(reqs):
+        engine.add_request(
+            str(i),
+            r.prompt_token_ids,
+            SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=FLAGS.ignore_eos),
+        )
+        arrive[i], token_times[i] = t0, []
+    with tqdm(total=len(reqs), desc="offline", unit="req", mininterval=2) as bar:
+        while engine.has_unfinished():
+            for out in engine.step():
+                now, i = time.perf_counter(), int(out.request_id)
+                token_times[i].append(now)
+                first.setdefault(i, now)
+                if out.finished:
+                    ends[i] = now
+                    bar.update(1)
+    elapsed = time.perf_counter() - t0
+    return _result(reqs, arrive, first, ends, token_times, elapsed, engine.stats.snapshot(), base)
+
+
+def _result(reqs, arrive, first, ends, token_times, elapsed, stats, base) -> dict:
+    lat = _latencies(arrive, first, ends, token_times)
+    out_tokens = {i: reqs[i].max_tokens if FLAGS.ignore_eos else len(token_times[i]) for i in ends}
+    in_tokens = sum(len(reqs[i].prompt_token_ids) for i in ends)
+    result = {
+        "requests": len(ends),
+        "elapsed_s": elapsed,
+        "request_throughput": len(ends) / elapsed,
+        "input_tokens_per_s": in_tokens / elapsed,
+        "output_tokens_per_s": sum(out_tokens.values()) / elapsed,
+        **{f"{k}_ms": report.summarize(v) for k, v in lat.items()},
+        "goodput": _goodput(arrive, first, ends, token_times, elapsed),
+    }
+    if stats is not None:
+        host = stats.host_seconds - base.host_seconds
+        device = stats.device_seconds - base.device_seconds
+        hits = stats.prefix_cache_hits - base.prefix_cache_hits
+        queries = stats.prefix_cache_queries - base.prefix_cache_queries
+        result["engine"] = {
+            "steps": stats.steps - base.steps,
+            "host_overhead_frac": host / (host + device) if host + device else 0.0,
+            "kv_waste_at_peak_frac": stats.kv_waste_at_peak,
+            "peak_kv_pages": stats.peak_kv_pages,
+            "preemptions": stats.num_preemptions - base.num_preemptions,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "compilations_during_run": stats.num_compiles - base.num_compiles,
+        }
+    result["_latencies"] = lat
+    return result
+
+
+async def _serving(target: str, reqs) -> dict:
+    import grpc
+
+    from server import jaxserve_pb2 as pb
+    from server import jaxserve_pb2_grpc as pb_grpc
+
+    arrive, first, ends, token_times = {}, {}, {}, {}
+    limit = asyncio.Semaphore(FLAGS.max_concurrency or len(reqs))
+    rs = np.random.RandomState(FLAGS.bench_seed)
+
+    async def one(stub, i, r):
+        async with limit:
+            arrive[i], token_times[i] = time.perf_counter(), []
+            req = pb.GenerateRequest(
+                request_id=f"bench-{i}",
+                prompt_token_ids=pb.TokenIds(ids=r.prompt_token_ids),
+                sampling_params=pb.SamplingParams(
+                    max_tokens=r.max_tokens, temperature=0.0, ignore_eos=FLAGS.ignore_eos
+                ),
+            )
+            async for msg in stub.Generate(req):
+                if msg.token_ids:
+                    now = time.perf_counter()
+                    token_times[i].extend([now] * len(msg.token_ids))
+                    first.setdefault(i, now)
+            ends[i] = time.perf_counter()
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.JaxServeStub(channel)
+        t0 = time.perf_counter()
+        tasks = []
+        for i, r in enumerate(reqs):
+            tasks.append(asyncio.create_task(one(stub, i, r)))
+            if np.isfinite(FLAGS.request_rate):
+                await asyncio.sleep(rs.exponential(1.0 / FLAGS.request_rate))
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - t0
+    return _result(reqs, arrive, first, ends, token_times, elapsed, None, None)
+
+
+def _serve_in_process(model_dir: str, kwargs: dict):
+    """Starts a server on a free loopback port in a background thread; returns it."""
+    import threading
+
+    from server.app import JaxServeServer, ServerOptions
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def make_engine():
+        llm = LLM(model_dir, **kwargs)
+        return llm.engine, llm.tokenizer
+
+    async def start():
+        server = JaxServeServer(make_engine, ServerOptions(port=0), model_name="bench")
+        await server.start()
+        await server.load()
+        return server
+
+    server = asyncio.run_coroutine_threadsafe(start(), loop).result()
+    return server, loop
+
+
+def _roofline(llm: LLM) -> dict:
+    """Batch-1 decode step time against the bytes a step must read."""
+    bandwidth = report.memory_bandwidth()
+    engine, runner = llm.engine, llm.engine.runner
+    weights = sum(x.nbytes for x in jax.tree.leaves(runner.state))
+    engine.add_request(
+        "roofline",
+        list(range(16, 48)),
+        SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True),
+    )
+    steps = []
+    engine.step()  # prefill
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t0)
+    step = float(np.median(steps))
+    m = llm.config.model
+    kv_token = (
+        m.num_layers * 2 * m.num_kv_heads * m.head_dim * np.dtype(llm.config.kv_dtype).itemsize
+    )
+    kv = kv_token * (32 + 32)  # the average kv length over the decode
+    moved = weights + kv
+    return {
+        "memory_bandwidth_GB_s": bandwidth / 1e9,
+        "weights_MB": weights / 1e6,
+        "decode_step_ms": step * 1e3,
+        "decode_tokens_per_s": 1.0 / step,
+        "bytes_per_step_MB": moved / 1e6,
+        "model_bandwidth_utilization": moved / step / bandwidth,
+    }
+
+
+def main(argv) -> None:
+    del argv
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    model_dir = resolve_model_dir(FLAGS.model)
+    kwargs = engine_kwargs()
+    result = {
+        "config": {
+            k: FLAGS[k].value
+            for k in (
+                "mode",
+                "workload",
+                "num_requests",
+                "input_len",
+                "output_len",
+                "range_ratio",
+                "num_prefixes",
+                "prefix_len",
+                "suffix_len",
+                "ignore_eos",
+                "request_rate",
+                "max_concurrency",
+                "model",
+                "max_num_seqs",
+                "max_num_batched_tokens",
+                "dtype",
+            )
+        },
+        "device": jax.devices()[0].device_kind,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    runs = {}
+    if FLAGS.roofline:
+        result["roofline"] = _roofline(LLM(model_dir, **{**kwargs, "warmup": False}))
+    variants = (
+        [("prefix caching on", True), ("prefix caching off", False)]
+        if FLAGS.compare_prefix_caching
+        else [("", kwargs["enable_prefix_caching"])]
+    )
+    for label, caching in variants:
+        run_kwargs = {**kwargs, "enable_prefix_caching": caching}
+        if FLAGS.mode == "offline":
+            llm = LLM(model_dir, **run_kwargs)
+            reqs = _workload(llm.config.model.vocab_size, llm.config.max_model_len)
+            runs[label or "run"] = _run_offline(llm, reqs)
+        else:
+            server = loop = None
+            target = FLAGS.target
+            if target is None:
+                server, loop = _serve_in_process(model_dir, run_kwargs)
+                target = f"127.0.0.1:{server.port}"
+            info_vocab = server.state.config.model.vocab_size if server else 32000
+            max_len = server.state.config.max_model_len if server else 2048
+            reqs = _workload(info_vocab, max_len)
+            runs[label or "run"] = asyncio.run(_serving(target, reqs))
+            if server is not None:
+                asyncio.run_coroutine_threadsafe(server.stop(grace=1), loop).result()
+    latencies = {name: r.pop("_latencies") for name, r in runs.items()}
+    result["runs"] = runs
+    if FLAGS.compare_prefix_caching:
+        on, off = runs["prefix caching on"], runs["prefix caching off"]
+        result["ttft_mean_ratio_off_over_on"] = off["ttft_ms"]["mean"] / on["ttft_ms"]["mean"]
+    report.save_json(FLAGS.output_json, result)
+    if FLAGS.output_png:
+        first_run = next(iter(latencies.values()))
+        series = {k.upper(): first_run[k] for k in ("ttft", "tpot", "e2e")}
+        report.plot_latency_cdfs(
+            FLAGS.output_png, series, f"jaxserve {FLAGS.mode} / {FLAGS.workload}"
+        )
+    for name, r in runs.items():
+        rows = [
+            ("requests/s", f"{r['request_throughput']:.2f}"),
+            ("input tokens/s", f"{r['input_tokens_per_s']:.1f}"),
+            ("output tokens/s", f"{r['output_tokens_per_s']:.1f}"),
+        ]
+        for metric in ("ttft", "tpot", "itl", "e2e"):
+            s = r[f"{metric}_ms"]
+            rows.append(
+                (
+                    f"{metric.upper()} mean/median/p90/p99 (ms)",
+                    f"{s['mean']:.1f} / {s['median']:.1f} / {s['p90']:.1f} / {s['p99']:.1f}",
+                )
+            )
+        if r.get("goodput"):
+            rows.append(("goodput (req/s)", f"{r['goodput']['goodput_req_s']:.2f}"))
+        for key, value in (r.get("engine") or {}).items():
+            rows.append((key, f"{value:.4f}" if isinstance(value, float) else str(value)))
+        report.print_table(f"{FLAGS.mode} {FLAGS.workload} {name}", rows)
+    if "roofline" in result:
+        report.print_table(
+            "batch-1 decode roofline", [(k, f"{v:.3f}") for k, v in result["roofline"].items()]
+        )
+    if "ttft_mean_ratio_off_over_on" in result:
+        print(f"\nmean TTFT, caching off / on: {result['ttft_mean_ratio_off_over_on']:.2f}x")
+    print(
+        f"\nresults: {FLAGS.output_json}"
+        + (f", plot: {FLAGS.output_png}" if FLAGS.output_png else "")
+    )
