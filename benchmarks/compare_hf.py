@@ -1,0 +1,118 @@
+"""jaxserve against Hugging Face transformers `generate`, same weights, same workload, one run.
+
+  python benchmarks/compare_hf.py --model=DIR --num_requests=128 --input_len=288 \
+      --output_len=136 --range_ratio=0.78 --batch_size=16
+
+The workload is `jaxserve bench`'s `random` one (seeded): prompt and output
+lengths vary as real traffic does. transformers runs static batches of
+`batch_size` requests in arrival order, left-padded, each batch generating
+until its longest request is done (greedy, EOS ignored); jaxserve takes all
+requests at once (continuous batching). Throughput counts only the tokens each
+request asked for. Both sides run the workload once untimed (compilation,
+allocator warm-up) and once timed. Needs the test extra (torch, transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+import transformers
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.bench.workloads import random_workload
+
+
+def run_hf(model, reqs, batch_size: int) -> None:
+    for start in range(0, len(reqs), batch_size):
+        batch = reqs[start : start + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):  # left padding, as generate expects
+            ids[i, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - len(r.prompt_token_ids) :] = 1
+        new = max(r.max_tokens for r in batch)
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
+
+def run_jaxserve(llm, reqs) -> None:
+    llm.generate(
+        [{"prompt_token_ids": r.prompt_token_ids} for r in reqs],
+        [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs],
+        use_tqdm=False,
+    )
+
+
+def timed(fn) -> float:
+    fn()  # untimed: compilation and warm-up
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--num_requests", type=int, default=128)
+    p.add_argument("--input_len", type=int, default=288)
+    p.add_argument("--output_len", type=int, default=136)
+    p.add_argument("--range_ratio", type=float, default=0.78)
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--max_num_seqs", type=int, default=64)
+    p.add_argument("--max_num_batched_tokens", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    p.add_argument("--output_json", default="compare_hf.json")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    llm = LLM(
+        args.model,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.input_len * 2 + args.output_len * 2,
+    )
+    reqs = random_workload(
+        args.num_requests,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        vocab=llm.config.model.vocab_size,
+    )
+    useful = sum(r.max_tokens for r in reqs)
+    jax_s = timed(lambda: run_jaxserve(llm, reqs))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    hf_s = timed(lambda: run_hf(hf, reqs, args.batch_size))
+    result = {
+        "model": args.model,
+        "requests": len(reqs),
+        "useful_output_tokens": useful,
+        "prompt_tokens": int(np.sum([len(r.prompt_token_ids) for r in reqs])),
+        "jaxserve_s": jax_s,
+        "hf_s": hf_s,
+        "jaxserve_output_tokens_per_s": useful / jax_s,
+        "hf_output_tokens_per_s": useful / hf_s,
+        "speedup": hf_s / jax_s,
+        "hf_batch_size": args.batch_size,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    with open(args.output_json, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+    print(f"\njaxserve / transformers throughput: {result['speedup']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
