@@ -1,0 +1,100 @@
+"""`jaxserve bench`: workloads, statistics, and both modes end to end on a tiny model."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve.bench import report, workloads
+
+
+def test_workloads_are_seeded_and_in_range():
+    a = workloads.random_workload(50, input_len=100, output_len=40, range_ratio=0.5, vocab=300)
+    b = workloads.random_workload(50, input_len=100, output_len=40, range_ratio=0.5, vocab=300)
+    assert a == b
+    assert all(50 <= len(r.prompt_token_ids) <= 150 and 20 <= r.max_tokens <= 60 for r in a)
+    assert all(16 <= t < 300 for r in a for t in r.prompt_token_ids)
+    share = workloads.sharegpt_like(200, vocab=300, max_len=1024)
+    lens = sorted(len(r.prompt_token_ids) for r in share)
+    assert lens[0] >= 4 and lens[-1] <= 512 and lens[-1] > 2 * lens[100]  # a long tail
+    prefix = workloads.shared_prefix(
+        8, num_prefixes=2, prefix_len=20, suffix_len=5, output_len=3, vocab=300
+    )
+    assert prefix[0].prompt_token_ids[:20] == prefix[2].prompt_token_ids[:20]
+    assert prefix[0].prompt_token_ids[:20] != prefix[1].prompt_token_ids[:20]
+
+
+def test_summarize():
+    s = report.summarize([0.001 * i for i in range(1, 101)])
+    assert s["median"] == pytest.approx(50.5) and s["p99"] == pytest.approx(99.01)
+    assert report.summarize([]) == {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+
+
+def _bench(tmp_path, *args):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxserve.cli.main",
+            "bench",
+            *args,
+            f"--output_json={out}",
+            f"--output_png={png}",
+            "--warmup=false",
+            "--max_model_len=256",
+            "--max_num_batched_tokens=128",
+            "--max_num_seqs=8",
+            "--block_size=8",
+            "--compilation_cache_dir=",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert png.stat().st_size > 1000
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.slow
+def test_offline_shared_prefix_with_and_without_caching(tiny_model_dir, tmp_path):
+    result, stdout = _bench(
+        tmp_path,
+        f"--model={tiny_model_dir}",
+        "--mode=offline",
+        "--workload=shared-prefix",
+        "--num_requests=12",
+        "--prefix_len=64",
+        "--suffix_len=8",
+        "--output_len=4",
+        "--compare_prefix_caching",
+    )
+    on, off = result["runs"]["prefix caching on"], result["runs"]["prefix caching off"]
+    assert on["requests"] == off["requests"] == 12
+    assert on["engine"]["prefix_cache_hit_rate"] > 0.5 > off["engine"]["prefix_cache_hit_rate"]
+    assert on["output_tokens_per_s"] > 0 and on["ttft_ms"]["p99"] >= on["ttft_ms"]["median"]
+    assert 0 <= on["engine"]["host_overhead_frac"] <= 1
+    assert 0 <= on["engine"]["kv_waste_at_peak_frac"] < 1
+    assert "mean TTFT, caching off / on" in stdout
+
+
+@pytest.mark.slow
+def test_serving_mode_with_goodput(tiny_model_dir, tmp_path):
+    result, stdout = _bench(
+        tmp_path,
+        f"--model={tiny_model_dir}",
+        "--mode=serving",
+        "--workload=random",
+        "--num_requests=10",
+        "--input_len=20",
+        "--output_len=6",
+        "--range_ratio=0.5",
+        "--request_rate=50",
+        "--goodput=ttft:60000,tpot:60000",
+    )
+    run = result["runs"]["run"]
+    assert run["requests"] == 10 and run["goodput"]["good_requests"] == 10
+    assert run["tpot_ms"]["mean"] > 0 and run["itl_ms"]["median"] > 0
+    assert "TTFT mean/median/p90/p99" in stdout
