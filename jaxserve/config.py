@@ -270,7 +270,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # pallas_tpu on TPU, pallas_gpu on GPU, else reference
     seed: int = 0
     enable_prefix_caching: bool = True
-    min_token_bucket: int = 16
+    min_token_bucket: int = 1  # 1: a lone decode computes one row, not a padded 16
     max_logit_bias: int = 64  # logit_bias entries + min_tokens-blocked ids per request
     warmup: bool = True  # compile every bucket before serving
     compile_guard: bool = False  # after warm-up, any compilation raises (tests)
