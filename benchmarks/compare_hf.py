@@ -1,7 +1,7 @@
 """jaxserve against Hugging Face transformers `generate`, same weights, same workload, one run.
 
-  python benchmarks/compare_hf.py --model=DIR --num_requests=128 --input_len=288 \
-      --output_len=136 --range_ratio=0.78 --batch_size=16
+  python benchmarks/compare_hf.py --model=DIR --num_requests=128 --batch_size=64
+  (defaults: prompts of 64-512 tokens, each asking for 16-256 new tokens)
 
 The workload is `jaxserve bench`'s `random` one (seeded): prompt and output
 lengths vary as real traffic does. transformers runs static batches of
@@ -69,6 +69,7 @@ def main() -> None:
     p.add_argument("--input_len", type=int, default=288)
     p.add_argument("--output_len", type=int, default=136)
     p.add_argument("--range_ratio", type=float, default=0.78)
+    p.add_argument("--output_range_ratio", type=float, default=0.88)
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--max_num_seqs", type=int, default=64)
     p.add_argument("--max_num_batched_tokens", type=int, default=1024)

@@ -46,6 +46,9 @@ def print_table(title: str, rows: list[tuple[str, str]]) -> None:
 
 
 def save_json(path: str, result: dict) -> None:
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
 
