@@ -67,12 +67,21 @@ def _tpu_attention(queries, kv_cache, *args, interpret=False, **kwargs):
     )
 
 
+def _gpu_attention(queries, kv_cache, *args, interpret=False, **kwargs):
+    """The GPU kernel with block sizes for the device it is traced for."""
+    kind = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else ""
+    sizes = gpu.GpuBlockSizes.for_device(kind, queries.shape[-1])
+    return gpu.ragged_paged_attention(
+        queries, kv_cache, *args, block_sizes=sizes, interpret=interpret, **kwargs
+    )
+
+
 BACKENDS = {
     "reference": AttentionBackend(
         "reference", reference.write_kv, reference.ragged_paged_attention
     ),
     "pallas_tpu": AttentionBackend("pallas_tpu", tpu.write_kv, _tpu_attention),
-    "pallas_gpu": AttentionBackend("pallas_gpu", gpu.write_kv, gpu.ragged_paged_attention),
+    "pallas_gpu": AttentionBackend("pallas_gpu", gpu.write_kv, _gpu_attention),
     "pallas_tpu_interpret": AttentionBackend(
         "pallas_tpu_interpret",
         functools.partial(tpu.write_kv, interpret=True),
@@ -81,7 +90,7 @@ BACKENDS = {
     "pallas_gpu_interpret": AttentionBackend(
         "pallas_gpu_interpret",
         functools.partial(gpu.write_kv, interpret=True),
-        functools.partial(gpu.ragged_paged_attention, interpret=True),
+        functools.partial(_gpu_attention, interpret=True),
     ),
 }
 

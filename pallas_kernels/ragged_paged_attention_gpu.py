@@ -59,6 +59,16 @@ class GpuBlockSizes:
     def resolve_pages_per_block(self, page_size: int) -> int:
         return self.pages_per_block or max(1, 64 // page_size)
 
+    @classmethod
+    def for_device(cls, device_kind: str, head_dim: int) -> GpuBlockSizes:
+        """Defaults by GPU and head_dim: Hopper and Ampere parts have the shared memory
+        for 3 pipeline stages at head_dim <= 128; wider heads halve the kv tile."""
+        kind = device_kind.lower()
+        big = any(name in kind for name in ("h100", "h200", "h800", "a100", "a800", "gh200"))
+        if head_dim > 128:
+            return cls(block_q=16, pages_per_block=None, num_warps=8, num_stages=2)
+        return cls(block_q=16, num_warps=4, num_stages=3 if big else 2)
+
 
 def _kernel(
     q_ref,

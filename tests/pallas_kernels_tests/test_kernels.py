@@ -223,6 +223,8 @@ def test_block_sizes_are_validated():
         tpu.TpuBlockSizes(block_q=12)
     assert tpu.TpuBlockSizes.for_device("TPU v3", 128).block_q == 8
     assert tpu.TpuBlockSizes.for_device("TPU v5 lite", 128).resolve_pages_per_block(16) == 8
+    assert gpu.GpuBlockSizes.for_device("NVIDIA H100 80GB HBM3", 128).num_stages == 3
+    assert gpu.GpuBlockSizes.for_device("NVIDIA L4", 256).num_warps == 8
 
 
 @pytest.mark.slow
