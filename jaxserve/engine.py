@@ -21,7 +21,7 @@ from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.kv import PagePool
 from jaxserve.metrics import EngineStats
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.request import Sequence, Status
+from jaxserve.request import Sequence
 from jaxserve.runner.input_batch import SampleRow, SeqWork
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
@@ -389,4 +389,4 @@ class LLMEngine:
         )
 
 
-__all__ = ["LLMEngine", "Status"]
+__all__ = ["LLMEngine"]
