@@ -53,20 +53,24 @@ def save_json(path: str, result: dict) -> None:
         json.dump(result, f, indent=2)
 
 
-def plot_latency_cdfs(path: str, series: dict[str, list[float]], title: str) -> None:
-    """One panel per metric: the CDF of its per-request values (ms)."""
+def plot_latency_cdfs(path: str, runs: dict[str, dict[str, list[float]]], title: str) -> None:
+    """One panel per metric, one CDF line per run: {run: {metric: per-request seconds}}."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 4), squeeze=False)
-    for ax, (name, values) in zip(axes[0], series.items(), strict=True):
-        x = np.sort(np.asarray(values) * 1e3)
-        ax.plot(x, np.arange(1, len(x) + 1) / max(len(x), 1))
-        ax.set_xlabel(f"{name} (ms)")
+    metrics = list(next(iter(runs.values())))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        for label, series in runs.items():
+            x = np.sort(np.asarray(series[metric]) * 1e3)
+            ax.plot(x, np.arange(1, len(x) + 1) / max(len(x), 1), label=label)
+        ax.set_xlabel(f"{metric} (ms)")
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
+        if len(runs) > 1:
+            ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

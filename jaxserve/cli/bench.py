@@ -325,10 +325,12 @@ def main(argv) -> None:
         result["ttft_mean_ratio_off_over_on"] = off["ttft_ms"]["mean"] / on["ttft_ms"]["mean"]
     report.save_json(FLAGS.output_json, result)
     if FLAGS.output_png:
-        first_run = next(iter(latencies.values()))
-        series = {k.upper(): first_run[k] for k in ("ttft", "tpot", "e2e")}
+        runs_series = {
+            name: {k.upper(): lat[k] for k in ("ttft", "tpot", "e2e")}
+            for name, lat in latencies.items()
+        }
         report.plot_latency_cdfs(
-            FLAGS.output_png, series, f"jaxserve {FLAGS.mode} / {FLAGS.workload}"
+            FLAGS.output_png, runs_series, f"jaxserve {FLAGS.mode} / {FLAGS.workload}"
         )
     for name, r in runs.items():
         rows = [
