@@ -103,10 +103,7 @@ def ragged_paged_attention(
     tok_kv_len = jnp.where(token_valid, kv_lens[seq], 0)  # [T]
     q_pos = tok_kv_len - (cu_q_lens[seq + 1] - token_idx)  # [T]
 
-    # Pad the page table to whole blocks with the null page, so every block's
-    # dynamic slice stays in bounds.
-    padded_pages = -(-pages_per_seq // pages_per_block) * pages_per_block
-    tok_pages = jnp.pad(page_indices, ((0, 0), (0, padded_pages - pages_per_seq)))[seq]  # [T, M']
+    tok_pages = pad_page_table(page_indices, pages_per_block)[seq]  # [T, M']
 
     q = queries.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     q = q * sm_scale
@@ -152,8 +149,15 @@ def ragged_paged_attention(
 
 
 # ----------------------------------------------------------------------------
-# Input validation (static: shapes and dtypes).
+# Input validation (static: shapes and dtypes), and layout helpers the kernels share.
 # ----------------------------------------------------------------------------
+
+
+def pad_page_table(page_indices: jax.Array, pages_per_block: int) -> jax.Array:
+    """Pads [B, M] to whole blocks of pages with the null page, so that every block's
+    dynamic slice stays in bounds."""
+    m = page_indices.shape[1]
+    return jnp.pad(page_indices, ((0, 0), (0, -(-m // pages_per_block) * pages_per_block - m)))
 
 
 def validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:

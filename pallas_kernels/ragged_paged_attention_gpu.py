@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.ragged_paged_attention import validate_inputs
+from pallas_kernels.ragged_paged_attention import pad_page_table, validate_inputs
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -195,9 +195,8 @@ def ragged_paged_attention(
     # lanes past head_dim masked to zero (queries are zero-padded to match).
     hp = max(16, pl.next_power_of_2(h))
     num_seqs_b = kv_lens.shape[0]
-    m = page_indices.shape[1]
-    m_pad = -(-m // ppb) * ppb
-    pages = jnp.pad(page_indices, ((0, 0), (0, m_pad - m)))
+    pages = pad_page_table(page_indices, ppb)
+    m_pad = pages.shape[1]
     t_pad = t + bq  # room for a last query block that runs past the batch
     q = jnp.pad(queries.reshape(t, k_heads, group, h), ((0, bq), (0, 0), (0, 0), (0, hp - h)))
     kv = kv_cache.reshape(p, s, k_heads, 2, h)

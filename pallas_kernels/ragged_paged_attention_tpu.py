@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention import validate_inputs
+from pallas_kernels.ragged_paged_attention import pad_page_table, validate_inputs
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -208,9 +208,10 @@ def ragged_paged_attention(
     group = n // k_heads
     bq = block_sizes.block_q
     ppb = min(block_sizes.resolve_pages_per_block(s), page_indices.shape[1])
-    num_seqs_b, m = page_indices.shape
-    m_pad = -(-m // ppb) * ppb
-    pages = jnp.pad(page_indices, ((0, 0), (0, m_pad - m))).reshape(-1)
+    num_seqs_b = page_indices.shape[0]
+    padded = pad_page_table(page_indices, ppb)
+    m_pad = padded.shape[1]
+    pages = padded.reshape(-1)
     # [K, G, T + bq, H]: one DMA fetches a block's rows for all heads of kv head k;
     # bq rows of padding give a last query block that runs past the batch room.
     q = jnp.pad(queries.reshape(t, k_heads, group, h), ((0, bq), (0, 0), (0, 0), (0, 0)))
