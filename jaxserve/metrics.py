@@ -73,7 +73,7 @@ class EngineStats:
         self.device_seconds += device_s
         running = self._engine.scheduler.running
         pages = sum(len(s.pages) for s in running)
-        if pages >= self.peak_kv_pages:  # the latest step at the peak: its fullest pages
+        if pages and pages >= self.peak_kv_pages:  # the latest step at the peak: fullest pages
             slots = pages * self._engine.config.cache.page_size
             self.peak_kv_pages = pages
             self.kv_waste_at_peak = 1.0 - sum(s.num_computed for s in running) / slots
