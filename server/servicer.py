@@ -70,6 +70,10 @@ def _prompt_logprobs_proto(out: RequestOutput) -> list[pb.TokenLogprobs]:
     return [pb.TokenLogprobs()] + _logprobs_proto(out.prompt_logprobs[1:], ids[1:])
 
 
+def _messages(msg: pb.ChatMessages) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in msg.messages]
+
+
 def _usage(out: RequestOutput) -> pb.Usage:
     return pb.Usage(
         prompt_tokens=len(out.prompt_token_ids),
@@ -120,10 +124,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             if kind == "prompt_token_ids":
                 return None, list(request.prompt_token_ids.ids)
             if kind == "messages":
-                messages = [
-                    {"role": m.role, "content": m.content} for m in request.messages.messages
-                ]
-                text = tok.apply_chat_template(messages)
+                text = tok.apply_chat_template(_messages(request.messages))
                 return text, tok.encode(text, add_special_tokens=False)
         except ValueError as e:
             await self._invalid(context, f"messages: {e}")
@@ -239,9 +240,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                 token_ids=tok.encode(request.text, add_special_tokens=add_special)
             )
         if kind == "messages":
-            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
             try:
-                return pb.TokenizeResponse(token_ids=tok.encode_chat(messages))
+                return pb.TokenizeResponse(token_ids=tok.encode_chat(_messages(request.messages)))
             except ValueError as e:
                 await self._invalid(context, f"messages: {e}")
         await self._invalid(context, "one of text or messages is required")

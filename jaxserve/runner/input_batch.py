@@ -156,10 +156,25 @@ class SampleRow:
     blocked_ids: Sequence[int] = ()  # EOS / stop ids while under min_tokens
 
 
+def _wants_history(p: SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+
+
 def build_sampling(
-    rows: Sequence[SampleRow], *, seq_bucket: int, history_len: int, max_bias: int
+    rows: Sequence[SampleRow],
+    *,
+    seq_bucket: int,
+    history_len: int,
+    max_bias: int,
+    with_history: bool | None = None,
 ) -> SamplingMetadata:
+    """Packs the rows' settings. The token history for penalties is [B, history_len]
+    only when some row needs it (or `with_history`), else [B, 1]: a batch without
+    penalties neither fills nor transfers it. Two widths, so two sampling programs
+    per sequence bucket."""
     b = seq_bucket
+    if with_history is None:
+        with_history = any(_wants_history(row.params) for row in rows)
     temperature = np.zeros(b, np.float32)
     top_k = np.zeros(b, np.int32)
     top_p = np.ones(b, np.float32)
@@ -171,7 +186,7 @@ def build_sampling(
     position = np.zeros(b, np.int32)
     bias_ids = np.zeros((b, max_bias), np.int32)
     bias_values = np.zeros((b, max_bias), np.float32)
-    history = np.full((b, history_len), -1, np.int32)
+    history = np.full((b, history_len if with_history else 1), -1, np.int32)
     num_prompt = np.zeros(b, np.int32)
     want_logprobs = False
     for i, row in enumerate(rows):
@@ -187,7 +202,7 @@ def build_sampling(
             raise ValueError(f"{len(bias)} biased or blocked tokens exceed the cap {max_bias}")
         bias_ids[i, : len(bias)] = list(bias)
         bias_values[i, : len(bias)] = list(bias.values())
-        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+        if _wants_history(p):
             history[i, : len(row.token_ids)] = row.token_ids
             num_prompt[i] = row.num_prompt
         want_logprobs |= p.logprobs is not None

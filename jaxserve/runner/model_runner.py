@@ -127,12 +127,15 @@ class ModelRunner:
             all_logits=all_logits,
         )
 
-    def build_sampling(self, rows: list[SampleRow], seq_bucket: int) -> SamplingMetadata:
+    def build_sampling(
+        self, rows: list[SampleRow], seq_bucket: int, with_history: bool | None = None
+    ) -> SamplingMetadata:
         return build_sampling(
             rows,
             seq_bucket=seq_bucket,
             history_len=self.history_len,
             max_bias=self.config.max_logit_bias,
+            with_history=with_history,
         )
 
     # ------------------------------------------------------------------- steps
@@ -202,6 +205,8 @@ class ModelRunner:
                 self._forward(batch)
             else:
                 self.execute_and_sample(batch, self.build_sampling([], b), targets)
+            if b not in done_b:  # the sampling program with the penalty history, too
+                self.execute_and_sample(batch, self.build_sampling([], b, with_history=True))
             done_t.add(t)
             done_b.add(b)
         jax.block_until_ready(self.kv_caches)

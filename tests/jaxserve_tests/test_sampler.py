@@ -130,3 +130,13 @@ def test_no_nan_at_extreme_settings():
         logits, [row(temperature=1e-6, top_p=1e-3, seed=1), row(temperature=2.0, min_p=1.0, seed=2)]
     )
     assert out.token_ids.tolist() == [0, 0]
+
+
+def test_penalty_history_is_only_sent_when_needed():
+    plain = build_sampling([row(temperature=0.5)], seq_bucket=2, history_len=64, max_bias=4)
+    assert plain.history.shape == (2, 1)
+    penalized = build_sampling(
+        [row(repetition_penalty=1.2), row()], seq_bucket=2, history_len=64, max_bias=4
+    )
+    assert penalized.history.shape == (2, 64)
+    assert penalized.history[0, :3].tolist() == [1, 2, 3] and penalized.history[1, 0] == -1
