@@ -7,7 +7,7 @@ Glossary (used in shape comments and einsum strings):
   H  head_dim
   P  pages in the pool, S tokens per page, M pages per sequence (page-table width)
   L  kv positions in one block of the loop
-  Q  query tokens in one work item, W work items
+  Q  query tokens in one chunk, X items attended together, R rows of one kv head
 
 The KV cache of one layer is one array `[P, S, 2K, H]`: K and V heads interleaved
 (index 2k is key head k, 2k+1 is value head k), so a page holds everything a
@@ -24,11 +24,11 @@ prefill (q_len == kv_len) and a prefill chunk after cached pages. Sequences past
 their `kv_lens` are 0.
 
 The reference is also the engine's CPU path (XLA compiles it), so it is written
-to cost what the batch really holds: the queries are cut into items of up to Q
-consecutive tokens of one sequence, each item reads its sequence's pages once
-(not once per query token), and a loop over blocks of pages runs only up to the
-longest kv length in the batch, with an online softmax, never materialising a
-whole sequence's KV.
+to cost what the batch really holds: every sequence's pages are read once for
+many query rows (all decode rows in one pass, then a loop over chunks of up to Q
+query tokens of one sequence), each pass loops over blocks of pages only as far
+as its rows can see, with an online softmax, and never materialises a whole
+sequence's KV.
 """
 
 from __future__ import annotations
@@ -62,15 +62,6 @@ def write_kv(
     return flat.reshape(kv_cache.shape)
 
 
-def default_queries_per_block(num_tokens: int, num_seqs_bucket: int) -> int:
-    """Query rows per work item: about the tokens per sequence, a power of two in
-    [1, 128]. A decode batch gets 1 (one item per token, no padded rows); a batch
-    of long prefill chunks gets up to 128 (a few items per sequence, each reading
-    its pages once)."""
-    per_seq = max(1, num_tokens // max(1, num_seqs_bucket))
-    return min(128, 1 << (per_seq.bit_length() - 1))
-
-
 def ragged_paged_attention(
     queries: jax.Array,  # [T, N, H]
     kv_cache: jax.Array,  # [P, S, 2K, H], this step's K/V already written
@@ -83,115 +74,167 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     pages_per_block: int | None = None,
-    queries_per_block: int | None = None,
+    queries_per_block: int = 128,
 ) -> jax.Array:  # [T, N, H]
     """Causal attention of each query token over its own sequence's paged KV.
 
-    The work is cut into items, each one sequence's block of up to
-    `queries_per_block` consecutive query tokens (as the kernels' grids do): an
-    item reads its sequence's pages once for all its rows, so a prefill chunk
-    costs about its pages, not its pages once per token. There are at most
-    W = min(T, B + ceil(T / Q)) items, a static bound.
+    Two passes, each reading a sequence's pages once for many query rows:
+    decode rows (sequences with one query token) all at once, each against its
+    own pages; then a loop over chunks, `queries_per_block` consecutive query
+    tokens of one longer sequence, each over the pages its causal range needs.
 
     Args:
       sm_scale: multiplies q.k before the softmax (usually head_dim ** -0.5).
       sliding_window: if set, a query at position p sees kv positions > p - window.
       soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
       pages_per_block: pages gathered per loop iteration (static); by default
-        about 128 tokens' worth.
-      queries_per_block: query rows per item, Q (static); by default
-        `default_queries_per_block(T, B)`.
+        about 64 tokens' worth.
+      queries_per_block: query tokens per chunk (static).
     Returns:
       The attention output; rows of padding tokens are zero.
     """
     validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
-    num_tokens, num_heads, head_dim = queries.shape
+    num_tokens = queries.shape[0]
+    page_size = kv_cache.shape[1]
+    batch, pages_per_seq = page_indices.shape
+    if pages_per_block is None:
+        pages_per_block = max(1, 64 // page_size)
+    pages_per_block = min(pages_per_block, pages_per_seq)
+    block_tokens = pages_per_block * page_size
+    chunk = min(queries_per_block, num_tokens)
+    attend = functools.partial(
+        _attend,
+        kv_cache=kv_cache,
+        pages_per_block=pages_per_block,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    tables = pad_page_table(page_indices, pages_per_block)  # [B, M']
+    seq_ids = jnp.arange(batch, dtype=jnp.int32)
+    q_lens = jnp.where(seq_ids < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [B]
+
+    # Decode rows: one item per sequence, its single query token.
+    is_decode = q_lens == 1
+    dec_kv_len = jnp.where(is_decode, kv_lens, 0)
+    dec_q = queries[jnp.minimum(cu_q_lens[:-1], num_tokens - 1)][:, None]  # [B, 1, N, H]
+    dec_out = attend(
+        dec_q,
+        tables,
+        dec_kv_len,
+        q_pos=(dec_kv_len - 1)[:, None],
+        row_valid=is_decode[:, None],
+        first_block=0,
+        end_block=(jnp.max(dec_kv_len) + block_tokens - 1) // block_tokens,
+    )[:, 0]  # [B, N, H]
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    tok_seq = jnp.minimum(
+        jnp.searchsorted(cu_q_lens[1:], token, side="right").astype(jnp.int32), batch - 1
+    )
+    tok_is_decode = is_decode[tok_seq] & (token < cu_q_lens[num_seqs[0]])
+    out = jnp.where(tok_is_decode[:, None, None], dec_out[tok_seq], 0.0)  # [T, N, H] float32
+
+    # Chunks: item i is chunk `i - chunk_starts[seq]` of a sequence with q_len > 1.
+    chunks_per_seq = jnp.where(q_lens > 1, (q_lens + chunk - 1) // chunk, 0)
+    chunk_starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(chunks_per_seq)])
+
+    def one_chunk(i, out):
+        seq = jnp.searchsorted(chunk_starts[1:], i, side="right").astype(jnp.int32)
+        first = cu_q_lens[seq] + (i - chunk_starts[seq]) * chunk
+        end = cu_q_lens[seq + 1]
+        start = jnp.minimum(first, num_tokens - chunk)  # keep the slice in bounds
+        rows = start + jnp.arange(chunk, dtype=jnp.int32)
+        row_valid = (rows >= first) & (rows < end)
+        kv_len = kv_lens[seq]
+        q_pos = kv_len - (end - rows)  # [C]
+        last = kv_len - (end - jnp.minimum(end, first + chunk))  # this chunk's last position
+        first_block = 0
+        if sliding_window is not None:
+            first_pos = kv_len - (end - first)
+            first_block = jnp.maximum(first_pos - sliding_window + 1, 0) // block_tokens
+        res = attend(
+            lax.dynamic_slice_in_dim(queries, start, chunk)[None],
+            tables[seq][None],
+            kv_len[None],
+            q_pos=q_pos[None],
+            row_valid=row_valid[None],
+            first_block=first_block,
+            end_block=last // block_tokens + 1,
+        )[0]  # [C, N, H]
+        old = lax.dynamic_slice_in_dim(out, start, chunk)
+        new = jnp.where(row_valid[:, None, None], res, old)
+        return lax.dynamic_update_slice_in_dim(out, new, start, 0)
+
+    out = lax.fori_loop(0, chunk_starts[-1], one_chunk, out)
+    return out.astype(queries.dtype)
+
+
+def _attend(
+    q: jax.Array,  # [X, Q, N, H]: X items of Q query rows each
+    pages: jax.Array,  # [X, M'] each item's page table, whole blocks
+    kv_len: jax.Array,  # [X] each item's kv length
+    *,
+    q_pos: jax.Array,  # [X, Q] each row's position
+    row_valid: jax.Array,  # [X, Q]
+    first_block: jax.Array | int,  # the blocks of pages to read: [first_block, end_block)
+    end_block: jax.Array | int,
+    kv_cache: jax.Array,
+    pages_per_block: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> jax.Array:  # [X, Q, N, H] float32; rows that see nothing are zero
+    """Attention of items of query rows over their own pages, block by block with an
+    online softmax."""
+    x, rows, num_heads, head_dim = q.shape
     _, page_size, kv2, _ = kv_cache.shape
     num_kv_heads = kv2 // 2
     group = num_heads // num_kv_heads
-    batch, pages_per_seq = page_indices.shape
-    if pages_per_block is None:
-        pages_per_block = max(1, 128 // page_size)
-    pages_per_block = min(pages_per_block, pages_per_seq)
     block_tokens = pages_per_block * page_size
-    q_block = queries_per_block or default_queries_per_block(num_tokens, batch)
-    num_items = min(num_tokens, batch + -(-num_tokens // q_block))
-
-    # The items: item w is block `w - item_starts[seq]` of sequence `seq`'s queries.
-    seq_valid = jnp.arange(batch, dtype=jnp.int32) < num_seqs[0]
-    q_lens = jnp.where(seq_valid, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [B]
-    item_starts = jnp.concatenate(
-        [jnp.zeros(1, jnp.int32), jnp.cumsum((q_lens + q_block - 1) // q_block)]
-    ).astype(jnp.int32)  # [B + 1]
-    item = jnp.arange(num_items, dtype=jnp.int32)
-    item_seq = jnp.searchsorted(item_starts[1:], item, side="right").astype(jnp.int32)
-    item_seq = jnp.minimum(item_seq, batch - 1)  # [W]
-    item_valid = item < item_starts[-1]
-    first_row = cu_q_lens[item_seq] + (item - item_starts[item_seq]) * q_block
-    q_end = cu_q_lens[item_seq + 1]
-    rows = first_row[:, None] + jnp.arange(q_block, dtype=jnp.int32)  # [W, Q]
-    row_valid = item_valid[:, None] & (rows < q_end[:, None])
-    item_kv_len = jnp.where(item_valid, kv_lens[item_seq], 0)  # [W]
-    q_pos = item_kv_len[:, None] - (q_end[:, None] - rows)  # [W, Q]
-
-    q = queries[jnp.clip(rows, 0, num_tokens - 1)].astype(jnp.float32)  # [W, Q, N, H]
-    q = jnp.where(row_valid[:, :, None, None], q * sm_scale, 0.0)
-    q = q.reshape(num_items, q_block, num_kv_heads, group, head_dim)
-    q = q.transpose(0, 2, 1, 3, 4).reshape(num_items, num_kv_heads, q_block * group, head_dim)
-    item_pages = pad_page_table(page_indices, pages_per_block)[item_seq]  # [W, M']
+    m_rows = rows * group  # the rows of one kv head's matmul: (query row, head in group)
+    q = jnp.where(row_valid[:, :, None, None], q.astype(jnp.float32) * sm_scale, 0.0)
+    q = q.reshape(x, rows, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    q = q.reshape(x, num_kv_heads, m_rows, head_dim)
 
     def body(j, carry):
-        m, denom, acc = carry  # [W, K, QG], [W, K, QG], [W, K, QG, H]
-        pages = lax.dynamic_slice_in_dim(item_pages, j * pages_per_block, pages_per_block, 1)
-        kv = kv_cache[pages].reshape(num_items, block_tokens, num_kv_heads, 2, head_dim)
+        m, denom, acc = carry  # [X, K, R], [X, K, R], [X, K, R, H]
+        block = lax.dynamic_slice_in_dim(pages, j * pages_per_block, pages_per_block, 1)
+        kv = kv_cache[block].reshape(x, block_tokens, num_kv_heads, 2, head_dim)
         kv = kv.astype(jnp.float32)
-        k, v = kv[..., 0, :], kv[..., 1, :]  # [W, L, K, H]
+        k, v = kv[..., 0, :], kv[..., 1, :]  # [X, L, K, H]
         kv_pos = j * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)  # [L]
-        # Zero the slots past the item's kv length before they meet the softmax
-        # weights: a stale or NaN slot must not leak through 0 * NaN.
-        v = jnp.where((kv_pos[None, :] < item_kv_len[:, None])[:, :, None, None], v, 0.0)
+        # Zero the slots past the kv length before they meet the softmax weights:
+        # a stale or NaN slot must not leak through 0 * NaN.
+        v = jnp.where((kv_pos[None, :] < kv_len[:, None])[:, :, None, None], v, 0.0)
         visible = kv_pos[None, None, :] <= q_pos[:, :, None]  # causal, bounds kv_len too
         visible &= row_valid[:, :, None]
         if sliding_window is not None:
             visible &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-        s = jnp.einsum("wkmh,wlkh->wkml", q, k)  # m = (query row, head in group)
+        s = jnp.einsum("xkrh,xlkh->xkrl", q, k)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        s = s.reshape(num_items, num_kv_heads, q_block, group, block_tokens)
+        s = s.reshape(x, num_kv_heads, rows, group, block_tokens)
         s = jnp.where(visible[:, None, :, None, :], s, -jnp.inf)
-        s = s.reshape(num_items, num_kv_heads, q_block * group, block_tokens)
+        s = s.reshape(x, num_kv_heads, m_rows, block_tokens)
         m_new = jnp.maximum(m, s.max(axis=-1))
         # A row with nothing visible yet keeps m = -inf; shift by 0 instead.
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - shift[..., None])
         correction = jnp.exp(jnp.where(jnp.isfinite(m), m - shift, -jnp.inf))
         denom = denom * correction + p.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("wkml,wlkh->wkmh", p, v)
+        acc = acc * correction[..., None] + jnp.einsum("xkrl,xlkh->xkrh", p, v)
         return m_new, denom, acc
 
-    rows_per_item = q_block * group
     init = (
-        jnp.full((num_items, num_kv_heads, rows_per_item), -jnp.inf, jnp.float32),
-        jnp.zeros((num_items, num_kv_heads, rows_per_item), jnp.float32),
-        jnp.zeros((num_items, num_kv_heads, rows_per_item, head_dim), jnp.float32),
+        jnp.full((x, num_kv_heads, m_rows), -jnp.inf, jnp.float32),
+        jnp.zeros((x, num_kv_heads, m_rows), jnp.float32),
+        jnp.zeros((x, num_kv_heads, m_rows, head_dim), jnp.float32),
     )
-    num_blocks = (jnp.max(item_kv_len) + block_tokens - 1) // block_tokens
-    _, denom, acc = lax.fori_loop(0, num_blocks, body, init)
+    _, denom, acc = lax.fori_loop(first_block, end_block, body, init)
     safe = jnp.where(denom > 0, denom, 1.0)
-    out = jnp.where(denom[..., None] > 0, acc / safe[..., None], 0.0)  # [W, K, QG, H]
-    out = out.reshape(num_items, num_kv_heads, q_block, group, head_dim)
-    out = out.transpose(0, 2, 1, 3, 4).reshape(num_items * q_block, num_heads, head_dim)
-
-    # Back to the flat batch: token t is row (t - first row of its item) of its item.
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
-    token_valid = token < cu_q_lens[num_seqs[0]]
-    seq = jnp.searchsorted(cu_q_lens[1:], token, side="right").astype(jnp.int32)
-    seq = jnp.minimum(seq, batch - 1)
-    offset = token - cu_q_lens[seq]
-    slot = (item_starts[seq] + offset // q_block) * q_block + offset % q_block
-    out = out[jnp.clip(slot, 0, num_items * q_block - 1)]
-    out = jnp.where(token_valid[:, None, None], out, 0.0)
-    return out.astype(queries.dtype)
+    out = jnp.where(denom[..., None] > 0, acc / safe[..., None], 0.0)  # [X, K, R, H]
+    out = out.reshape(x, num_kv_heads, rows, group, head_dim).transpose(0, 2, 1, 3, 4)
+    return out.reshape(x, rows, num_heads, head_dim)
 
 
 # ----------------------------------------------------------------------------
@@ -259,7 +302,7 @@ def ragged_paged_attention_jit(
     sliding_window=None,
     soft_cap=None,
     pages_per_block=None,
-    queries_per_block=None,
+    queries_per_block=128,
 ):
     """The reference under jit, for tests and benchmarks that call it alone."""
     return ragged_paged_attention(

@@ -83,7 +83,7 @@ BATCHES = {
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (7, 1)])
 @pytest.mark.parametrize(
-    "pages_per_block,queries_per_block", [(None, None), (1, 1), (3, 2), (None, 4), (1, 16)]
+    "pages_per_block,queries_per_block", [(None, 128), (1, 1), (3, 2), (None, 4), (1, 16)]
 )
 def test_matches_dense(batch, heads, pages_per_block, queries_per_block):
     q_lens, kv_lens = BATCHES[batch]
@@ -122,8 +122,8 @@ def test_matches_dense(batch, heads, pages_per_block, queries_per_block):
 
 
 @pytest.mark.parametrize("window,soft_cap", [(5, None), (None, 2.0), (9, 1.5)])
-@pytest.mark.parametrize("queries_per_block", [1, 8])
-def test_sliding_window_and_soft_cap(window, soft_cap, queries_per_block):
+@pytest.mark.parametrize("pages_per_block,queries_per_block", [(None, 1), (1, 8), (2, 128)])
+def test_sliding_window_and_soft_cap(window, soft_cap, pages_per_block, queries_per_block):
     q_lens, kv_lens = BATCHES["mixed"]
     q, kv, kvl, pi, cu, ns, dense_kv = make_case(
         q_lens,
@@ -146,6 +146,7 @@ def test_sliding_window_and_soft_cap(window, soft_cap, queries_per_block):
             sm_scale=0.3,
             sliding_window=window,
             soft_cap=soft_cap,
+            pages_per_block=pages_per_block,
             queries_per_block=queries_per_block,
         )
     )
