@@ -7,8 +7,9 @@ of the processed logits. A row's randomness comes only from its own seed and
 its own output position (`fold_in(key(seed), position)`), so a seeded request
 samples the same tokens whatever its batch neighbours are.
 
-The costly parts (penalty counts over [B, V], the random draw and the sort for
-top-k/top-p, the logprobs) run under `lax.cond`, so a batch that does not ask for them does
+The costly parts (the processed copy of [B, V] that bias and penalties need,
+penalty counts, the random draw and the sort for top-k/top-p, the logprobs) run
+under `lax.cond`, so a batch that does not ask for them does
 not pay for them, and no setting changes the compiled program.
 
 Logprobs are those of the raw model distribution (log-softmax of the logits),
@@ -90,8 +91,8 @@ def _draw(x, md: SamplingMetadata):
     return jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
-    """logits [B, V] float32 -> one token per row, with logprobs where asked."""
+def _process_and_sample(logits, md: SamplingMetadata):
+    """Logit bias, penalties, then the argmax (greedy rows) or a draw (the rest)."""
     b = logits.shape[0]
     x = logits.at[jnp.arange(b)[:, None], md.bias_ids].add(md.bias_values)
     needs_penalty = jnp.any(
@@ -105,7 +106,28 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     greedy = md.temperature <= 0.0
     argmax = jnp.argmax(x, axis=-1).astype(jnp.int32)
     drawn = lax.cond(jnp.all(greedy), lambda x, md: argmax, _draw, x, md)
-    sampled = jnp.where(greedy, argmax, drawn)
+    return jnp.where(greedy, argmax, drawn)
+
+
+def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+    """logits [B, V] float32 -> one token per row, with logprobs where asked."""
+    b = logits.shape[0]
+    # A batch of plain greedy rows (no bias, no penalty) takes the argmax of the raw
+    # logits: no processed copy of [B, V] is made.
+    plain = jnp.all(
+        (md.temperature <= 0.0)
+        & jnp.all(md.bias_values == 0.0, axis=-1)
+        & (md.repetition_penalty == 1.0)
+        & (md.frequency_penalty == 0.0)
+        & (md.presence_penalty == 0.0)
+    )
+    sampled = lax.cond(
+        plain,
+        lambda x, md: jnp.argmax(x, axis=-1).astype(jnp.int32),
+        _process_and_sample,
+        logits,
+        md,
+    )
 
     def with_logprobs(logits):
         raw = jax.nn.log_softmax(logits, axis=-1)
