@@ -58,7 +58,13 @@ def write_kv(
     t = keys.shape[0]
     new = jnp.stack([keys, values], axis=2).reshape(t, kv2, head_dim)  # [T, 2K, H]
     flat = kv_cache.reshape(num_pages * page_size, kv2, head_dim)
-    flat = flat.at[slot_mapping].set(new.astype(kv_cache.dtype), mode="promise_in_bounds")
+    new = new.astype(kv_cache.dtype)
+    if t == 1:
+        # XLA rewrites a one-row scatter as a bounds-checked update that reads the old
+        # row, which it cannot do in place: it would copy the whole cache every step.
+        flat = lax.dynamic_update_slice_in_dim(flat, new, slot_mapping[0], axis=0)
+    else:
+        flat = flat.at[slot_mapping].set(new, mode="promise_in_bounds")
     return flat.reshape(kv_cache.shape)
 
 
@@ -165,7 +171,8 @@ def ragged_paged_attention(
         new = jnp.where(row_valid[:, None, None], res, old)
         return lax.dynamic_update_slice_in_dim(out, new, start, 0)
 
-    out = lax.fori_loop(0, chunk_starts[-1], one_chunk, out)
+    if num_tokens > 1:  # (one token is always a decode row)
+        out = lax.fori_loop(0, chunk_starts[-1], one_chunk, out)
     return out.astype(queries.dtype)
 
 
@@ -199,7 +206,7 @@ def _attend(
     def body(j, carry):
         m, denom, acc = carry  # [X, K, R], [X, K, R], [X, K, R, H]
         block = lax.dynamic_slice_in_dim(pages, j * pages_per_block, pages_per_block, 1)
-        kv = kv_cache.reshape(kv_cache.shape[0], -1)[block]  # whole pages as rows
+        kv = kv_cache[block]
         kv = kv.reshape(x, block_tokens, num_kv_heads, 2, head_dim)
         kv = kv.astype(jnp.float32)
         k, v = kv[..., 0, :], kv[..., 1, :]  # [X, L, K, H]
