@@ -9,8 +9,8 @@ samples the same tokens whatever its batch neighbours are.
 
 The costly parts (the processed copy of [B, V] that bias and penalties need,
 penalty counts, the random draw and the sort for top-k/top-p, the logprobs) run
-under `lax.cond`, so a batch that does not ask for them does
-not pay for them, and no setting changes the compiled program.
+under `lax.cond`, so a batch that does not ask for them does not pay for them,
+and no setting changes the compiled program.
 
 Logprobs are those of the raw model distribution (log-softmax of the logits),
 as vLLM returns by default.
