@@ -91,16 +91,20 @@ def _draw(x, md: SamplingMetadata):
     return jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
 
 
-def _process_and_sample(logits, md: SamplingMetadata):
-    """Logit bias, penalties, then the argmax (greedy rows) or a draw (the rest)."""
-    b = logits.shape[0]
-    x = logits.at[jnp.arange(b)[:, None], md.bias_ids].add(md.bias_values)
-    needs_penalty = jnp.any(
+def _penalized(md: SamplingMetadata) -> jax.Array:
+    """[B] bool: rows with a repetition, frequency or presence penalty."""
+    return (
         (md.repetition_penalty != 1.0)
         | (md.frequency_penalty != 0.0)
         | (md.presence_penalty != 0.0)
     )
-    x = lax.cond(needs_penalty, _apply_penalties, lambda x, md: x, x, md)
+
+
+def _process_and_sample(logits, md: SamplingMetadata):
+    """Logit bias, penalties, then the argmax (greedy rows) or a draw (the rest)."""
+    b = logits.shape[0]
+    x = logits.at[jnp.arange(b)[:, None], md.bias_ids].add(md.bias_values)
+    x = lax.cond(jnp.any(_penalized(md)), _apply_penalties, lambda x, md: x, x, md)
 
     # Greedy rows need none of the rest: min-p, top-k and top-p never remove the argmax.
     greedy = md.temperature <= 0.0
@@ -115,11 +119,7 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     # A batch of plain greedy rows (no bias, no penalty) takes the argmax of the raw
     # logits: no processed copy of [B, V] is made.
     plain = jnp.all(
-        (md.temperature <= 0.0)
-        & jnp.all(md.bias_values == 0.0, axis=-1)
-        & (md.repetition_penalty == 1.0)
-        & (md.frequency_penalty == 0.0)
-        & (md.presence_penalty == 0.0)
+        (md.temperature <= 0.0) & jnp.all(md.bias_values == 0.0, axis=-1) & ~_penalized(md)
     )
     sampled = lax.cond(
         plain,
