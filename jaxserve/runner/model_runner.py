@@ -8,7 +8,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 from tqdm import tqdm
 
@@ -26,6 +25,7 @@ from jaxserve.runner.input_batch import (
     pow2_buckets,
 )
 from jaxserve.runner.step import (
+    ModelDef,
     StepInput,
     forward,
     logits_step,
@@ -74,7 +74,7 @@ class ModelRunner:
             attention_backend=config.attention_backend,
             mesh=mesh,
         )
-        self.graphdef, self.state = nnx.split(model)
+        self.model_def, self.weights = ModelDef.split(model)
         self.num_pages = config.num_kv_pages(_device_memory())
         self.kv_caches = self._allocate_kv(mesh)
         self.token_buckets = pow2_buckets(config.min_token_bucket, config.max_num_batched_tokens)
@@ -142,13 +142,13 @@ class ModelRunner:
 
     def _forward(self, batch: HostBatch) -> tuple[jax.Array, jax.Array]:
         hidden, selected, self.kv_caches = forward(
-            self.graphdef, self.state, self.kv_caches, StepInput.from_host(batch)
+            self.model_def, self.weights, self.kv_caches, StepInput.from_host(batch)
         )
         return hidden, selected
 
     def execute(self, batch: HostBatch) -> jax.Array:
         """Runs one step; returns the selected rows' logits [B, V] (float32, on device)."""
-        return logits_step(self.graphdef, self.state, self._forward(batch)[1])
+        return logits_step(self.model_def, self.weights, self._forward(batch)[1])
 
     def dispatch(
         self, batch: HostBatch, sampling: SamplingMetadata, prompt_targets: np.ndarray | None = None
@@ -161,10 +161,10 @@ class ModelRunner:
         """
         before = self.compiles.count
         hidden, selected = self._forward(batch)
-        out = sample_step(self.graphdef, self.state, selected, sampling)
+        out = sample_step(self.model_def, self.weights, selected, sampling)
         prompt_lp = None
         if prompt_targets is not None:
-            prompt_lp = prompt_logprobs_step(self.graphdef, self.state, hidden, prompt_targets)
+            prompt_lp = prompt_logprobs_step(self.model_def, self.weights, hidden, prompt_targets)
         if self.warmed_up and self.compiles.count != before and self.config.compile_guard:
             raise RuntimeError(
                 f"a step compiled after warm-up (token bucket {len(batch.input_ids)}, "

@@ -6,12 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxserve.checkpoint import abstract_model
 from jaxserve.config import ModelConfig
 from jaxserve.runner.input_batch import SeqWork, build_batch
-from jaxserve.runner.step import StepInput, forward, logits_step
+from jaxserve.runner.step import ModelDef, StepInput, forward, logits_step
 from models import supported_architectures
 
 # Published configs (config.json fields) and parameter counts.
@@ -120,10 +119,9 @@ def test_every_registered_architecture_is_covered():
 def test_real_size_builds_and_traces_abstractly(name):
     hf, params = REAL_CONFIGS[name]
     config = ModelConfig.from_hf(hf)
-    graphdef, state = nnx.split(
+    model_def, leaves = ModelDef.split(
         abstract_model(config, dtype="bfloat16", attention_backend="reference")
     )
-    leaves = jax.tree.leaves(state)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)  # nothing allocated
     assert all(x.dtype == jnp.bfloat16 for x in leaves)
     count = sum(int(np.prod(x.shape)) for x in leaves)
@@ -142,9 +140,9 @@ def test_real_size_builds_and_traces_abstractly(name):
         seq_bucket=4,
     )
     hidden, selected, new_kv = jax.eval_shape(
-        functools.partial(forward, graphdef), state, kv, StepInput.from_host(batch)
+        functools.partial(forward, model_def), leaves, kv, StepInput.from_host(batch)
     )
-    logits = jax.eval_shape(functools.partial(logits_step, graphdef), state, selected)
+    logits = jax.eval_shape(functools.partial(logits_step, model_def), leaves, selected)
     assert hidden.shape == (32, config.hidden_size)
     assert logits.shape == (4, config.vocab_size) and logits.dtype == jnp.float32
     assert [x.shape for x in new_kv] == [x.shape for x in kv]

@@ -165,12 +165,10 @@ def test_gpu_kernels_lower(head_dim, dtype):
 
 @pytest.mark.parametrize("backend,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
 def test_the_engine_step_lowers_with_the_pallas_backend(backend, platform):
-    from flax import nnx
-
     from jaxserve.checkpoint import abstract_model
     from jaxserve.config import ModelConfig
     from jaxserve.runner.input_batch import SeqWork, build_batch
-    from jaxserve.runner.step import StepInput, forward
+    from jaxserve.runner.step import ModelDef, StepInput, forward
 
     config = ModelConfig.from_hf(
         dict(
@@ -185,7 +183,9 @@ def test_the_engine_step_lowers_with_the_pallas_backend(backend, platform):
             max_position_embeddings=512,
         )
     )
-    graphdef, state = nnx.split(abstract_model(config, dtype="bfloat16", attention_backend=backend))
+    model_def, weights = ModelDef.split(
+        abstract_model(config, dtype="bfloat16", attention_backend=backend)
+    )
     kv = [jax.ShapeDtypeStruct((32, 16, 4, 64), jnp.bfloat16)] * 2
     batch = StepInput.from_host(
         build_batch(
@@ -198,10 +198,10 @@ def test_the_engine_step_lowers_with_the_pallas_backend(backend, platform):
     )
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
 
-    def step(state, kv, batch):
-        return forward(graphdef, state, kv, batch)
+    def step(weights, kv, batch):
+        return forward(model_def, weights, kv, batch)
 
-    text = lower(step, (state, kv, batch), platform).mlir_module()
+    text = lower(step, (weights, kv, batch), platform).mlir_module()
     assert ("tpu_custom_call" in text) if platform == "tpu" else ("triton" in text)
 
 
