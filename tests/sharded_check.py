@@ -34,7 +34,7 @@ def main(model_dir: str, data: int, model: int) -> None:
         logits = runner.execute(runner.build(work, all_logits=True))
         results.append(np.asarray(jax.block_until_ready(logits)))
         if m is not None:
-            state = jax.tree.unflatten(runner.model_def.treedef, runner.weights)
+            state = runner.model_def.state(runner.weights)
             q = state["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
             assert q.sharding.spec == PartitionSpec(None, "model"), q.sharding
             assert len(q.sharding.device_set) == 8

@@ -60,8 +60,12 @@ class ModelDef:
         weights, treedef = jax.tree.flatten(state)
         return cls(graphdef, treedef), weights
 
+    def state(self, weights: list[jax.Array]) -> nnx.State:
+        """The flat weights back in the model's nested state (to look one up by name)."""
+        return jax.tree.unflatten(self.treedef, weights)
+
     def merge(self, weights: list[jax.Array]) -> nnx.Module:
-        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, weights))
+        return nnx.merge(self.graphdef, self.state(weights))
 
     def __hash__(self) -> int:
         return self._hash
