@@ -1,10 +1,14 @@
 """AsyncLLMEngine: the engine behind asyncio code (the gRPC server).
 
-One thread owns the engine and runs its loop; nothing else touches it.
-Coroutines hand it commands (add, abort) through a thread-safe queue and read
-their request's outputs from their own asyncio queue. A stream that is closed
-or cancelled before its request finished aborts the request, which frees its
-pages within a step.
+One thread owns the engine and runs its loop (`LLMEngine.run`); nothing else
+touches it. Coroutines hand it commands (add, abort) through a thread-safe queue
+and read their request's outputs from their own asyncio queue; an add command
+carries its stream, so the engine thread never looks a stream up by id to answer
+it. A stream that is closed or cancelled before its request finished aborts the
+request, which frees its pages within a step.
+
+Front ends read the engine only through `model_info` (immutable after start-up)
+and `stats()`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import threading
 from collections.abc import AsyncIterator
 
 from jaxserve.engine import LLMEngine
-from jaxserve.outputs import RequestOutput
+from jaxserve.metrics import StatsSnapshot
+from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,14 +36,17 @@ class EngineDeadError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    closed: bool = False  # the client stopped reading (finished, cancelled or failed)
 
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        if not self.closed:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        self.model_info: ModelInfo = engine.model_info()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
@@ -52,6 +60,11 @@ class AsyncLLMEngine:
     @property
     def healthy(self) -> bool:
         return self.error is None and self._thread.is_alive()
+
+    def stats(self) -> StatsSnapshot:
+        """A snapshot of the engine's counters (read from another thread: each value is
+        current, the set may straddle a step)."""
+        return self.engine.stats()
 
     @property
     def num_requests(self) -> int:
@@ -84,6 +97,7 @@ class AsyncLLMEngine:
             (
                 "add",
                 request_id,
+                stream,
                 list(prompt_token_ids),
                 params,
                 dict(prompt=prompt, priority=priority, cache_salt=cache_salt),
@@ -100,6 +114,7 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
+            stream.closed = True
             self._streams.pop(request_id, None)
             if not finished:
                 self._send(("abort", request_id))
@@ -125,28 +140,30 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, ids, params, kw = command
-                if request_id not in self._streams:
+                _, request_id, stream, ids, params, kw = command
+                if stream.closed:
                     continue  # cancelled before it reached the engine
                 try:
                     self.engine.add_request(request_id, ids, params, **kw)
-                except ValueError as e:
-                    self._streams[request_id].put(e)
+                except (ValueError, TypeError) as e:  # this request is bad; the engine is fine
+                    stream.put(e if isinstance(e, ValueError) else ValueError(str(e)))
             else:
                 self.engine.abort(command[1])
 
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put(out)
+
+    def _idle(self) -> None:
+        self._wake.wait(timeout=0.5)
+        self._wake.clear()
+
     def _loop(self) -> None:
         try:
-            while not self._stop.is_set():
-                self._drain_commands()
-                if not self.engine.has_unfinished():
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-                    continue
-                for out in self.engine.step():
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        stream.put(out)
+            self.engine.run(
+                self._deliver, poll=self._drain_commands, idle=self._idle, stop=self._stop.is_set
+            )
         except BaseException as e:  # the engine is broken: fail every stream, stay dead
             logger.exception("engine loop died")
             self.error = e

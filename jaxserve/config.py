@@ -1,10 +1,15 @@
-"""Typed configuration, validated once and passed down.
+"""The engine's typed configuration, validated once and passed down.
 
-`ModelConfig` is what a model definition needs to know about its architecture,
-parsed from a Hugging Face `config.json`. `CacheConfig` sizes the paged KV
-array. `EngineConfig` bundles them with the runtime choices (dtype, attention
-backend). All are frozen: a config never changes after start-up, so anything
-derived from it may be cached and anything static to compilation may read it.
+`EngineConfig` bundles the model's architecture (`models.config.ModelConfig`,
+owned by the models layer), `CacheConfig` (the paged KV array),
+`SchedulerConfig` (the step budget and prefix caching), `ParallelConfig` (the
+device mesh) and the runtime choices (dtype, attention backend, compilation).
+All are frozen: a config never changes after start-up, so anything derived from
+it may be cached and anything static to compilation may read it.
+
+`engine_config(...)` maps vLLM's flat engine arguments (`max_num_seqs`,
+`block_size`, `kv_cache_dtype`, ...) onto the nested config; `LLM(...)` and the
+command line both build their config through it.
 
 This module imports no JAX: the CLI and the host-side scheduler use it too.
 """
@@ -12,214 +17,21 @@ This module imports no JAX: the CLI and the host-side scheduler use it too.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from typing import Any
 
-_DTYPES = ("float32", "bfloat16", "float16")
-_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+from models.config import ModelConfig, RopeConfig, normalize_dtype
 
-
-def normalize_dtype(name: str, *, field: str = "dtype") -> str:
-    """Maps "bf16", "bfloat16", "torch.bfloat16" ... to one of float32/bfloat16/float16."""
-    key = str(name).removeprefix("torch.").lower()
-    key = _DTYPE_ALIASES.get(key, key)
-    if key not in _DTYPES:
-        raise ValueError(f"{field} must be one of {_DTYPES} (or an alias), got {name!r}")
-    return key
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters.
-
-    From HF `rope_parameters`, or the legacy `rope_theta` + `rope_scaling`.
-    """
-
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    # llama3
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
-    # yarn
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-
-    def __post_init__(self):
-        if self.rope_type not in _ROPE_TYPES:
-            raise ValueError(
-                f"rope_type must be one of {_ROPE_TYPES}, got {self.rope_type!r} "
-                "(dynamic NTK scaling depends on the sequence length at run time; "
-                "it is not supported)"
-            )
-        if not self.theta > 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.theta}")
-        if not self.factor > 0:
-            raise ValueError(f"rope factor must be > 0, got {self.factor}")
-        if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
-            raise ValueError(f"rope_type {self.rope_type!r} needs original_max_position_embeddings")
-        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
-            raise ValueError(
-                f"llama3 rope needs high_freq_factor > low_freq_factor, got "
-                f"{self.high_freq_factor} and {self.low_freq_factor}"
-            )
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
-        params = dict(hf.get("rope_parameters") or {})
-        # Legacy (transformers 4.x) layout: rope_theta at top level, scaling in rope_scaling.
-        params.update({k: v for k, v in (hf.get("rope_scaling") or {}).items() if v is not None})
-        theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
-        rope_type = params.pop("rope_type", params.pop("type", "default"))
-        if "partial_rotary_factor" in params and params["partial_rotary_factor"] != 1.0:
-            raise ValueError(
-                f"partial_rotary_factor {params['partial_rotary_factor']} is not supported"
-            )
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in params.items() if k in fields and v is not None}
-        return cls(theta=float(theta), rope_type=rope_type, **kwargs)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """The architecture of a decoder-only model of the Llama family."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
-    rope: RopeConfig = RopeConfig()
-    hidden_act: str = "silu"
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Llama: bias on q, k, v and o projections.
-    mlp_bias: bool = False
-    # One entry per layer: the sliding window in tokens, or None for full attention.
-    sliding_windows: tuple[int | None, ...] = ()
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    checkpoint_dtype: str = "float32"
-
-    def __post_init__(self):
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})"
-            )
-        if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"hidden_act must be one of {_ACTIVATIONS}, got {self.hidden_act!r}")
-        if not self.sliding_windows:
-            object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
-        if len(self.sliding_windows) != self.num_layers:
-            raise ValueError(
-                f"sliding_windows has {len(self.sliding_windows)} entries for "
-                f"{self.num_layers} layers"
-            )
-        for w in self.sliding_windows:
-            if w is not None and w <= 0:
-                raise ValueError(f"sliding_window must be positive, got {w}")
-
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Parses a Hugging Face `config.json` dict of a Llama-family model."""
-        archs = hf.get("architectures") or []
-        if len(archs) != 1:
-            raise ValueError(f"config.json must name exactly one architecture, got {archs!r}")
-        num_heads = hf["num_attention_heads"]
-        num_layers = hf["num_hidden_layers"]
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
-            architecture=archs[0],
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope=RopeConfig.from_hf(hf),
-            hidden_act=hf.get("hidden_act", "silu"),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=hf.get("attention_bias", False),
-            mlp_bias=hf.get("mlp_bias", False),
-            sliding_windows=_sliding_windows(hf, num_layers),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            checkpoint_dtype=normalize_dtype(
-                hf.get("dtype") or hf.get("torch_dtype") or "float32", field="torch_dtype"
-            ),
-        )
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str | os.PathLike) -> ModelConfig:
-        """Reads config.json; generation_config.json's eos_token_id, if any, takes precedence."""
-        path = os.path.join(model_dir, "config.json")
-        try:
-            with open(path) as f:
-                hf = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no config.json in model directory {model_dir!r}") from None
-        gen_path = os.path.join(model_dir, "generation_config.json")
-        if os.path.exists(gen_path):
-            with open(gen_path) as f:
-                eos = json.load(f).get("eos_token_id")
-            if eos is not None:
-                hf = {**hf, "eos_token_id": eos}
-        return cls.from_hf(hf)
-
-
-def _sliding_windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
-    """Which layers use a sliding window, from whichever fields the config declares.
-
-    transformers 5 writes `layer_types`; older Qwen2/Qwen3 configs write
-    `use_sliding_window` + `max_window_layers` (layers at or past it slide);
-    Mistral writes only `sliding_window` (all layers slide when it is set).
-    """
-    window = hf.get("sliding_window")
-    if window is None:
-        return (None,) * num_layers
-    if "layer_types" in hf and hf["layer_types"] is not None:
-        return tuple(window if t == "sliding_attention" else None for t in hf["layer_types"])
-    if "use_sliding_window" in hf:
-        if not hf["use_sliding_window"]:
-            return (None,) * num_layers
-        first = hf.get("max_window_layers", 0)
-        return tuple(window if i >= first else None for i in range(num_layers))
-    return (window,) * num_layers
+__all__ = [
+    "CacheConfig",
+    "EngineConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "RopeConfig",
+    "SchedulerConfig",
+    "engine_config",
+    "normalize_dtype",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +49,7 @@ class CacheConfig:
     num_pages: int | None = None
     memory_bytes: int = 1 << 30
     memory_fraction: float | None = None  # like vLLM's gpu_memory_utilization
-    dtype: str | None = None  # None: the model's dtype.
+    dtype: str = "auto"  # vLLM's kv_cache_dtype; "auto": the model's compute dtype
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -252,8 +64,53 @@ class CacheConfig:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.memory_fraction}"
             )
-        if self.dtype is not None:
+        if self.dtype is None or self.dtype == "auto":
+            object.__setattr__(self, "dtype", "auto")
+        else:
             object.__setattr__(self, "dtype", normalize_dtype(self.dtype, field="kv_cache_dtype"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """The step budget: at most `max_num_batched_tokens` tokens of at most
+    `max_num_seqs` sequences per step, and whether full pages are shared by prefix."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    debug_preemption_rate: float = 0.0  # test mode: preempt at random steps
+
+    def __post_init__(self):
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}): every running sequence needs a token"
+            )
+        if not 0.0 <= self.debug_preemption_rate <= 1.0:
+            raise ValueError(
+                f"debug_preemption_rate must be in [0, 1], got {self.debug_preemption_rate}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How many devices one engine spans (`tensor_parallel_size`, over the mesh's
+    'model' axis) and how many engine replicas serve side by side."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self):
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,18 +121,16 @@ class EngineConfig:
     model: ModelConfig
     dtype: str = "float32"
     max_model_len: int | None = None  # None: the model's max_position_embeddings.
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
     cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
     attention_backend: str = "auto"  # pallas_tpu on TPU, pallas_gpu on GPU, else reference
     seed: int = 0
-    enable_prefix_caching: bool = True
     min_token_bucket: int = 1  # 1: a lone decode computes one row, not a padded 16
-    max_logit_bias: int = 64  # logit_bias entries + min_tokens-blocked ids per request
+    max_logit_bias: int = 300  # logit_bias entries per request (OpenAI's limit)
     warmup: bool = True  # compile every bucket before serving
     compile_guard: bool = False  # after warm-up, any compilation raises (tests)
     compilation_cache_dir: str | None = None  # JAX's persistent compilation cache
-    debug_preemption_rate: float = 0.0  # test mode: preempt at random steps
     stats_interval_s: float = 10.0  # the periodic stats log line; 0 disables it
 
     def __post_init__(self):
@@ -284,26 +139,19 @@ class EngineConfig:
             object.__setattr__(self, "max_model_len", self.model.max_position_embeddings)
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.min_token_bucket <= 0 or self.min_token_bucket > self.max_num_batched_tokens:
+        budget = self.scheduler.max_num_batched_tokens
+        if self.min_token_bucket <= 0 or self.min_token_bucket > budget:
             raise ValueError(
                 f"min_token_bucket must be in [1, max_num_batched_tokens], "
                 f"got {self.min_token_bucket}"
             )
-        if not 0.0 <= self.debug_preemption_rate <= 1.0:
-            raise ValueError(
-                f"debug_preemption_rate must be in [0, 1], got {self.debug_preemption_rate}"
-            )
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_num_seqs ({self.max_num_seqs}): every running sequence needs a token"
-            )
+        if self.max_logit_bias <= 0:
+            raise ValueError(f"max_logit_bias must be positive, got {self.max_logit_bias}")
 
     @property
     def kv_dtype(self) -> str:
-        return self.cache.dtype or self.dtype
+        """The KV cache's element type ("auto" resolved to the compute dtype)."""
+        return self.dtype if self.cache.dtype == "auto" else self.cache.dtype
 
     @property
     def pages_per_seq(self) -> int:
@@ -321,7 +169,7 @@ class EngineConfig:
         """
         if self.cache.num_pages is not None:
             return self.cache.num_pages
-        useful = self.max_num_seqs * self.pages_per_seq + 1
+        useful = self.scheduler.max_num_seqs * self.pages_per_seq + 1
         if self.cache.memory_fraction is not None and device_memory is not None:
             limit, in_use = device_memory
             budget_bytes = int(self.cache.memory_fraction * limit) - in_use
@@ -336,3 +184,48 @@ class EngineConfig:
                 "at least 2 are needed"
             )
         return min(useful, budget)
+
+
+# vLLM's flat engine-argument names -> (sub-config, field) of EngineConfig.
+_NESTED_ARGS: dict[str, tuple[str, str]] = {
+    "block_size": ("cache", "page_size"),
+    "num_kv_pages": ("cache", "num_pages"),
+    "kv_cache_memory_bytes": ("cache", "memory_bytes"),
+    "kv_cache_memory_fraction": ("cache", "memory_fraction"),
+    "kv_cache_dtype": ("cache", "dtype"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "enable_prefix_caching": ("scheduler", "enable_prefix_caching"),
+    "debug_preemption_rate": ("scheduler", "debug_preemption_rate"),
+    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+    "data_parallel_size": ("parallel", "data_parallel_size"),
+}
+_SUB_CONFIGS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+_TOP_LEVEL_ARGS = tuple(
+    f.name
+    for f in dataclasses.fields(EngineConfig)
+    if f.name not in (*_SUB_CONFIGS, "model_dir", "model")
+)
+ENGINE_ARGS = (*_NESTED_ARGS, *_TOP_LEVEL_ARGS)  # every name `engine_config` accepts
+
+
+def engine_config(model_dir: str, model: ModelConfig, **args: Any) -> EngineConfig:
+    """Builds the nested EngineConfig from vLLM-style flat engine arguments.
+
+    >>> engine_config(d, ModelConfig.from_pretrained(d), max_num_seqs=16, block_size=32)
+
+    Raises TypeError naming any argument it does not know.
+    """
+    unknown = sorted(set(args) - set(ENGINE_ARGS))
+    if unknown:
+        raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(ENGINE_ARGS)}")
+    nested: dict[str, dict[str, Any]] = {name: {} for name in _SUB_CONFIGS}
+    top = {}
+    for name, value in args.items():
+        if name in _NESTED_ARGS:
+            sub, field = _NESTED_ARGS[name]
+            nested[sub][field] = value
+        else:
+            top[name] = value
+    subs = {name: cls(**nested[name]) for name, cls in _SUB_CONFIGS.items()}
+    return EngineConfig(model_dir=model_dir, model=model, **subs, **top)

@@ -36,8 +36,13 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
-    def add(self, token_id: int) -> str | None:
-        """Appends one output token; returns the stop string it completed, if any."""
+    def add(self, token_id: int, *, check_stop: bool = True) -> str | None:
+        """Appends one output token; returns the stop string it completed, if any.
+
+        With `check_stop=False` (before min_tokens is reached) stop strings are not
+        looked for, as in vLLM: the text keeps everything, and a stop string that
+        ends before min_tokens never ends the sequence.
+        """
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
@@ -47,6 +52,8 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         start = max(0, len(self.text) - self.hold)
         self.text += new
+        if not check_stop:
+            return None
         hits = [(at, stop) for stop in self.stop if (at := self.text.find(stop, start)) != -1]
         if not hits:
             return None

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Callable
 
 import numpy as np
 from jax.sharding import Mesh
@@ -19,8 +20,8 @@ from jax.sharding import Mesh
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.kv import PagePool
-from jaxserve.metrics import EngineStats
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.metrics import EngineStats, StatsSnapshot
+from jaxserve.outputs import CompletionOutput, ModelInfo, RequestOutput
 from jaxserve.request import Sequence
 from jaxserve.runner.input_batch import SampleRow, SeqWork
 from jaxserve.runner.model_runner import ModelRunner
@@ -70,15 +71,10 @@ class LLMEngine:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         self.runner = runner if runner is not None else ModelRunner(config, mesh)
         self.pool = PagePool(
-            self.runner.num_pages, enable_prefix_caching=config.enable_prefix_caching
+            self.runner.num_pages, enable_prefix_caching=config.scheduler.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            self.pool,
-            page_size=config.cache.page_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            debug_preemption_rate=config.debug_preemption_rate,
-            seed=config.seed,
+            config.scheduler, self.pool, page_size=config.cache.page_size, seed=config.seed
         )
         self.requests: dict[str, _Request] = {}
         self.eos_token_ids = set(config.model.eos_token_ids)
@@ -86,7 +82,9 @@ class LLMEngine:
             self.eos_token_ids = {tokenizer.eos_token_id}
         self._rng = random.Random(config.seed)
         self._arrivals = 0
-        self.stats = EngineStats(self, interval_s=config.stats_interval_s)
+        self._stats = EngineStats(
+            page_size=config.cache.page_size, interval_s=config.stats_interval_s
+        )
         logger.info(
             "engine ready: %d KV tokens in %d pages of %d; max concurrency at max_model_len "
             "%d: %.2fx; prefix caching %s",
@@ -95,10 +93,42 @@ class LLMEngine:
             config.cache.page_size,
             config.max_model_len,
             self.runner.kv_tokens / config.max_model_len,
-            "on" if config.enable_prefix_caching else "off",
+            "on" if config.scheduler.enable_prefix_caching else "off",
         )
         if config.warmup:
             self.runner.warmup()
+
+    # ------------------------------------------------------- what front ends read
+
+    def model_info(self) -> ModelInfo:
+        c = self.config
+        return ModelInfo(
+            model_dir=c.model_dir,
+            architecture=c.model.architecture,
+            vocab_size=c.model.vocab_size,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.scheduler.max_num_seqs,
+            dtype=c.dtype,
+            kv_cache_dtype=c.kv_dtype,
+            block_size=c.cache.page_size,
+            kv_cache_tokens=self.runner.kv_tokens,
+            weight_bytes=self.runner.weight_bytes,
+            max_logit_bias=c.max_logit_bias,
+        )
+
+    def stats(self) -> StatsSnapshot:
+        """The engine's counters and gauges now (cheap: a few dozen integers)."""
+        s = self.scheduler
+        return StatsSnapshot(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_cache_usage=self.pool.usage,
+            prefix_cache_queries=s.prefix_queries,
+            prefix_cache_hits=s.prefix_hits,
+            num_preemptions=s.num_preemptions,
+            num_compiles=self.runner.compiles.count,
+            **self._stats.counters(),
+        )
 
     # ---------------------------------------------------------------- requests
 
@@ -136,12 +166,15 @@ class LLMEngine:
                 f"request needs {need} KV pages for {len(ids) + max_tokens} tokens; "
                 f"the whole pool has {self.pool.capacity}"
             )
-        blocked = len(self.eos_token_ids | set(params.stop_token_ids))
-        bias = len(params.logit_bias or {}) + (blocked if params.min_tokens else 0)
-        if bias > self.config.max_logit_bias:
+        if len(params.logit_bias or {}) > self.config.max_logit_bias:
             raise ValueError(
-                f"logit_bias has {len(params.logit_bias or {})} entries; with the "
-                f"tokens min_tokens blocks, at most {self.config.max_logit_bias}"
+                f"logit_bias has {len(params.logit_bias)} entries; this engine takes at "
+                f"most {self.config.max_logit_bias} (its max_logit_bias)"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"stop {params.stop!r}: stop strings need a tokenizer, and this engine has "
+                "none (skip_tokenizer_init); use stop_token_ids"
             )
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(
@@ -208,7 +241,7 @@ class LLMEngine:
         )
         for seq in seqs:
             self.scheduler.add(seq)
-        self.stats.on_add()
+        self._stats.on_add()
 
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its pages; False if it is unknown or already done."""
@@ -217,11 +250,56 @@ class LLMEngine:
             return False
         for seq in req.seqs:
             self.scheduler.finish(seq, "abort")
-        self.stats.on_finish(req, aborted=True)
+        self._stats.on_finish(aborted=True)
         return True
+
+    def abort_all(self) -> None:
+        for request_id in list(self.requests):
+            self.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------- the one loop
+
+    def run(
+        self,
+        on_output: Callable[[RequestOutput], None],
+        *,
+        progress=None,
+        poll: Callable[[], None] | None = None,
+        idle: Callable[[], None] | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> None:
+        """The loop that steps the engine, for every caller (`LLM.generate`, `jaxserve
+        generate`, `jaxserve bench`, `AsyncLLMEngine`).
+
+        Each turn calls `poll()` (to take new requests), then runs one step and hands
+        each output to `on_output`, counting finished requests on `progress` (a tqdm
+        bar). With no work left it returns, or, given `idle`, calls it (to wait for
+        work) and goes on until `stop()` is true. On any exception (KeyboardInterrupt
+        included) every unfinished request is aborted, freeing its pages, and the
+        exception propagates.
+        """
+        try:
+            while stop is None or not stop():
+                if poll is not None:
+                    poll()
+                if not self.has_unfinished():
+                    if idle is None:
+                        return
+                    idle()
+                    continue
+                for out in self.step():
+                    on_output(out)
+                    if out.finished and progress is not None:
+                        progress.update(1)
+        except BaseException:
+            try:
+                self.abort_all()
+            except Exception:
+                logger.exception("aborting the unfinished requests failed")
+            raise
 
     # ---------------------------------------------------------------- the step
 
@@ -270,11 +348,18 @@ class LLMEngine:
         outputs = [self._output(req, new_tokens) for req in touched.values()]
         for o in outputs:
             if o.finished:
-                req = self.requests.pop(o.request_id)
-                self.stats.on_finish(req)
-        self.stats.on_step(
-            plan, len(new_tokens), host_s=(t1 - t0) + (time.perf_counter() - t2), device_s=t2 - t1
+                del self.requests[o.request_id]
+                self._stats.on_finish()
+        t3 = time.perf_counter()
+        self._stats.on_step(
+            plan,
+            len(new_tokens),
+            self.scheduler.running,
+            host_s=(t1 - t0) + (t3 - t2),
+            device_s=t2 - t1,
         )
+        if self._stats.log_due(time.monotonic()):
+            self._stats.log(self.stats())
         return outputs
 
     def _prompt_targets(self, plan, num_rows: int) -> np.ndarray | None:
@@ -339,8 +424,9 @@ class LLMEngine:
                 return "stop"
         detok = req.detoks[seq.index]
         if detok is not None:
-            stop = detok.add(token)
-            if stop is not None and len(seq.output_ids) >= p.min_tokens:
+            # As vLLM: stop strings are not looked for before min_tokens is reached.
+            stop = detok.add(token, check_stop=len(seq.output_ids) >= p.min_tokens)
+            if stop is not None:
                 seq.stop_reason = stop
                 return "stop"
         if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from jax.sharding import Mesh
 from tqdm import tqdm
 
 from jaxserve.assets import DEFAULT_MODEL, EMBEDDED_MODELS
-from jaxserve.config import CacheConfig, EngineConfig, ModelConfig
+from jaxserve.config import ModelConfig, engine_config
 from jaxserve.engine import LLMEngine
+from jaxserve.inputs import PromptType, parse_prompt
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
-
-PromptType = str | dict[str, Any]
 
 # JAX's persistent compilation cache: a restart reuses compiled step programs.
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
@@ -44,7 +42,9 @@ class LLM:
 
     With no model, the embedded demo model is used. Offline runs compile step
     programs as their shapes first occur; `warmup=True` compiles every bucket
-    up front, as a server does.
+    up front, as a server does. `tokenizer` names another directory to load the
+    tokenizer from; `skip_tokenizer_init=True` loads none (prompts and outputs are
+    token ids only, as in vLLM).
 
     >>> llm = LLM(model="path/to/model", dtype="float32")
     >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
@@ -55,49 +55,46 @@ class LLM:
         self,
         model: str | os.PathLike | None = None,
         *,
+        tokenizer: str | os.PathLike | None = None,
+        skip_tokenizer_init: bool = False,
         dtype: str = "float32",
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         block_size: int = 16,
-        num_kv_pages: int | None = None,
+        kv_cache_dtype: str = "auto",
         kv_cache_memory_bytes: int = 1 << 30,
-        kv_cache_memory_fraction: float | None = None,
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
         seed: int = 0,
         warmup: bool = False,
-        compile_guard: bool = False,
         compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
-        debug_preemption_rate: float = 0.0,
         mesh: Mesh | None = None,
-        **engine_options,
+        **engine_args,
     ):
-        """Arguments as vLLM's; `engine_options` are further `EngineConfig` fields."""
+        """Arguments as vLLM's; `engine_args` are further `jaxserve.config.ENGINE_ARGS`
+        (num_kv_pages, kv_cache_memory_fraction, tensor_parallel_size, ...)."""
         model_dir = resolve_model_dir(model)
-        self.config = EngineConfig(
-            model_dir=model_dir,
-            model=ModelConfig.from_pretrained(model_dir),
+        self.config = engine_config(
+            model_dir,
+            ModelConfig.from_pretrained(model_dir),
             dtype=dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            cache=CacheConfig(
-                page_size=block_size,
-                num_pages=num_kv_pages,
-                memory_bytes=kv_cache_memory_bytes,
-                memory_fraction=kv_cache_memory_fraction,
-            ),
+            block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
             enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend,
             seed=seed,
             warmup=warmup,
-            compile_guard=compile_guard,
             compilation_cache_dir=compilation_cache_dir,
-            debug_preemption_rate=debug_preemption_rate,
-            **engine_options,
+            **engine_args,
         )
-        self.tokenizer = Tokenizer(model_dir)
+        self.tokenizer = (
+            None if skip_tokenizer_init else Tokenizer(resolve_model_dir(tokenizer or model_dir))
+        )
         self.engine = LLMEngine(self.config, self.tokenizer, mesh)
         self._ids = itertools.count()
 
@@ -112,11 +109,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates for every prompt; results come back in the prompts' order.
 
-        A prompt is text, or {"prompt_token_ids": [...]} (optionally with "prompt").
-        All prompts are validated before any is queued, so a bad one changes nothing.
+        A prompt is text, {"prompt": text}, {"prompt_token_ids": [...]} (optionally
+        with "prompt") or {"messages": [...]} (`jaxserve.inputs`). All prompts are
+        validated before any is queued, so a bad one changes nothing.
         If interrupted, the requests still running are aborted and their pages freed.
         """
-        if isinstance(prompts, str | dict):
+        if isinstance(prompts, str | Mapping):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -129,48 +127,35 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        requests = [(str(next(self._ids)), *self._tokenize(p, i)) for i, p in enumerate(prompts)]
-        added = []
-        for i, ((request_id, text, ids), sp) in enumerate(zip(requests, params, strict=True)):
+        parsed = []
+        for i, prompt in enumerate(prompts):
+            try:
+                parsed.append(parse_prompt(prompt, self.tokenizer))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        request_ids = [str(next(self._ids)) for _ in parsed]
+        for i, (request_id, p, sp) in enumerate(zip(request_ids, parsed, params, strict=True)):
             try:
                 self.engine.add_request(
                     request_id,
-                    ids,
+                    p.token_ids,
                     sp,
-                    prompt=text,
+                    prompt=p.text,
                     cache_salt=cache_salt,
                     priority=0 if priority is None else priority[i],
                 )
             except ValueError as e:
-                for earlier in added:
+                for earlier in request_ids[:i]:
                     self.engine.abort(earlier)
                 raise ValueError(f"prompts[{i}]: {e}") from e
-            added.append(request_id)
         results: dict[str, RequestOutput] = {}
-        try:
-            with tqdm(
-                total=len(requests),
-                desc="generate",
-                unit="req",
-                disable=not use_tqdm,
-                mininterval=1,
-            ) as bar:
-                while len(results) < len(requests):
-                    for out in self.engine.step():
-                        if out.finished:
-                            results[out.request_id] = out
-                            bar.update(1)
-        finally:
-            for request_id in added:
-                if request_id not in results:
-                    self.engine.abort(request_id)
-        return [results[request_id] for request_id, _, _ in requests]
 
-    def _tokenize(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        raise ValueError(
-            f"prompts[{index}] must be a string or a dict with 'prompt_token_ids', got {prompt!r}"
-        )
+        def keep(out: RequestOutput) -> None:
+            if out.finished:
+                results[out.request_id] = out
+
+        with tqdm(
+            total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm, mininterval=1
+        ) as bar:
+            self.engine.run(keep, progress=bar)
+        return [results[request_id] for request_id in request_ids]

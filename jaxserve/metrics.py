@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -17,7 +18,7 @@ class StatsSnapshot:
     num_running: int
     num_waiting: int
     kv_cache_usage: float  # fraction of pages held by running sequences
-    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_queries: int  # prompt tokens looked up, once per sequence
     prefix_cache_hits: int  # of those, found cached
     num_preemptions: int
     prompt_tokens: int  # computed prompt tokens (recomputation included)
@@ -45,8 +46,12 @@ class StatsSnapshot:
 
 
 class EngineStats:
-    def __init__(self, engine, *, interval_s: float):
-        self._engine = engine
+    """The engine's running counters. It holds no reference to the engine: the engine
+    reports each step and finish, and builds a `StatsSnapshot` from these counters and
+    its own gauges (`LLMEngine.stats()`)."""
+
+    def __init__(self, *, page_size: int, interval_s: float):
+        self.page_size = page_size
         self.interval_s = interval_s
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -64,43 +69,36 @@ class EngineStats:
     def on_add(self) -> None:
         self.requests_added += 1
 
-    def on_step(self, plan, num_sampled: int, *, host_s: float, device_s: float) -> None:
+    def on_step(
+        self, plan, num_sampled: int, running: Sequence, *, host_s: float, device_s: float
+    ) -> None:
+        """Counts one step; `running` are the scheduler's running sequences after it."""
         decode = sum(s.num_tokens for s in plan.scheduled if s.start >= s.seq.num_prompt_tokens)
         self.prompt_tokens += plan.num_tokens - decode
         self.generation_tokens += num_sampled
         self.steps += 1
         self.host_seconds += host_s
         self.device_seconds += device_s
-        running = self._engine.scheduler.running
         pages = sum(len(s.pages) for s in running)
         if pages and pages >= self.peak_kv_pages:  # the latest step at the peak: fullest pages
-            slots = pages * self._engine.config.cache.page_size
             self.peak_kv_pages = pages
-            self.kv_waste_at_peak = 1.0 - sum(s.num_computed for s in running) / slots
-        now = time.monotonic()
-        if self.interval_s > 0 and now - self._last_log >= self.interval_s:
-            self.log(now)
+            self.kv_waste_at_peak = 1.0 - sum(s.num_computed for s in running) / (
+                pages * self.page_size
+            )
 
-    def on_finish(self, req, *, aborted: bool = False) -> None:
+    def on_finish(self, *, aborted: bool = False) -> None:
         if aborted:
             self.requests_aborted += 1
         else:
             self.requests_finished += 1
 
-    def snapshot(self) -> StatsSnapshot:
-        e = self._engine
-        return StatsSnapshot(
-            num_running=len(e.scheduler.running),
-            num_waiting=len(e.scheduler.waiting),
-            kv_cache_usage=e.pool.usage,
-            prefix_cache_queries=e.pool.queries,
-            prefix_cache_hits=e.pool.hits,
-            num_preemptions=e.scheduler.num_preemptions,
+    def counters(self) -> dict:
+        """The StatsSnapshot fields these counters supply."""
+        return dict(
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             requests_finished=self.requests_finished,
             requests_aborted=self.requests_aborted,
-            num_compiles=e.runner.compiles.count,
             steps=self.steps,
             host_seconds=self.host_seconds,
             device_seconds=self.device_seconds,
@@ -108,9 +106,11 @@ class EngineStats:
             kv_waste_at_peak=self.kv_waste_at_peak,
         )
 
-    def log(self, now: float | None = None) -> None:
+    def log_due(self, now: float) -> bool:
+        return self.interval_s > 0 and now - self._last_log >= self.interval_s
+
+    def log(self, s: StatsSnapshot, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        s = self.snapshot()
         dt = max(now - self._last_log, 1e-9)
         prompt_tps = (s.prompt_tokens - self._last[0]) / dt
         gen_tps = (s.generation_tokens - self._last[1]) / dt

@@ -32,3 +32,25 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then per token.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What front ends may know about a running engine (`LLMEngine.model_info()`)."""
+
+    model_dir: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int  # tokens per KV page
+    kv_cache_tokens: int  # tokens the KV pool holds
+    weight_bytes: int  # the model's weights on the device(s)
+    max_logit_bias: int  # logit_bias entries a request may carry
+
+    @property
+    def max_concurrency(self) -> float:
+        """Requests of max_model_len tokens that fit in the KV cache at once."""
+        return self.kv_cache_tokens / self.max_model_len

@@ -15,6 +15,7 @@ import bisect
 import dataclasses
 import random
 
+from jaxserve.config import SchedulerConfig
 from jaxserve.kv.page_pool import ROOT_UID, PagePool
 from jaxserve.request import Sequence, Status
 
@@ -44,26 +45,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        pool: PagePool,
-        *,
-        page_size: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        debug_preemption_rate: float = 0.0,
-        seed: int = 0,
-    ):
+    def __init__(self, config: SchedulerConfig, pool: PagePool, *, page_size: int, seed: int = 0):
         self.pool = pool
         self.page_size = page_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # in admission order
         # Test mode: preempt a random running sequence at random steps.
-        self.debug_preemption_rate = debug_preemption_rate
+        self.debug_preemption_rate = config.debug_preemption_rate
         self._rng = random.Random(seed)
         self.num_preemptions = 0
+        # Prefix-cache metrics, counted once per sequence at its first admission (a
+        # head-of-line sequence that waits for pages is looked up again each step).
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of those, found cached
 
     # ---------------------------------------------------------------- queueing
 
@@ -147,6 +143,8 @@ class Scheduler:
             seq.num_computed = computed
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = computed
+                self.prefix_queries += cacheable
+                self.prefix_hits += computed
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, computed, n))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import RopeConfig
+from models.config import RopeConfig
 
 INIT = nnx.initializers.normal(0.02)
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.config import ModelConfig
+from models.config import ModelConfig
 from models.layers import ACTIVATIONS, INIT, RMSNorm, apply_rope, linear, rope_frequencies
 from models.registry import register
 from pallas_kernels import AttentionMetadata, get_backend

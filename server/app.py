@@ -145,7 +145,7 @@ class JaxServeServer:
 
     def _stats(self):
         engine = self.state.engine
-        return None if engine is None else engine.engine.stats.snapshot()
+        return None if engine is None else engine.stats()
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
@@ -194,7 +194,7 @@ class JaxServeServer:
     async def load(self) -> None:
         """Builds (and warms up) the engine off the event loop, then serves."""
         engine, tokenizer = await asyncio.to_thread(self._make_engine)
-        self.state.config, self.state.tokenizer = engine.config, tokenizer
+        self.state.tokenizer = tokenizer
         self.state.engine = AsyncLLMEngine(engine)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watch = asyncio.create_task(self._watch_engine())

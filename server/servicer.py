@@ -15,7 +15,7 @@ import time
 import grpc
 
 from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError
-from jaxserve.config import EngineConfig
+from jaxserve.inputs import ParsedPrompt, parse_prompt
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
@@ -86,7 +86,6 @@ def _usage(out: RequestOutput) -> pb.Usage:
 class ServingState:
     """What the servicer serves with; `engine` is None until the model is loaded."""
 
-    config: EngineConfig | None = None
     tokenizer: Tokenizer | None = None
     engine: AsyncLLMEngine | None = None
     model_name: str = ""
@@ -115,20 +114,20 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         self.metrics.rejected.labels("invalid").inc()
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
-    async def _prompt_ids(self, request, context) -> tuple[str | None, list[int]]:
-        tok = self.state.tokenizer
+    async def _prompt(self, request, context) -> ParsedPrompt:
+        """The request's prompt through the one parser all front ends share."""
         kind = request.WhichOneof("input")
+        prompt = {}
+        if kind == "prompt":
+            prompt = {"prompt": request.prompt}
+        elif kind == "prompt_token_ids":
+            prompt = {"prompt_token_ids": list(request.prompt_token_ids.ids)}
+        elif kind == "messages":
+            prompt = {"messages": _messages(request.messages)}
         try:
-            if kind == "prompt":
-                return request.prompt, tok.encode(request.prompt)
-            if kind == "prompt_token_ids":
-                return None, list(request.prompt_token_ids.ids)
-            if kind == "messages":
-                text = tok.apply_chat_template(_messages(request.messages))
-                return text, tok.encode(text, add_special_tokens=False)
+            return parse_prompt(prompt, self.state.tokenizer)
         except ValueError as e:
-            await self._invalid(context, f"messages: {e}")
-        await self._invalid(context, "one of prompt, prompt_token_ids or messages is required")
+            await self._invalid(context, str(e))
 
     async def _admit(self, request, context):
         """Validates a GenerateRequest; returns (engine, request_id, prompt, ids, params)."""
@@ -140,25 +139,25 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                 f"{engine.num_requests} requests pending (the bound is "
                 f"{self.state.max_pending}); retry later",
             )
-        prompt, ids = await self._prompt_ids(request, context)
+        prompt = await self._prompt(request, context)
         try:
             params = sampling_params_from_proto(request.sampling_params)
         except ValueError as e:
             await self._invalid(context, str(e))
         rid = request.request_id or f"req-{next(self._ids)}"
-        return engine, rid, prompt, ids, params
+        return engine, rid, prompt, params
 
     async def _stream(self, request, context):
         """Yields the engine's RequestOutputs, recording latency metrics."""
-        engine, rid, prompt, ids, params = await self._admit(request, context)
+        engine, rid, prompt, params = await self._admit(request, context)
         start = last = time.monotonic()
         first = True
         try:
             async for out in engine.generate(
                 rid,
-                ids,
+                prompt.token_ids,
                 params,
-                prompt=prompt,
+                prompt=prompt.text,
                 priority=request.priority,
                 cache_salt=request.cache_salt or None,
             ):
@@ -230,9 +229,17 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             prompt_logprobs=_prompt_logprobs_proto(final),
         )
 
-    async def Tokenize(self, request, context):
+    async def _tokenizer(self, context) -> Tokenizer:
         await self._ready(context)
-        tok = self.state.tokenizer
+        if self.state.tokenizer is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this server has no tokenizer (skip_tokenizer_init)",
+            )
+        return self.state.tokenizer
+
+    async def Tokenize(self, request, context):
+        tok = await self._tokenizer(context)
         kind = request.WhichOneof("input")
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         if kind == "text":
@@ -241,14 +248,15 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             )
         if kind == "messages":
             try:
-                return pb.TokenizeResponse(token_ids=tok.encode_chat(_messages(request.messages)))
+                parsed = parse_prompt({"messages": _messages(request.messages)}, tok)
             except ValueError as e:
-                await self._invalid(context, f"messages: {e}")
+                await self._invalid(context, str(e))
+            return pb.TokenizeResponse(token_ids=parsed.token_ids)
         await self._invalid(context, "one of text or messages is required")
 
     async def Detokenize(self, request, context):
-        await self._ready(context)
-        vocab = self.state.config.model.vocab_size
+        tok = await self._tokenizer(context)
+        vocab = self.state.engine.model_info.vocab_size
         bad = [t for t in request.token_ids if not 0 <= t < vocab]
         if bad:
             await self._invalid(
@@ -256,18 +264,17 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             )
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         return pb.DetokenizeResponse(
-            text=self.state.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
+            text=tok.decode(list(request.token_ids), skip_special_tokens=skip)
         )
 
     async def GetModelInfo(self, request, context):
-        engine = await self._ready(context)
-        c = self.state.config
+        info = (await self._ready(context)).model_info
         return pb.ModelInfo(
             model=self.state.model_name,
-            max_model_len=c.max_model_len,
-            vocab_size=c.model.vocab_size,
-            kv_cache_tokens=engine.engine.runner.kv_tokens,
-            max_num_seqs=c.max_num_seqs,
-            dtype=c.dtype,
-            block_size=c.cache.page_size,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            kv_cache_tokens=info.kv_cache_tokens,
+            max_num_seqs=info.max_num_seqs,
+            dtype=info.dtype,
+            block_size=info.block_size,
         )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.config import CacheConfig, EngineConfig, ModelConfig
+from jaxserve import config
+from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.runner.input_batch import SeqWork
 from jaxserve.runner.model_runner import ModelRunner
@@ -12,10 +13,12 @@ from jaxserve.sampling_params import SamplingParams
 
 
 def engine_config(path: str, *, page_size=8, num_pages=64, max_model_len=128, **kw):
-    return EngineConfig(
-        model_dir=path,
-        model=ModelConfig.from_pretrained(path),
-        cache=CacheConfig(page_size=page_size, num_pages=num_pages),
+    """An EngineConfig for a test checkpoint; `kw` are flat engine arguments."""
+    return config.engine_config(
+        path,
+        ModelConfig.from_pretrained(path),
+        block_size=page_size,
+        num_kv_pages=num_pages,
         max_model_len=max_model_len,
         **{"max_num_seqs": 8, "warmup": False, **kw},
     )
@@ -33,9 +36,7 @@ def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     results = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            results[out.request_id] = out.outputs[0].token_ids
+    engine.run(lambda out: results.__setitem__(out.request_id, out.outputs[0].token_ids))
     engine.pool.check_invariant()
     assert engine.pool.num_free == engine.pool.capacity
     return [results[str(i)] for i in range(len(prompts))]

@@ -35,8 +35,10 @@ class MockRunner:
         self.num_pages = num_pages
         self.kv_tokens = (num_pages - 1) * config.cache.page_size
         self.vocab = config.model.vocab_size
-        self.token_buckets = pow2_buckets(config.min_token_bucket, config.max_num_batched_tokens)
-        self.seq_buckets = pow2_buckets(1, config.max_num_seqs)
+        sched = config.scheduler
+        self.token_buckets = pow2_buckets(config.min_token_bucket, sched.max_num_batched_tokens)
+        self.seq_buckets = pow2_buckets(1, sched.max_num_seqs)
+        self.weight_bytes = 0
         self.compiles = types.SimpleNamespace(count=0)
         # What each page slot holds: (page, offset) -> token id; checks the KV bookkeeping.
         self.slots: dict[int, int] = {}
@@ -56,7 +58,13 @@ class MockRunner:
 
     def build_sampling(self, rows, seq_bucket) -> SamplingMetadata:
         self._rows = rows
-        return build_sampling(rows, seq_bucket=seq_bucket, history_len=1, max_bias=64)
+        return build_sampling(
+            rows,
+            seq_bucket=seq_bucket,
+            history_len=1,
+            max_bias=self.config.max_logit_bias,
+            vocab_size=self.vocab,
+        )
 
     def warmup(self):
         pass

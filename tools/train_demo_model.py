@@ -43,8 +43,8 @@ from absl import app, flags
 from flax import nnx
 
 from jaxserve.checkpoint import save_weights
-from jaxserve.config import ModelConfig
 from models import get_model_class
+from models.config import ModelConfig
 from pallas_kernels import AttentionBackend
 
 FLAGS = flags.FLAGS

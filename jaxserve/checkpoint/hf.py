@@ -23,8 +23,8 @@ from safetensors import safe_open
 from safetensors.flax import save_file
 
 from jaxserve import parallel
-from jaxserve.config import ModelConfig
 from models import get_model_class
+from models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -42,9 +42,6 @@ class PagePool:
         self._key_of_page: dict[int, PageKey] = {}
         self._uid_of_page: dict[int, int] = {}
         self._uids = itertools.count(ROOT_UID + 1)
-        # Counters for metrics.
-        self.queries = 0  # prompt tokens looked up
-        self.hits = 0  # prompt tokens found cached
 
     # ------------------------------------------------------------------ capacity
 
@@ -111,7 +108,6 @@ class PagePool:
         Returns (pages, uids): the hit pages and their chain uids.
         """
         limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
-        self.queries += limit
         if not self.enable_prefix_caching:
             return [], []
         pages, uids, parent = [], [], ROOT_UID
@@ -124,7 +120,6 @@ class PagePool:
             pages.append(page)
             parent = self._uid_of_page[page]
             uids.append(parent)
-        self.hits += len(pages) * page_size
         return pages, uids
 
     def cache_page(

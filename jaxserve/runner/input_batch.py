@@ -138,8 +138,10 @@ class SamplingMetadata:
     repetition_penalty: np.ndarray  # f32; 1 = off
     seed: np.ndarray  # u32
     position: np.ndarray  # i32: index of the output token being sampled
-    bias_ids: np.ndarray  # [B, NB] i32: logit_bias and min_tokens-blocked token ids
-    bias_values: np.ndarray  # [B, NB] f32: added to those logits (-inf blocks)
+    bias_ids: np.ndarray  # [B, NB] i32: logit_bias token ids (NB = max_logit_bias)
+    bias_values: np.ndarray  # [B, NB] f32: added to those logits
+    allowed: np.ndarray  # [B, ceil(V / 32)] u32 bitmask: bit v of a row clear = v blocked
+    masked: np.ndarray  # [B] bool: the row blocks some token (min_tokens; later grammars)
     history: np.ndarray  # [B, L] i32: prompt + output ids for penalties, -1 = none
     num_prompt: np.ndarray  # i32: how many of `history` are prompt tokens
     want_logprobs: np.ndarray  # [1] bool: any row asks for logprobs
@@ -160,18 +162,29 @@ def _wants_history(p: SamplingParams) -> bool:
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
 
+def mask_words(vocab_size: int) -> int:
+    """32-bit words of a row of the allowed-token bitmask."""
+    return -(-vocab_size // 32)
+
+
 def build_sampling(
     rows: Sequence[SampleRow],
     *,
     seq_bucket: int,
     history_len: int,
     max_bias: int,
+    vocab_size: int,
     with_history: bool | None = None,
 ) -> SamplingMetadata:
     """Packs the rows' settings. The token history for penalties is [B, history_len]
     only when some row needs it (or `with_history`), else [B, 1]: a batch without
     penalties neither fills nor transfers it. Two widths, so two sampling programs
-    per sequence bucket."""
+    per sequence bucket.
+
+    Blocked tokens (EOS and stop ids under min_tokens) go into a fixed-shape
+    bitmask of the whole vocabulary, so a request may block any number of them
+    without a cap or another program; the sparse bias holds only `logit_bias`.
+    """
     b = seq_bucket
     if with_history is None:
         with_history = any(_wants_history(row.params) for row in rows)
@@ -186,6 +199,8 @@ def build_sampling(
     position = np.zeros(b, np.int32)
     bias_ids = np.zeros((b, max_bias), np.int32)
     bias_values = np.zeros((b, max_bias), np.float32)
+    allowed = np.full((b, mask_words(vocab_size)), 0xFFFFFFFF, np.uint32)
+    masked = np.zeros(b, np.bool_)
     history = np.full((b, history_len if with_history else 1), -1, np.int32)
     num_prompt = np.zeros(b, np.int32)
     want_logprobs = False
@@ -196,12 +211,17 @@ def build_sampling(
         repetition[i] = p.repetition_penalty
         seed[i] = row.seed & 0xFFFFFFFF
         position[i] = len(row.token_ids) - row.num_prompt
-        bias = dict(p.logit_bias or {})
-        bias.update(dict.fromkeys(row.blocked_ids, -np.inf))
+        bias = p.logit_bias or {}
         if len(bias) > max_bias:
-            raise ValueError(f"{len(bias)} biased or blocked tokens exceed the cap {max_bias}")
+            raise ValueError(f"logit_bias has {len(bias)} entries; the cap is {max_bias}")
         bias_ids[i, : len(bias)] = list(bias)
         bias_values[i, : len(bias)] = list(bias.values())
+        blocked = np.asarray([t for t in row.blocked_ids if 0 <= t < vocab_size], np.int64)
+        if blocked.size:
+            # Clear bit (t % 32) of word (t // 32); ufunc.at handles repeated words.
+            bits = np.left_shift(np.uint32(1), (blocked % 32).astype(np.uint32))
+            np.bitwise_and.at(allowed[i], blocked // 32, ~bits)
+            masked[i] = True
         if _wants_history(p):
             history[i, : len(row.token_ids)] = row.token_ids
             num_prompt[i] = row.num_prompt
@@ -218,6 +238,8 @@ def build_sampling(
         position=position,
         bias_ids=bias_ids,
         bias_values=bias_values,
+        allowed=allowed,
+        masked=masked,
         history=history,
         num_prompt=num_prompt,
         want_logprobs=np.array([want_logprobs]),

@@ -65,6 +65,13 @@ class ModelRunner:
     """Runs steps of ragged batches against one pre-allocated paged KV cache."""
 
     def __init__(self, config: EngineConfig, mesh: Mesh | None = None):
+        if config.parallel.world_size > 1:
+            p = config.parallel
+            raise ValueError(
+                f"tensor_parallel_size={p.tensor_parallel_size}, data_parallel_size="
+                f"{p.data_parallel_size}: the engine serves on one device for now; "
+                "pass a jax.sharding.Mesh as mesh= to shard the model's weights"
+            )
         self.config = config
         t0 = time.perf_counter()
         model = load_model(
@@ -75,10 +82,12 @@ class ModelRunner:
             mesh=mesh,
         )
         self.model_def, self.weights = ModelDef.split(model)
+        self.weight_bytes = sum(x.nbytes for x in self.weights)
         self.num_pages = config.num_kv_pages(_device_memory())
         self.kv_caches = self._allocate_kv(mesh)
-        self.token_buckets = pow2_buckets(config.min_token_bucket, config.max_num_batched_tokens)
-        self.seq_buckets = pow2_buckets(1, config.max_num_seqs)
+        sched = config.scheduler
+        self.token_buckets = pow2_buckets(config.min_token_bucket, sched.max_num_batched_tokens)
+        self.seq_buckets = pow2_buckets(1, sched.max_num_seqs)
         self.history_len = config.pages_per_seq * config.cache.page_size
         self.compiles = CompileCounter()
         self.warmed_up = False
@@ -135,6 +144,7 @@ class ModelRunner:
             seq_bucket=seq_bucket,
             history_len=self.history_len,
             max_bias=self.config.max_logit_bias,
+            vocab_size=self.config.model.vocab_size,
             with_history=with_history,
         )
 

@@ -1,7 +1,8 @@
 """On-device sampling: every request's own settings, in one batch, in one program.
 
-Processing follows vLLM's order and semantics: logit bias (and the tokens that
-min_tokens blocks), repetition / frequency / presence penalties, temperature,
+Processing follows vLLM's order and semantics: logit bias, the allowed-token
+bitmask (the tokens min_tokens blocks), repetition / frequency / presence
+penalties, temperature,
 min-p, top-k and top-p, then a draw. Greedy rows (temperature 0) take the argmax
 of the processed logits. A row's randomness comes only from its own seed and
 its own output position (`fold_in(key(seed), position)`), so a seeded request
@@ -100,10 +101,19 @@ def _penalized(md: SamplingMetadata) -> jax.Array:
     )
 
 
+def _apply_mask(logits, md: SamplingMetadata):
+    """-inf where a row's allowed-token bitmask [B, ceil(V/32)] has the bit clear."""
+    b, v = logits.shape
+    bits = (md.allowed[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1  # [B, W, 32]
+    allowed = bits.reshape(b, -1)[:, :v].astype(jnp.bool_)
+    return jnp.where(allowed | ~md.masked[:, None], logits, -jnp.inf)
+
+
 def _process_and_sample(logits, md: SamplingMetadata):
-    """Logit bias, penalties, then the argmax (greedy rows) or a draw (the rest)."""
+    """Logit bias, the bitmask, penalties, then the argmax (greedy rows) or a draw."""
     b = logits.shape[0]
     x = logits.at[jnp.arange(b)[:, None], md.bias_ids].add(md.bias_values)
+    x = lax.cond(jnp.any(md.masked), _apply_mask, lambda x, md: x, x, md)
     x = lax.cond(jnp.any(_penalized(md)), _apply_penalties, lambda x, md: x, x, md)
 
     # Greedy rows need none of the rest: min-p, top-k and top-p never remove the argmax.
@@ -119,7 +129,10 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     # A batch of plain greedy rows (no bias, no penalty) takes the argmax of the raw
     # logits: no processed copy of [B, V] is made.
     plain = jnp.all(
-        (md.temperature <= 0.0) & jnp.all(md.bias_values == 0.0, axis=-1) & ~_penalized(md)
+        (md.temperature <= 0.0)
+        & jnp.all(md.bias_values == 0.0, axis=-1)
+        & ~md.masked
+        & ~_penalized(md)
     )
     sampled = lax.cond(
         plain,

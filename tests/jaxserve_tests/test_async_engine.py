@@ -73,7 +73,7 @@ def test_closing_a_stream_aborts_its_request_and_frees_its_pages():
         await stream.aclose()
         await wait_idle(aengine)
         assert_idle(aengine.engine)
-        assert aengine.engine.stats.requests_aborted == 1
+        assert aengine.stats().requests_aborted == 1
         # The engine still serves.
         outs = await collect(aengine, "d", [4, 5], 3)
         assert outs[-1].outputs[0].token_ids == expected_tokens([4, 5], 3, VOCAB)

@@ -2,7 +2,16 @@
 
 import pytest
 
-from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, RopeConfig
+from jaxserve.config import (
+    ENGINE_ARGS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    RopeConfig,
+    SchedulerConfig,
+    engine_config,
+)
 
 LLAMA = dict(
     architectures=["LlamaForCausalLM"],
@@ -95,14 +104,12 @@ def test_bad_model_configs(fields, match):
 def test_engine_config_sizes_the_pool_from_the_budget():
     model = ModelConfig.from_hf(LLAMA)
     # bytes per page: 4 layers * 16 tokens * 2 * 2 heads * 8 dims * 4 bytes = 8 KiB
-    cfg = EngineConfig(
-        "x", model, max_model_len=256, max_num_seqs=4, cache=CacheConfig(memory_bytes=10 * 8192)
+    cfg = engine_config(
+        "x", model, max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=10 * 8192
     )
     assert cfg.kv_bytes_per_page() == 8192
     assert cfg.num_kv_pages() == 10
-    roomy = EngineConfig(
-        "x", model, max_model_len=256, max_num_seqs=4, cache=CacheConfig(memory_bytes=1 << 30)
-    )
+    roomy = engine_config("x", model, max_model_len=256, max_num_seqs=4)
     assert roomy.num_kv_pages() == 4 * 16 + 1  # never more than max_num_seqs can use
     assert EngineConfig("x", model).max_model_len == 512
 
@@ -113,12 +120,39 @@ def test_engine_config_sizes_the_pool_from_the_budget():
         (dict(dtype="int8"), "dtype must be one of"),
         (dict(max_num_seqs=0), "max_num_seqs must be positive"),
         (dict(max_num_seqs=8, max_num_batched_tokens=4), "max_num_batched_tokens"),
-        (dict(cache=CacheConfig(memory_bytes=100)), "holds 0 pages"),
+        (dict(kv_cache_memory_bytes=100), "holds 0 pages"),
+        (dict(kv_cache_dtype="fp4"), "kv_cache_dtype must be one of"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
+        (dict(data_parallel_size=1.5), "data_parallel_size must be a positive integer"),
+        (dict(max_logit_bias=0), "max_logit_bias must be positive"),
+        (dict(debug_preemption_rate=2.0), "debug_preemption_rate must be in"),
     ],
 )
 def test_bad_engine_configs(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        EngineConfig("x", ModelConfig.from_hf(LLAMA), **kwargs).num_kv_pages()
+        engine_config("x", ModelConfig.from_hf(LLAMA), **kwargs).num_kv_pages()
+
+
+def test_engine_config_maps_vllm_arguments_onto_the_nested_config():
+    cfg = engine_config(
+        "x",
+        ModelConfig.from_hf(LLAMA),
+        block_size=32,
+        kv_cache_dtype="bf16",
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        tensor_parallel_size=2,
+        seed=7,
+    )
+    assert cfg.cache == CacheConfig(page_size=32, dtype="bfloat16")
+    assert cfg.scheduler == SchedulerConfig(4, 64, enable_prefix_caching=False)
+    assert cfg.parallel == ParallelConfig(tensor_parallel_size=2)
+    assert cfg.seed == 7 and cfg.kv_dtype == "bfloat16"
+    assert engine_config("x", ModelConfig.from_hf(LLAMA)).kv_dtype == "float32"  # auto
+    assert "kv_cache_dtype" in ENGINE_ARGS and "max_num_seqs" in ENGINE_ARGS
+    with pytest.raises(TypeError, match=r"unknown engine arguments \['max_num_seq'\]"):
+        engine_config("x", ModelConfig.from_hf(LLAMA), max_num_seq=4)
 
 
 @pytest.mark.parametrize(
@@ -136,8 +170,8 @@ def test_bad_cache_configs(kwargs, match):
 
 def test_pool_from_a_fraction_of_device_memory():
     model = ModelConfig.from_hf(LLAMA)
-    cfg = EngineConfig(
-        "x", model, max_model_len=256, max_num_seqs=64, cache=CacheConfig(memory_fraction=0.5)
+    cfg = engine_config(
+        "x", model, max_model_len=256, max_num_seqs=64, kv_cache_memory_fraction=0.5
     )
     # 0.5 * 1 MiB - 256 KiB of weights = 256 KiB = 32 pages of 8 KiB.
     assert cfg.num_kv_pages(device_memory=(1 << 20, 1 << 18)) == 32

@@ -16,7 +16,7 @@ def _imported_after(statement: str) -> set[str]:
 
 def test_runtime_never_imports_torch_or_transformers():
     mods = _imported_after(
-        "import jaxserve, jaxserve.engine, jaxserve.cli.generate, models, "
+        "import jaxserve, jaxserve.engine, server.cli.generate, models, "
         "pallas_kernels\nmodels.supported_architectures()"
     )
     assert not mods & {"torch", "transformers"}

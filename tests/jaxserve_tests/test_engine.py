@@ -108,7 +108,7 @@ def test_n_samples_differ_and_share_the_prompt(tiny_model_dir):
     )[0]
     samples = [tuple(c.token_ids) for c in out.outputs]
     assert len(samples) == 3 and len(set(samples)) > 1
-    assert llm.engine.pool.hits >= 2 * 32  # siblings reused the 4 full prompt pages
+    assert llm.engine.stats().prefix_cache_hits >= 2 * 32  # siblings reused the 4 full prompt pages
 
 
 def test_logprobs_match_the_model(tiny_model_dir):

@@ -94,7 +94,7 @@ def test_per_prompt_sampling_params(llm):
         ({"prompt_token_ids": [-1]}, GREEDY, "outside the vocabulary"),
         ({"prompt_token_ids": [5] * 96}, GREEDY, "max_model_len is 96"),
         ({"prompt_token_ids": [5] * 90}, GREEDY, r"max_tokens \(12\) exceeds max_model_len"),
-        (42, GREEDY, r"prompts\[1\] must be a string"),
+        (42, GREEDY, r"prompts\[1\]: a prompt must be text"),
     ],
 )
 def test_bad_requests_are_rejected_and_the_engine_keeps_serving(llm, prompt, params, match):

@@ -12,7 +12,13 @@ V = 50
 
 
 def run(logits, rows, *, history_len=16):
-    md = build_sampling(rows, seq_bucket=len(logits), history_len=history_len, max_bias=8)
+    md = build_sampling(
+        rows,
+        seq_bucket=len(logits),
+        history_len=history_len,
+        max_bias=8,
+        vocab_size=logits.shape[1],
+    )
     return jax.tree.map(np.asarray, jax.jit(sample)(np.asarray(logits, np.float32), md))
 
 
@@ -75,6 +81,33 @@ def test_logit_bias_and_blocked_tokens():
     assert out.token_ids[0] == 3 and out.token_ids[1] != 7
 
 
+def test_any_number_of_blocked_tokens_through_the_bitmask():
+    """min_tokens may block hundreds of stop ids: the bitmask has no cap, and it
+    clears exactly the blocked bits (word edges 31/32, the last partial word)."""
+    v = 100  # 4 words, the last one partial
+    rs = np.random.RandomState(5)
+    logits = rs.randn(3, v).astype(np.float32)
+    blocked = [t for t in range(v) if t not in (5, 33, 99)]  # 97 ids, more than any old cap
+    out = run(
+        logits,
+        [
+            row(temperature=0.0, blocked=blocked),
+            row(temperature=0.0, blocked=(31, 32, 63, 64, int(logits[1].argmax()))),
+            row(temperature=0.0),  # unmasked neighbour
+        ],
+    )
+    assert out.token_ids[0] == max((5, 33, 99), key=lambda t: logits[0, t])
+    second = logits[1].copy()
+    second[[31, 32, 63, 64, logits[1].argmax()]] = -np.inf
+    assert out.token_ids[1] == second.argmax()
+    assert out.token_ids[2] == logits[2].argmax()
+    md = build_sampling(
+        [row(blocked=(0, 31, 32, 99, 500))], seq_bucket=1, history_len=1, max_bias=1, vocab_size=v
+    )
+    bits = np.unpackbits(md.allowed.view(np.uint8), bitorder="little")[:v]
+    assert np.flatnonzero(bits == 0).tolist() == [0, 31, 32, 99]  # 500: outside the vocabulary
+
+
 @pytest.mark.parametrize(
     "kw", [dict(top_k=3), dict(top_p=0.5), dict(min_p=0.3), dict(top_k=5, top_p=0.8, min_p=0.05)]
 )
@@ -108,9 +141,26 @@ def test_seeded_rows_do_not_depend_on_neighbours_or_position():
     others = [row(seed=s, temperature=1.0) for s in (1, 2, 3)]
     mixed = run(np.concatenate([logits[1:], logits[:1]]), [*others, target])
     assert mixed.token_ids[3] == alone.token_ids[0]
-    # A different output position gives an independent draw, still from the same seed.
-    later = run(logits[:1], [row(seed=42, temperature=0.9, top_p=0.95, tokens=(1, 2, 3, 4))])
-    assert later.token_ids.shape == (1,)
+
+
+def test_seeded_draws_at_two_positions_are_independent():
+    """The same seed at the next output position draws afresh: over 400 seeds, the two
+    positions' tokens (4 equally likely ones) match about 1/4 of the time, not always,
+    and their joint counts pass a chi-square test of independence."""
+    n, k = 400, 4
+    logits = np.full((2 * n, V), -1e9, np.float32)
+    logits[:, :k] = 0.0
+    rows = [row(seed=s, temperature=1.0, tokens=(1, 2, 3)) for s in range(n)]
+    rows += [row(seed=s, temperature=1.0, tokens=(1, 2, 3, 4)) for s in range(n)]
+    out = run(logits, rows).token_ids
+    first, second = out[:n], out[n:]
+    assert set(first.tolist()) == set(second.tolist()) == set(range(k))
+    assert 60 <= np.sum(first == second) <= 140  # binomial(400, 1/4): mean 100, sd 8.7
+    joint = np.zeros((k, k))
+    np.add.at(joint, (first, second), 1)
+    expected = joint.sum(1, keepdims=True) * joint.sum(0, keepdims=True) / n
+    chi2 = ((joint - expected) ** 2 / expected).sum()
+    assert chi2 < 27.88  # the 0.999 quantile of chi-square with 9 degrees of freedom
 
 
 def test_logprobs_are_raw_and_top_sorted():
@@ -133,10 +183,9 @@ def test_no_nan_at_extreme_settings():
 
 
 def test_penalty_history_is_only_sent_when_needed():
-    plain = build_sampling([row(temperature=0.5)], seq_bucket=2, history_len=64, max_bias=4)
+    kw = dict(seq_bucket=2, history_len=64, max_bias=4, vocab_size=V)
+    plain = build_sampling([row(temperature=0.5)], **kw)
     assert plain.history.shape == (2, 1)
-    penalized = build_sampling(
-        [row(repetition_penalty=1.2), row()], seq_bucket=2, history_len=64, max_bias=4
-    )
+    penalized = build_sampling([row(repetition_penalty=1.2), row()], **kw)
     assert penalized.history.shape == (2, 64)
     assert penalized.history[0, :3].tolist() == [1, 2, 3] and penalized.history[1, 0] == -1

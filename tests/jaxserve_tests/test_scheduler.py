@@ -9,7 +9,7 @@ import random
 import pytest
 from mock_runner import MockRunner, expected_tokens
 
-from jaxserve.config import CacheConfig, EngineConfig, ModelConfig
+from jaxserve.config import ModelConfig, engine_config
 from jaxserve.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 
@@ -28,14 +28,15 @@ MODEL = ModelConfig.from_hf(
 
 
 def make_engine(*, num_pages=64, page_size=4, max_num_seqs=8, budget=32, **kw) -> LLMEngine:
-    config = EngineConfig(
+    config = engine_config(
         "mock",
         MODEL,
         max_model_len=256,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         min_token_bucket=min(16, budget),
-        cache=CacheConfig(page_size=page_size, num_pages=num_pages),
+        block_size=page_size,
+        num_kv_pages=num_pages,
         warmup=False,
         **kw,
     )
@@ -184,7 +185,7 @@ def test_n_samples_share_the_prompt_pages():
     assert [c.index for c in out.outputs] == [0, 1, 2]
     for c in out.outputs:
         assert c.token_ids == expected_tokens(prompt, 5, VOCAB)
-    assert engine.pool.hits == 2 * 16  # both siblings reused the 4 full prompt pages
+    assert engine.scheduler.prefix_hits == 2 * 16  # both siblings reused the 4 full prompt pages
 
 
 def test_abort_frees_pages_and_is_idempotent():
@@ -263,4 +264,4 @@ def test_soak_2000_requests_returns_every_page():
         for c in out.outputs:
             assert c.token_ids == expected_tokens(prompt, sp.max_tokens, VOCAB)
     assert_idle(engine)
-    assert engine.scheduler.num_preemptions > 0 and engine.pool.hits > 0
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.prefix_hits > 0

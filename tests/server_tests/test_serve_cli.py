@@ -44,7 +44,7 @@ def test_serve_client_and_sigterm_drain(tiny_model_dir):
         [
             sys.executable,
             "-m",
-            "jaxserve.cli.main",
+            "server.cli.main",
             "serve",
             f"--model={tiny_model_dir}",
             f"--port={port}",
@@ -65,7 +65,7 @@ def test_serve_client_and_sigterm_drain(tiny_model_dir):
             [
                 sys.executable,
                 "-m",
-                "jaxserve.cli.main",
+                "server.cli.main",
                 "client",
                 f"--target={target}",
                 "--prompt=The quick brown fox",

@@ -123,13 +123,13 @@ def test_model_info(served):
 
 def test_cancelled_stream_is_aborted_and_frees_its_pages(served):
     engine = served.engine
-    aborted = engine.stats.requests_aborted
+    aborted = engine.stats().requests_aborted
     call = stub(served.target).Generate(request(max_tokens=100, ignore_eos=True))
     first = next(call)
     assert first.token_ids
     call.cancel()
     wait_idle(engine)
-    assert engine.stats.requests_aborted == aborted + 1
+    assert engine.stats().requests_aborted == aborted + 1
     assert len(engine.scheduler.running) == 0
     # Aborting again, or after the request is gone, is harmless.
     served.server.state.engine.abort(first.request_id)

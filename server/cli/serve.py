@@ -4,7 +4,10 @@
   jaxserve serve --model=DIR --config=configs/gpu.toml --tls_cert=c.pem --tls_key=k.pem
 
 SIGTERM (or Ctrl-C) drains: the server reports NOT_SERVING, refuses new calls and
-lets running ones finish for --drain_grace_s seconds before it exits.
+lets running ones finish for --drain_grace_s seconds before it exits. If the model
+fails to load (bad directory or config, out of memory at warm-up), the error is
+logged with its cause and the process exits with status 1, so a supervisor sees it
+and restarts it.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import signal
 
 from absl import flags
 
-from jaxserve.cli.engine_flags import engine_kwargs
 from jaxserve.llm import LLM, resolve_model_dir
+from server.cli.engine_flags import engine_kwargs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 for all).")
@@ -80,7 +83,15 @@ async def _serve() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     load = asyncio.create_task(server.load())
-    await stopping.wait()
+    stop = asyncio.create_task(stopping.wait())
+    await asyncio.wait({load, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if load.done() and not load.cancelled() and load.exception() is not None:
+        error = load.exception()
+        logging.error("loading the model failed", exc_info=error)
+        stop.cancel()
+        await server.stop(grace=0)
+        raise SystemExit(f"jaxserve serve: loading the model failed: {error!r}")
+    await stop
     logging.info("draining for up to %.0fs", options.drain_grace_s)
     if not load.done():
         load.cancel()

@@ -37,7 +37,7 @@ def _bench(tmp_path, *args):
         [
             sys.executable,
             "-m",
-            "jaxserve.cli.main",
+            "server.cli.main",
             "bench",
             *args,
             f"--output_json={out}",

@@ -22,9 +22,11 @@ import time
 from absl import flags
 from tqdm import tqdm
 
-from jaxserve.cli.engine_flags import engine_kwargs
+from jaxserve.inputs import parse_prompt
 from jaxserve.llm import LLM
+from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from server.cli.engine_flags import engine_kwargs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("prompt", None, "One prompt to complete (or use --input).")
@@ -98,17 +100,13 @@ def _read_inputs() -> list[dict]:
     return records
 
 
-def _to_request(llm: LLM, record: dict, index: int, base: dict):
-    """(prompt text, token ids, SamplingParams) of one input record."""
-    sp = SamplingParams(**{**base, **record.get("sampling_params", {})})
-    if "messages" in record:
-        text = llm.tokenizer.apply_chat_template(record["messages"])
-        return text, llm.tokenizer.encode(text, add_special_tokens=False), sp
-    if "prompt_token_ids" in record:
-        return record.get("prompt"), list(record["prompt_token_ids"]), sp
-    if isinstance(record.get("prompt"), str):
-        return record["prompt"], llm.tokenizer.encode(record["prompt"]), sp
-    raise ValueError(f"input {index} needs 'prompt', 'prompt_token_ids' or 'messages'")
+def _to_request(llm: LLM, record: dict, base: dict):
+    """(parsed prompt, SamplingParams) of one input record."""
+    record = dict(record)
+    overrides = record.pop("sampling_params", None) or {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"sampling_params must be an object, got {overrides!r:.40}")
+    return parse_prompt(record, llm.tokenizer), SamplingParams(**{**base, **overrides})
 
 
 def main(argv) -> None:
@@ -129,56 +127,55 @@ def _generate() -> None:
     requests = []
     for i, record in enumerate(records):
         try:
-            text, ids, sp = _to_request(llm, record, i, base)
-            engine.validate(ids, sp)
+            prompt, sp = _to_request(llm, record, base)
+            engine.validate(prompt.token_ids, sp)
         except (ValueError, TypeError) as e:
             raise ValueError(f"input {i}: {e}") from None
-        requests.append((str(i), text, ids, sp))
-    for rid, text, ids, sp in requests:
-        engine.add_request(rid, ids, sp, prompt=text)
+        requests.append((str(i), prompt, sp))
+    for rid, prompt, sp in requests:
+        engine.add_request(rid, prompt.token_ids, sp, prompt=prompt.text)
 
-    prompt_tokens = sum(len(ids) for _, _, ids, _ in requests)
-    generated = written = 0
+    prompt_tokens = sum(len(p.token_ids) for _, p, _ in requests)
+    counts = {"generated": 0, "written": 0}
     t0 = time.perf_counter()
     to_file = FLAGS.output is not None
     with (
         open(FLAGS.output, "w") if to_file else contextlib.nullcontext(sys.stdout) as out,
         tqdm(total=len(requests), desc="generate", unit="req", disable=not to_file) as bar,
     ):
+
+        def write(r: RequestOutput) -> None:
+            if not r.finished:
+                return
+            for c in r.outputs:
+                counts["generated"] += len(c.token_ids)
+                record = {
+                    "index": int(r.request_id),
+                    "prompt": r.prompt,
+                    "text": c.text,
+                    "token_ids": c.token_ids,
+                    "finish_reason": c.finish_reason,
+                }
+                if len(r.outputs) > 1:
+                    record["sample"] = c.index
+                if c.logprobs is not None:
+                    record["logprobs"] = [{str(k): v for k, v in lp.items()} for lp in c.logprobs]
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            out.flush()
+            counts["written"] += 1
+
         try:
-            while engine.has_unfinished():
-                for r in engine.step():
-                    if not r.finished:
-                        continue
-                    for c in r.outputs:
-                        generated += len(c.token_ids)
-                        record = {
-                            "index": int(r.request_id),
-                            "prompt": r.prompt,
-                            "text": c.text,
-                            "token_ids": c.token_ids,
-                            "finish_reason": c.finish_reason,
-                        }
-                        if len(r.outputs) > 1:
-                            record["sample"] = c.index
-                        if c.logprobs is not None:
-                            record["logprobs"] = [
-                                {str(k): v for k, v in lp.items()} for lp in c.logprobs
-                            ]
-                        out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                    out.flush()
-                    written += 1
-                    bar.update(1)
-        except KeyboardInterrupt:
-            for rid in list(engine.requests):
-                engine.abort(rid)
-            logging.warning("interrupted: %d of %d results written", written, len(requests))
+            engine.run(write, progress=bar)
+        except KeyboardInterrupt:  # the loop has aborted what was unfinished
+            logging.warning(
+                "interrupted: %d of %d results written", counts["written"], len(requests)
+            )
     elapsed = time.perf_counter() - t0
     logging.info(
         "%d requests in %.2fs: %.2f req/s, %.1f prompt tokens/s, %.1f generated tokens/s",
-        written,
+        counts["written"],
         elapsed,
-        written / elapsed,
+        counts["written"] / elapsed,
         prompt_tokens / elapsed,
-        generated / elapsed,
+        counts["generated"] / elapsed,
     )

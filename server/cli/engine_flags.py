@@ -1,4 +1,8 @@
-"""Engine flags shared by `jaxserve generate` and `jaxserve serve`, and --config presets."""
+"""Engine flags shared by `jaxserve generate`, `serve` and `bench`, and --config presets.
+
+Flags are read here, at the edge, and become `LLM(...)` arguments, which build the
+one typed `EngineConfig` that is passed down.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,10 @@ flags.DEFINE_string(
     "(default: the embedded demo-model).",
 )
 flags.DEFINE_string("config", None, "TOML engine preset (configs/*.toml); flags given override it.")
+flags.DEFINE_string("tokenizer", None, "Directory to load the tokenizer from (default: --model).")
+flags.DEFINE_bool(
+    "skip_tokenizer_init", False, "Load no tokenizer: prompts and outputs are token ids only."
+)
 
 # Engine options (may come from a --config preset).
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype.")
@@ -25,6 +33,12 @@ flags.DEFINE_integer("max_num_batched_tokens", 2048, "Tokens per step.")
 flags.DEFINE_integer("block_size", 16, "Tokens per KV page.")
 flags.DEFINE_integer("num_kv_pages", None, "KV pool size in pages (default: from the budget).")
 flags.DEFINE_integer("kv_cache_memory_bytes", 1 << 30, "KV cache budget in bytes (CPU).")
+flags.DEFINE_enum(
+    "kv_cache_dtype",
+    "auto",
+    ["auto", "float32", "bfloat16", "float16"],
+    "KV cache element type ('auto': the compute dtype).",
+)
 flags.DEFINE_float(
     "kv_cache_memory_fraction",
     None,
@@ -45,6 +59,8 @@ flags.DEFINE_string(
 )
 
 ENGINE_FLAGS = (
+    "tokenizer",
+    "skip_tokenizer_init",
     "dtype",
     "max_model_len",
     "max_num_seqs",
@@ -53,6 +69,7 @@ ENGINE_FLAGS = (
     "num_kv_pages",
     "kv_cache_memory_bytes",
     "kv_cache_memory_fraction",
+    "kv_cache_dtype",
     "enable_prefix_caching",
     "attention_backend",
     "seed",

@@ -11,7 +11,7 @@ from jaxserve import LLM, SamplingParams
 
 def _jaxserve(*args, **kw):
     return subprocess.run(
-        [sys.executable, "-m", "jaxserve.cli.main", *args],
+        [sys.executable, "-m", "server.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -76,7 +76,7 @@ def test_config_presets_name_only_engine_flags(preset):
     import os
     import tomllib
 
-    from jaxserve.cli.engine_flags import ENGINE_FLAGS
+    from server.cli.engine_flags import ENGINE_FLAGS
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     with open(os.path.join(root, "configs", f"{preset}.toml"), "rb") as f:

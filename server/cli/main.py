@@ -10,10 +10,10 @@ import importlib
 import sys
 
 COMMANDS = {
-    "generate": ("jaxserve.cli.generate", "offline batch generation"),
-    "serve": ("jaxserve.cli.serve", "the gRPC server"),
+    "generate": ("server.cli.generate", "offline batch generation"),
+    "serve": ("server.cli.serve", "the gRPC server"),
     "client": ("server.client", "stream a completion from a server"),
-    "bench": ("jaxserve.cli.bench", "throughput and latency benchmarks"),
+    "bench": ("server.cli.bench", "throughput and latency benchmarks"),
 }
 
 
@@ -33,9 +33,32 @@ def run(argv: list[str] | None = None) -> None:
         print(f"jaxserve: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         sys.exit(2)
     module = importlib.import_module(COMMANDS[command][0])
+    if any(a in _HELP for a in argv[2:]):
+        print(command_help(command))
+        sys.exit(0)
     from absl import app
 
     app.run(module.main, argv=[f"jaxserve {command}", *argv[2:]])
+
+
+_HELP = ("-h", "--help", "-help", "--helpshort", "-?")
+
+
+def command_help(command: str) -> str:
+    """The command's docstring and every flag it takes (its own, then the shared ones).
+
+    absl's own --help lists only the flags of `__main__`, which is this dispatcher.
+    """
+    from absl import flags
+
+    name = COMMANDS[command][0]
+    module = sys.modules[name]
+    by_module = flags.FLAGS.flags_by_module_dict()
+    sections = [(module.__doc__ or "").strip()]
+    for mod in [name, *sorted(m for m in by_module if m.startswith("server.cli.") and m != name)]:
+        if mod in by_module:
+            sections.append(flags.FLAGS.module_help(mod))
+    return "\n\n".join(sections)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,9 @@ from absl import flags
 from tqdm import tqdm
 
 from jaxserve.bench import report, workloads
-from jaxserve.cli.engine_flags import engine_kwargs
 from jaxserve.llm import LLM, resolve_model_dir
 from jaxserve.sampling_params import SamplingParams
+from server.cli.engine_flags import engine_kwargs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("mode", "offline", ["offline", "serving"], "What to measure.")
@@ -56,6 +56,18 @@ FLAGS.set_default("warmup", True)  # compile before measuring
 
 
 def _workload(vocab: int, max_len: int) -> list[workloads.BenchRequest]:
+    """The requests, checked against the model's vocabulary and max_model_len."""
+    reqs = _make_workload(vocab, max_len)
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in reqs)
+    if longest > max_len:
+        raise SystemExit(
+            f"jaxserve bench: a {FLAGS.workload} request needs {longest} tokens (prompt + "
+            f"output); the model's max_model_len is {max_len}: lower the lengths"
+        )
+    return reqs
+
+
+def _make_workload(vocab: int, max_len: int) -> list[workloads.BenchRequest]:
     n, seed = FLAGS.num_requests, FLAGS.bench_seed
     if FLAGS.workload == "random":
         return workloads.random_workload(
@@ -112,7 +124,7 @@ def _goodput(arrive, first, ends, token_times, elapsed: float) -> dict | None:
 
 def _run_offline(llm: LLM, reqs) -> dict:
     engine = llm.engine
-    base = engine.stats.snapshot()
+    base = engine.stats()
     arrive, first, ends, token_times = {}, {}, {}, {}
     t0 = time.perf_counter()
     for i, r in enumerate(reqs):
@@ -122,17 +134,18 @@ def _run_offline(llm: LLM, reqs) -> dict:
             SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=FLAGS.ignore_eos),
         )
         arrive[i], token_times[i] = t0, []
+
+    def record(out) -> None:
+        now, i = time.perf_counter(), int(out.request_id)
+        token_times[i].append(now)
+        first.setdefault(i, now)
+        if out.finished:
+            ends[i] = now
+
     with tqdm(total=len(reqs), desc="offline", unit="req", mininterval=2) as bar:
-        while engine.has_unfinished():
-            for out in engine.step():
-                now, i = time.perf_counter(), int(out.request_id)
-                token_times[i].append(now)
-                first.setdefault(i, now)
-                if out.finished:
-                    ends[i] = now
-                    bar.update(1)
+        engine.run(record, progress=bar)
     elapsed = time.perf_counter() - t0
-    return _result(reqs, arrive, first, ends, token_times, elapsed, engine.stats.snapshot(), base)
+    return _result(reqs, arrive, first, ends, token_times, elapsed, engine.stats(), base)
 
 
 def _result(reqs, arrive, first, ends, token_times, elapsed, stats, base) -> dict:
@@ -229,6 +242,17 @@ def _serve_in_process(model_dir: str, kwargs: dict):
     return server, loop
 
 
+async def _model_info(target: str):
+    """The server's own limits (GetModelInfo), so prompts fit its vocabulary and length."""
+    import grpc
+
+    from server import jaxserve_pb2 as pb
+    from server import jaxserve_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        return await pb_grpc.JaxServeStub(channel).GetModelInfo(pb.GetModelInfoRequest())
+
+
 def _roofline(llm: LLM) -> dict:
     """Batch-1 decode step time against the bytes a step must read.
 
@@ -237,20 +261,17 @@ def _roofline(llm: LLM) -> dict:
     utilization.
     """
     probes = [report.memory_bandwidth()]
-    engine, runner = llm.engine, llm.engine.runner
-    weights = sum(x.nbytes for x in runner.weights)
+    engine = llm.engine
+    weights = engine.model_info().weight_bytes
     engine.add_request(
         "roofline",
         list(range(16, 48)),
         SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True),
     )
-    steps = []
-    engine.step()  # prefill
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t0)
-    step = float(np.median(steps))
+    # One output per step (one request): the gaps between outputs are decode steps.
+    times = []
+    engine.run(lambda out: times.append(time.perf_counter()))
+    step = float(np.median(np.diff(times)))
     probes.append(report.memory_bandwidth())
     bandwidth = max(probes)
     m = llm.config.model
@@ -320,9 +341,8 @@ def main(argv) -> None:
             if target is None:
                 server, loop = _serve_in_process(model_dir, run_kwargs)
                 target = f"127.0.0.1:{server.port}"
-            info_vocab = server.state.config.model.vocab_size if server else 32000
-            max_len = server.state.config.max_model_len if server else 2048
-            reqs = _workload(info_vocab, max_len)
+            info = asyncio.run(_model_info(target))
+            reqs = _workload(info.vocab_size, info.max_model_len)
             runs[label or "run"] = asyncio.run(_serving(target, reqs))
             if server is not None:
                 asyncio.run_coroutine_threadsafe(server.stop(grace=1), loop).result()
