@@ -131,3 +131,90 @@ def test_a_dead_engine_fails_streams_and_refuses_new_ones():
             await collect(aengine, "b", [1, 2], 3)
 
     asyncio.run(main())
+
+
+def test_a_request_refused_on_the_engine_thread_after_its_client_left():
+    """The engine thread refuses an add (here: after a slow check) while the client has
+    already cancelled and dropped its stream: the refusal must not kill the loop (it did,
+    with a KeyError, when the engine looked the stream up by id)."""
+
+    async def main():
+        engine = make_engine()
+        aengine = AsyncLLMEngine(engine)
+        original = engine.add_request
+        entered = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def slow_refusal(request_id, *args, **kw):
+            if request_id == "doomed":
+                loop.call_soon_threadsafe(entered.set)
+                time.sleep(0.2)  # the client cancels meanwhile
+                raise ValueError("refused on the engine thread")
+            return original(request_id, *args, **kw)
+
+        engine.add_request = slow_refusal
+        task = asyncio.create_task(collect(aengine, "doomed", [1, 2, 3], 3))
+        await entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.4)
+        assert aengine.healthy, aengine.error
+        outs = await collect(aengine, "after", [4, 5], 3)
+        assert outs[-1].outputs[0].token_ids == expected_tokens([4, 5], 3, VOCAB)
+        aengine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_cancelling_while_adding_under_load_loses_nothing():
+    """Stress: 300 requests, a third cancelled at random moments (before they reach the
+    engine, while queued, mid-stream), some refused by the engine thread; the loop stays
+    alive, every kept request gets exactly its tokens, and every page comes back."""
+
+    async def main():
+        engine = slow_engine()
+        aengine = AsyncLLMEngine(engine)
+        original = engine.add_request
+
+        def sometimes_refuse(request_id, *args, **kw):
+            if request_id.endswith("7"):
+                raise ValueError("refused")
+            return original(request_id, *args, **kw)
+
+        engine.add_request = sometimes_refuse
+        rs = random.Random(7)
+        jobs = {
+            f"s{i}": ([rs.randrange(1, VOCAB) for _ in range(rs.randint(1, 12))], rs.randint(1, 8))
+            for i in range(300)
+        }
+
+        async def run_one(rid, prompt, n):
+            try:
+                return await collect(aengine, rid, prompt, n)
+            except ValueError:
+                return "refused"
+
+        tasks = {rid: asyncio.create_task(run_one(rid, p, n)) for rid, (p, n) in jobs.items()}
+        cancelled = set()
+        for rid in rs.sample(sorted(tasks), 100):
+            await asyncio.sleep(rs.choice([0, 0, 0.001, 0.005]))
+            tasks[rid].cancel()
+            cancelled.add(rid)
+        for rid, task in tasks.items():
+            try:
+                outs = await task
+            except asyncio.CancelledError:
+                assert rid in cancelled
+                continue
+            if rid.endswith("7"):
+                assert outs == "refused"
+            else:
+                prompt, n = jobs[rid]
+                assert outs[-1].outputs[0].token_ids == expected_tokens(prompt, n, VOCAB)
+        await wait_idle(aengine)
+        assert aengine.healthy, aengine.error
+        assert_idle(engine)
+        aengine.shutdown()
+
+    asyncio.run(main())

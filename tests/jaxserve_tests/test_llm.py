@@ -73,6 +73,32 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert len(later.token_ids) >= 6
 
 
+def test_stop_string_before_min_tokens_keeps_the_text_whole(llm):
+    """A stop string that appears before min_tokens is not looked for (vLLM), so the
+    text still equals the decoded tokens; it used to be cut at the stop string while
+    the tokens went on, and the two no longer matched."""
+    prompt = {"prompt_token_ids": [1, 50, 60, 70]}
+    params = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    free = llm.generate([prompt], SamplingParams(**params))[0].outputs[0]
+    # The first real character of the output, and how many tokens it took to appear.
+    k, stop = next(
+        (k, ch)
+        for k in range(1, 13)
+        for ch in llm.tokenizer.decode(free.token_ids[:k])
+        if ch != "\ufffd"
+    )
+    out = llm.generate([prompt], SamplingParams(**params, min_tokens=k + 8, stop=[stop]))[0]
+    c = out.outputs[0]
+    assert len(c.token_ids) >= k + 8 and c.token_ids == free.token_ids[: len(c.token_ids)]
+    whole = llm.tokenizer.decode(c.token_ids).rstrip("\ufffd")
+    if c.finish_reason == "stop":  # a later occurrence, ending at or after min_tokens
+        assert c.stop_reason == stop and whole.startswith(c.text)
+        assert stop in c.text  # the early occurrence was kept
+    else:
+        assert c.text == whole
+    _assert_idle(llm)
+
+
 def test_per_prompt_sampling_params(llm):
     outs = llm.generate(
         ["a", "b"],

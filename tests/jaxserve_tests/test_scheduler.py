@@ -131,6 +131,31 @@ def test_prefix_cache_hits_are_reported_and_capped():
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
+def test_prefix_cache_metrics_count_each_prompt_once():
+    """A head-of-line request that waits for pages is looked up on every step; the
+    metrics count its prompt once (they counted every lookup)."""
+    engine = make_engine(num_pages=16, page_size=4, budget=32)  # 15 usable pages
+    shared = list(range(1, 13))
+    run(engine, {"warm": (shared + [50], params(1), {})})  # caches 3 pages of `shared`
+    base = engine.stats()
+    requests = {
+        # 11 pages: all the never-used ones, so the 3 cached pages are not evicted.
+        "big": (list(range(100, 140)), params(4), {}),
+        "waits": (shared + list(range(60, 68)), params(2), {}),  # 5 pages: waits for "big"
+    }
+    waiting_steps = 0
+    for rid, (prompt, sp, kw) in requests.items():
+        engine.add_request(rid, prompt, sp, **kw)
+    while engine.has_unfinished():
+        engine.step()
+        waiting_steps += bool(engine.scheduler.waiting)
+    assert waiting_steps >= 3  # "waits" really was looked up again and again
+    s = engine.stats()
+    assert s.prefix_cache_queries - base.prefix_cache_queries == (40 - 1) + (20 - 1)
+    assert s.prefix_cache_hits - base.prefix_cache_hits == 12  # the 3 cached pages, once
+    assert_idle(engine)
+
+
 def test_preemption_when_pages_run_out_recomputes_exactly():
     rs = random.Random(0)
     reqs = random_requests(rs, 10, max_prompt=20, max_new=30)

@@ -98,3 +98,35 @@ def test_serving_mode_with_goodput(tiny_model_dir, tmp_path):
     assert run["requests"] == 10 and run["goodput"]["good_requests"] == 10
     assert run["tpot_ms"]["mean"] > 0 and run["itl_ms"]["median"] > 0
     assert "TTFT mean/median/p90/p99" in stdout
+
+
+@pytest.mark.slow
+def test_target_mode_asks_the_server_for_its_limits(tiny_model_dir, tmp_path):
+    """Against a running server the workload fits the server's own vocabulary (320
+    here) and max_model_len (128), from GetModelInfo; it used to assume 32000 / 2048."""
+    from conftest import ServerThread
+
+    server = ServerThread(tiny_model_dir)
+    try:
+        result, _ = _bench(
+            tmp_path,
+            f"--target={server.target}",
+            "--mode=serving",
+            "--workload=random",
+            "--num_requests=6",
+            "--input_len=24",
+            "--output_len=4",
+        )
+        assert result["runs"]["run"]["requests"] == 6
+        too_long = subprocess.run(
+            [sys.executable, "-m", "server.cli.main", "bench", f"--target={server.target}"]
+            + ["--mode=serving", "--input_len=200", "--output_len=4", "--output_png="]
+            + [f"--output_json={tmp_path / 'x.json'}"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert too_long.returncode != 0
+        assert "max_model_len is 128" in too_long.stderr, too_long.stderr[-2000:]
+    finally:
+        server.stop()

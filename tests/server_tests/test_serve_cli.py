@@ -99,3 +99,21 @@ def test_serve_client_and_sigterm_drain(tiny_model_dir):
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_model_that_fails_to_load_exits_with_its_cause(tmp_path):
+    """A bad model directory used to leave the server listening, NOT_SERVING, silent."""
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
+    proc = subprocess.run(
+        [sys.executable, "-m", "server.cli.main", "serve", f"--model={bad}"]
+        + [f"--port={free_port()}", "--compilation_cache_dir="],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "loading the model failed" in proc.stderr
+    assert "num_attention_heads" in proc.stderr  # the cause: config.json lacks it
