@@ -97,6 +97,16 @@ def test_stream_equals_unary_equals_offline(served, tiny_model_dir):
     assert usage.completion_tokens == 24 and usage.prompt_tokens == len(offline.prompt_token_ids)
 
 
+def test_each_sample_of_a_stream_finishes_once(served):
+    """n > 1: the second sample runs after the first has computed the prompt, so they
+    finish in different steps; the first one's finish was sent again with every later
+    output (found by the randomized server test)."""
+    msgs = list(stub(served.target).Generate(request(max_tokens=1, n=3, ignore_eos=True)))
+    finishes = [m.index for m in msgs if m.finish_reason]
+    assert sorted(finishes) == [0, 1, 2]
+    assert sum(len(m.token_ids) for m in msgs) == 3
+
+
 def test_chat_messages_use_the_template(served):
     s = stub(served.target)
     messages = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Ça va? 東京")])

@@ -53,9 +53,9 @@ def _prompt(rs: random.Random, kw: dict) -> tuple[str | None, int]:
         kw["prompt"] = rs.choice(["a", "The quick brown fox", "  spaces\nand lines ", "é 日本"])
         return None, 32
     if kind == "ids":
-        kw["prompt_token_ids"] = pb.TokenIds(
-            ids=[rs.choice([0, 1, VOCAB - 1, rs.randrange(VOCAB)]) for _ in range(rs.randint(1, 60))]
-        )
+        edge = [0, 1, VOCAB - 1]
+        ids = [rs.choice([*edge, rs.randrange(VOCAB)]) for _ in range(rs.randint(1, 60))]
+        kw["prompt_token_ids"] = pb.TokenIds(ids=ids)
         return None, 60
     if kind == "messages":
         kw["messages"] = pb.ChatMessages(
@@ -119,9 +119,7 @@ def fuzz_server(tiny_model_dir):
 
 def test_min_tokens_with_100_stop_ids_is_served(fuzz_server):
     """vLLM accepts any number of stop ids; min_tokens blocks them all on the device."""
-    req = request(
-        max_tokens=6, min_tokens=6, stop_token_ids=list(range(100)), ignore_eos=False
-    )
+    req = request(max_tokens=6, min_tokens=6, stop_token_ids=list(range(100)), ignore_eos=False)
     out = stub(fuzz_server.target).Complete(req)
     ids = out.completions[0].token_ids
     assert len(ids) == 6 and not set(ids) & set(range(100))
