@@ -7,7 +7,7 @@ sentencepiece: no dummy-prefix space at the start of a text that begins with whi
 nor after a special token. So ids are checked against the slow tokenizer's algorithm,
 written out in `slow_llama_encode` (cut the text at the added tokens, sentencepiece
 each cut, BOS in front), and against transformers 5 where it agrees with it; text is
-checked against transformers 5's decode, which is sentencepiece's.
+checked against transformers 5's decode, which decodes pieces as sentencepiece does.
 """
 
 import json
