@@ -1,6 +1,7 @@
 """The offline API end to end: LLM(...).generate(...) on a small checkpoint."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -173,3 +174,37 @@ def test_bfloat16_runs(tiny_model_dir):
     out = llm.generate(["The quick brown fox"], GREEDY)[0].outputs[0]
     assert len(out.token_ids) == 12
     assert llm.engine.runner.kv_caches[0].dtype.name == "bfloat16"
+
+
+def test_token_ids_only_with_skip_tokenizer_init(tiny_model_dir, llm):
+    """skip_tokenizer_init: ids in, ids out; text prompts and stop strings are refused."""
+    plain = LLM(
+        tiny_model_dir,
+        skip_tokenizer_init=True,
+        max_model_len=96,
+        block_size=8,
+        num_kv_pages=40,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+    )
+    assert plain.tokenizer is None
+    prompt = {"prompt_token_ids": [1, 50, 60, 70]}
+    out = plain.generate([prompt], GREEDY)[0].outputs[0]
+    assert out.token_ids == llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert out.text == ""
+    with pytest.raises(ValueError, match=r"prompts\[0\]: prompt: this engine has no tokenizer"):
+        plain.generate(["text"], GREEDY)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        plain.generate([prompt], SamplingParams(max_tokens=4, stop=["x"]))
+    _assert_idle(plain)
+
+
+def test_tokenizer_from_another_directory(tiny_model_dir, tmp_path):
+    import shutil
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(tiny_model_dir, name), tmp_path / name)
+    with pytest.raises(FileNotFoundError, match="tokenizer"):
+        LLM(tmp_path, max_model_len=96, num_kv_pages=40, max_num_seqs=4)
+    llm = LLM(tmp_path, tokenizer=tiny_model_dir, max_model_len=96, num_kv_pages=40, max_num_seqs=4)
+    assert llm.generate(["The quick"], GREEDY)[0].outputs[0].text

@@ -287,3 +287,29 @@ def test_neither_file_is_a_clear_error(tmp_path):
         Tokenizer(tmp_path)
     message = str(error.value)
     assert "tokenizer.json" in message and "tokenizer.model" in message and str(tmp_path) in message
+
+
+@pytest.mark.slow
+def test_a_sentencepiece_only_model_generates(tmp_path, model_dir):
+    """LLM(...) on a model directory whose tokenizer is only tokenizer.model."""
+    import shutil
+
+    from hf_models import make_hf_model
+
+    from jaxserve import LLM
+
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    make_hf_model(tmp_path, "LlamaForCausalLM", dict(vocab_size=VOCAB + 2))
+    assert not (tmp_path / "tokenizer.json").exists()
+    llm = LLM(
+        tmp_path, max_model_len=64, num_kv_pages=16, max_num_seqs=2, max_num_batched_tokens=32
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    text_out, chat_out = llm.generate(
+        ["hello world", {"messages": [{"role": "user", "content": "hi"}]}], greedy, use_tqdm=False
+    )
+    assert text_out.prompt_token_ids == [BOS, *llm.tokenizer.encode("hello world")[1:]]
+    c = text_out.outputs[0]
+    assert len(c.token_ids) == 6 and c.text == llm.tokenizer.decode(c.token_ids).rstrip("\ufffd")
+    assert len(chat_out.outputs[0].token_ids) == 6
