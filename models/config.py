@@ -153,6 +153,16 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         if len(archs) != 1:
             raise ValueError(f"config.json must name exactly one architecture, got {archs!r}")
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        missing = [k for k in required if hf.get(k) is None]
+        if missing:
+            raise ValueError(f"config.json of {archs[0]!r} lacks {missing}")
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
         eos = hf.get("eos_token_id")

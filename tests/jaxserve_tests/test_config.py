@@ -94,6 +94,7 @@ def test_sliding_window_layouts(fields, want):
         (dict(rope_scaling=dict(rope_type="llama3", factor=8.0)), "original_max_position"),
         (dict(architectures=[]), "exactly one architecture"),
         (dict(vocab_size=0), "vocab_size must be a positive integer"),
+        (dict(num_attention_heads=None), r"lacks \['num_attention_heads'\]"),
     ],
 )
 def test_bad_model_configs(fields, match):
