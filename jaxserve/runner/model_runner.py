@@ -91,6 +91,7 @@ class ModelRunner:
         self.history_len = config.pages_per_seq * config.cache.page_size
         self.compiles = CompileCounter()
         self.warmed_up = False
+        self.warmup_seconds = 0.0
         m, page = config.model, config.cache.page_size
         self.kv_tokens = (self.num_pages - 1) * page
         logger.info(
@@ -221,6 +222,7 @@ class ModelRunner:
             done_b.add(b)
         jax.block_until_ready(self.kv_caches)
         self.warmed_up = True
+        self.warmup_seconds = time.perf_counter() - t0
         logger.info(
             "warm-up: %d forward programs ready in %.1fs (%d compiled)",
             len(pairs),

@@ -1,0 +1,78 @@
+"""Writes a benchmark model with random weights, float32, saved by transformers.
+
+  python benchmarks/make_model.py --shape=qwen05 --out=/tmp/qwen05
+  python benchmarks/make_model.py --shape=llama60m --out=/tmp/llama60m
+
+- `qwen05`: Qwen2.5-0.5B's shape, a `Qwen2ForCausalLM`: 494M parameters, 24
+  layers, hidden 896, 14 query and 2 KV heads, vocabulary 151,936, tied
+  embeddings, rope theta 1e6.
+- `llama60m`: a 60M-parameter `LlamaForCausalLM` (8 layers, hidden 512, 8 heads,
+  vocabulary 32,000), the small model of the start-up workload.
+
+Made with `save_pretrained`, seeded. The tokenizer files are the embedded demo
+model's (benchmarks feed token ids, so only their shape matters). Needs the test
+extra (torch, transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+
+import torch
+import transformers
+
+from jaxserve.assets import EMBEDDED_MODELS
+
+
+def _config(shape: str) -> transformers.PretrainedConfig:
+    if shape == "qwen05":
+        cfg = transformers.Qwen2Config(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        cfg.architectures = ["Qwen2ForCausalLM"]
+        return cfg
+    cfg = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    cfg.architectures = ["LlamaForCausalLM"]
+    return cfg
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shape", choices=("qwen05", "llama60m"), default="qwen05")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    cfg = _config(args.shape)
+    torch.manual_seed(args.seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.save_pretrained(args.out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{EMBEDDED_MODELS['demo-model']}/{name}", f"{args.out}/{name}")
+    params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {args.out}: {params / 1e6:.1f}M parameters")
+
+
+if __name__ == "__main__":
+    main()
