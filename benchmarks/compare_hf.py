@@ -95,9 +95,9 @@ def main() -> None:
     useful = sum(r.max_tokens for r in reqs)
     # jaxserve warms up on the whole workload: it compiles a program per shape bucket.
     run_jaxserve(llm, reqs)
-    base = llm.engine.stats.snapshot()
+    base = llm.engine.stats()
     jax_s = timed(lambda: run_jaxserve(llm, reqs), lambda: None)
-    after = llm.engine.stats.snapshot()
+    after = llm.engine.stats()
     host = after.host_seconds - base.host_seconds
     device = after.device_seconds - base.device_seconds
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()

@@ -62,18 +62,18 @@ def main() -> None:
         compilation_cache_dir=args.cache_dir or None,
     )
     ready = time.perf_counter() - t0
-    runner = llm.engine.runner
+    engine = llm.engine
     result = {
         "model": args.model,
         "cpu": _cpu_name(),
         "ready_s": ready,
-        "programs_compiled_at_start": runner.compiles.count,
-        "warmup_s": runner.warmup_seconds,
+        "programs_compiled_at_start": engine.stats().num_compiles,
+        "warmup_s": engine.model_info().warmup_seconds,
     }
     if args.workload:
         prompts, lens = workload(llm.config.model.vocab_size)
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
-        before = runner.compiles.count
+        before = engine.stats().num_compiles
         t1 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t1
@@ -82,7 +82,7 @@ def main() -> None:
             generate_s=elapsed,
             output_tokens=tokens,
             output_tokens_per_s=tokens / elapsed,
-            programs_compiled_in_generate=runner.compiles.count - before,
+            programs_compiled_in_generate=engine.stats().num_compiles - before,
         )
     print(json.dumps(result, indent=1))
 

@@ -2,9 +2,11 @@
 
 One thread owns the engine and runs its loop (`LLMEngine.run`); nothing else
 touches it. Coroutines hand it commands (add, abort) through a thread-safe queue
-and read their request's outputs from their own asyncio queue; an add command
-carries its stream, so the engine thread never looks a stream up by id to answer
-it. A stream that is closed or cancelled before its request finished aborts the
+and read their request's outputs from their own asyncio queue. An add command
+carries its stream, and the engine thread keeps its own map from the requests it
+accepted to their streams (`_live`), so an output never reaches another request's
+stream, even one that reuses the id of a request aborted a moment earlier. A
+stream that is closed or cancelled before its request finished aborts the
 request, which frees its pages within a step.
 
 Front ends read the engine only through `model_info` (immutable after start-up)
@@ -48,7 +50,8 @@ class AsyncLLMEngine:
         self.engine = engine
         self.model_info: ModelInfo = engine.model_info()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}  # the event loop's: ids in use by clients
+        self._live: dict[str, _Stream] = {}  # the engine thread's: requests it accepted
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -147,13 +150,18 @@ class AsyncLLMEngine:
                     self.engine.add_request(request_id, ids, params, **kw)
                 except (ValueError, TypeError) as e:  # this request is bad; the engine is fine
                     stream.put(e if isinstance(e, ValueError) else ValueError(str(e)))
+                else:
+                    self._live[request_id] = stream
             else:
                 self.engine.abort(command[1])
+                self._live.pop(command[1], None)
 
     def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
+        stream = self._live.get(out.request_id)
         if stream is not None:
             stream.put(out)
+        if out.finished:
+            self._live.pop(out.request_id, None)
 
     def _idle(self) -> None:
         self._wake.wait(timeout=0.5)
@@ -164,9 +172,10 @@ class AsyncLLMEngine:
             self.engine.run(
                 self._deliver, poll=self._drain_commands, idle=self._idle, stop=self._stop.is_set
             )
+            end = EngineDeadError("the engine was shut down")
         except BaseException as e:  # the engine is broken: fail every stream, stay dead
             logger.exception("engine loop died")
             self.error = e
-            dead = EngineDeadError(f"the engine loop stopped: {e!r}")
-            for stream in list(self._streams.values()):
-                stream.put(dead)
+            end = EngineDeadError(f"the engine loop stopped: {e!r}")
+        for stream in list(self._streams.values()):  # nobody waits forever
+            stream.put(end)

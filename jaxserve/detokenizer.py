@@ -50,11 +50,17 @@ class IncrementalDetokenizer:
             return None  # an incomplete character: wait for the next token
         new = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        start = max(0, len(self.text) - self.hold)
+        old = len(self.text)
         self.text += new
         if not check_stop:
             return None
-        hits = [(at, stop) for stop in self.stop if (at := self.text.find(stop, start)) != -1]
+        # Each stop string is looked for only where it could end in the new text, so
+        # one that ended before (under min_tokens) is not found late.
+        hits = [
+            (at, stop)
+            for stop in self.stop
+            if (at := self.text.find(stop, max(0, old - len(stop) + 1))) != -1
+        ]
         if not hits:
             return None
         at, stop = min(hits)  # the earliest stop string wins

@@ -113,6 +113,7 @@ class LLMEngine:
             block_size=c.cache.page_size,
             kv_cache_tokens=self.runner.kv_tokens,
             weight_bytes=self.runner.weight_bytes,
+            warmup_seconds=self.runner.warmup_seconds,
             max_logit_bias=c.max_logit_bias,
         )
 

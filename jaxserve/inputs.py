@@ -7,9 +7,9 @@ A prompt is one of (vLLM's shapes):
 - chat messages: `{"messages": [{"role": "user", "content": "Hi"}, ...]}`, rendered
   with the model's chat template (generation prompt appended)
 
-`LLM.generate`, the gRPC servicer, `jaxserve generate`'s JSONL records and the
-HTTP server all turn their input into this shape and call `parse_prompt`, so
-every front end accepts the same prompts and refuses bad ones with the same
+`LLM.generate`, the gRPC servicer and `jaxserve generate`'s JSONL records turn
+their input into this shape and call `parse_prompt` (as any new front end must),
+so every front end accepts the same prompts and refuses bad ones with the same
 messages. Checks against the model (vocabulary, length) are the engine's
 (`LLMEngine.validate`).
 """

@@ -48,6 +48,7 @@ class ModelInfo:
     block_size: int  # tokens per KV page
     kv_cache_tokens: int  # tokens the KV pool holds
     weight_bytes: int  # the model's weights on the device(s)
+    warmup_seconds: float  # compiling the step programs at start-up (0: no warm-up)
     max_logit_bias: int  # logit_bias entries a request may carry
 
     @property

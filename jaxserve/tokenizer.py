@@ -22,7 +22,6 @@ from typing import Any, Protocol
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-import sentencepiece
 import tokenizers
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -145,6 +144,8 @@ class _SentencePieceBackend:
     """
 
     def __init__(self, path: str, config: dict[str, Any]):
+        import sentencepiece  # only for tokenizer.model directories
+
         self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
         self._num_pieces = self._sp.get_piece_size()
         self._unk_text = self._sp.decode([self._sp.unk_id()])

@@ -39,6 +39,7 @@ class MockRunner:
         self.token_buckets = pow2_buckets(config.min_token_bucket, sched.max_num_batched_tokens)
         self.seq_buckets = pow2_buckets(1, sched.max_num_seqs)
         self.weight_bytes = 0
+        self.warmup_seconds = 0.0
         self.compiles = types.SimpleNamespace(count=0)
         # What each page slot holds: (page, offset) -> token id; checks the KV bookkeeping.
         self.slots: dict[int, int] = {}

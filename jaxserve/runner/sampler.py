@@ -101,6 +101,12 @@ def _penalized(md: SamplingMetadata) -> jax.Array:
     )
 
 
+def _apply_bias(logits, md: SamplingMetadata):
+    """logit_bias: [B, NB] sparse (token, value) pairs added to the rows' logits."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, md.bias_ids].add(md.bias_values)
+
+
 def _apply_mask(logits, md: SamplingMetadata):
     """-inf where a row's allowed-token bitmask [B, ceil(V/32)] has the bit clear."""
     b, v = logits.shape
@@ -111,8 +117,7 @@ def _apply_mask(logits, md: SamplingMetadata):
 
 def _process_and_sample(logits, md: SamplingMetadata):
     """Logit bias, the bitmask, penalties, then the argmax (greedy rows) or a draw."""
-    b = logits.shape[0]
-    x = logits.at[jnp.arange(b)[:, None], md.bias_ids].add(md.bias_values)
+    x = lax.cond(jnp.any(md.bias_values != 0.0), _apply_bias, lambda x, md: x, logits, md)
     x = lax.cond(jnp.any(md.masked), _apply_mask, lambda x, md: x, x, md)
     x = lax.cond(jnp.any(_penalized(md)), _apply_penalties, lambda x, md: x, x, md)
 

@@ -218,3 +218,49 @@ def test_cancelling_while_adding_under_load_loses_nothing():
         aengine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_reused_id_never_gets_the_aborted_requests_outputs():
+    """Cancel "x" while a step runs, start "x" again at once: the step's output for the
+    old "x" must not reach the new stream (it did, when outputs were routed through the
+    event loop's id -> stream map)."""
+
+    async def main():
+        engine = make_engine()
+        aengine = AsyncLLMEngine(engine)
+        run_step = engine.runner.dispatch
+
+        def slow_step(*args):
+            time.sleep(0.05)
+            return run_step(*args)
+
+        engine.runner.dispatch = slow_step
+        for attempt in range(3):
+            old = aengine.generate("x", [1, 2, 3], params(50))
+            await old.__anext__()  # the engine is now in its next 50 ms step
+            await old.aclose()
+            outs = await collect(aengine, "x", [7, 8], 4)
+            assert all(o.prompt_token_ids == [7, 8] for o in outs), attempt
+            assert outs[-1].outputs[0].token_ids == expected_tokens([7, 8], 4, VOCAB)
+        await wait_idle(aengine)
+        assert_idle(engine)
+        aengine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_shutdown_ends_the_streams_still_waiting():
+    async def main():
+        aengine = AsyncLLMEngine(slow_engine())
+        stream = aengine.generate("w", [1, 2, 3], params(200))
+        await stream.__anext__()
+        await asyncio.to_thread(aengine.shutdown)
+
+        async def drain():
+            async for _ in stream:
+                pass
+
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(drain(), 10)  # it used to wait forever
+
+    asyncio.run(main())

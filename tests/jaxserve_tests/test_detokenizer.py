@@ -59,3 +59,16 @@ def test_stop_strings_are_never_streamed(tok, seed, include):
     for d in deltas:
         streamed += d
         assert want.startswith(streamed)  # never a character past the cut
+
+
+def test_a_short_stop_string_that_ended_before_min_tokens_is_not_found_late(tok):
+    """With stops of different lengths, the first check after min_tokens must not find
+    a short stop that ended earlier (it used to search from len - (longest - 1))."""
+    ids = [tok.encode(ch, add_special_tokens=False) for ch in "abc"]
+    assert all(len(i) == 1 for i in ids)
+    detok = IncrementalDetokenizer(tok, [1], SamplingParams(stop=["a", "xyz"]))
+    assert detok.add(ids[0][0], check_stop=False) is None  # "a" before min_tokens
+    assert detok.add(ids[1][0], check_stop=False) is None
+    assert detok.add(ids[2][0], check_stop=True) is None  # min_tokens reached at "c"
+    assert detok.text == "abc"
+    assert detok.add(tok.encode("a", add_special_tokens=False)[0]) == "a"  # a new "a" stops
