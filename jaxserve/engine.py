@@ -14,7 +14,6 @@ import random
 import time
 from collections.abc import Callable
 
-import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
@@ -68,7 +67,7 @@ class LLMEngine:
             import jax
 
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         self.runner = runner if runner is not None else ModelRunner(config, mesh)
         self.pool = PagePool(
             self.runner.num_pages, enable_prefix_caching=config.scheduler.enable_prefix_caching
@@ -312,13 +311,18 @@ class LLMEngine:
             return []
         runner = self.runner
         work = [
-            SeqWork(s.seq.token_ids[s.start : s.start + s.num_tokens], s.start, s.seq.pages)
+            SeqWork(
+                s.seq.token_ids[s.start : s.start + s.num_tokens],
+                s.start,
+                s.seq.pages,
+                self._prompt_targets(s),
+            )
             for s in plan.scheduled
         ]
         batch = runner.build(work)
         rows = [self._sample_row(s.seq) for s in plan.scheduled]
-        targets = self._prompt_targets(plan, len(batch.input_ids))
-        pending = runner.dispatch(batch, runner.build_sampling(rows, len(batch.kv_lens)), targets)
+        sampling = runner.build_sampling(rows, runner.seq_bucket(len(rows)))
+        pending = runner.dispatch(batch, sampling)
         t1 = time.perf_counter()
         # While the device runs: the bookkeeping that does not need the sampled tokens.
         for item in plan.scheduled:
@@ -363,20 +367,15 @@ class LLMEngine:
             self._stats.log(self.stats())
         return outputs
 
-    def _prompt_targets(self, plan, num_rows: int) -> np.ndarray | None:
-        """Next-prompt-token ids of the rows whose prompt logprobs are wanted, else None."""
-        targets, wanted, offset = np.zeros(num_rows, np.int32), False, 0
-        for item in plan.scheduled:
-            seq = item.seq
-            if seq.params.prompt_logprobs is not None and seq.index == 0:
-                end = min(item.start + item.num_tokens, seq.num_prompt_tokens - 1)
-                if end > item.start:
-                    targets[offset : offset + end - item.start] = seq.prompt_token_ids[
-                        item.start + 1 : end + 1
-                    ]
-                    wanted = True
-            offset += item.num_tokens
-        return targets if wanted else None
+    @staticmethod
+    def _prompt_targets(item) -> list[int]:
+        """Per token of the chunk, the next prompt token whose logprob is wanted (-1
+        past the prompt); empty unless the sequence asks for prompt logprobs."""
+        seq = item.seq
+        if seq.params.prompt_logprobs is None or seq.index != 0:
+            return []
+        nxt = seq.prompt_token_ids[item.start + 1 : item.start + item.num_tokens + 1]
+        return nxt + [-1] * (item.num_tokens - len(nxt))
 
     def _record_prompt_logprobs(self, item, offset: int, prompt_lp) -> None:
         seq = item.seq

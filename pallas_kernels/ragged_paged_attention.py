@@ -103,7 +103,13 @@ def ragged_paged_attention(
     validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     num_tokens = queries.shape[0]
     page_size = kv_cache.shape[1]
-    batch, pages_per_seq = page_indices.shape
+    # Every sequence has at least one query token, so at most T of the B entries are
+    # real: the engine pads the per-sequence arrays to one fixed B (one program per
+    # token bucket), and the passes below cost what the first min(B, T) entries cost.
+    batch = min(page_indices.shape[0], num_tokens)
+    page_indices, kv_lens = page_indices[:batch], kv_lens[:batch]
+    cu_q_lens = cu_q_lens[: batch + 1]
+    pages_per_seq = page_indices.shape[1]
     chunk = min(queries_per_block, num_tokens)
 
     def attend(*args, block_tokens, **kwargs):

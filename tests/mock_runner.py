@@ -45,9 +45,12 @@ class MockRunner:
         self.slots: dict[int, int] = {}
         self.steps = 0
 
+    def seq_bucket(self, num_seqs):
+        return pick_bucket(num_seqs, self.seq_buckets, what="sequences")
+
     def build(self, work):
         t = pick_bucket(sum(len(w.token_ids) for w in work), self.token_buckets, what="tokens")
-        b = pick_bucket(len(work), self.seq_buckets, what="sequences")
+        b = self.seq_buckets[-1]  # the fixed per-sequence size, as the real runner
         self._work = work
         return build_batch(
             work,
@@ -74,7 +77,7 @@ class MockRunner:
     def fetch(pending):
         return pending
 
-    def dispatch(self, batch, sampling, prompt_targets=None):
+    def dispatch(self, batch, sampling):
         self.steps += 1
         page_size = self.config.cache.page_size
         token_ids = np.zeros(len(batch.kv_lens), np.int32)

@@ -1,9 +1,11 @@
 """Packing a step's work into fixed-shape numpy arrays (no JAX here).
 
-Shapes are padded to buckets so that a handful of compiled programs serve every
-batch: the token count to a token bucket, the sequence count to a sequence
-bucket, the page table to the fixed pages-per-sequence width. Padding tokens
-write to the null page (slot 0) and padding sequences have no tokens.
+Shapes are padded so that a handful of compiled programs serve every batch: the
+token count to a token bucket (which alone selects the forward program), the
+per-sequence arrays to one fixed size S (the largest sequence bucket), the page
+table to the fixed pages-per-sequence width, and the sampling rows to a sequence
+bucket (which selects the sampling program). Padding tokens write to the null
+page (slot 0) and padding sequences have no tokens.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class SeqWork:
     token_ids: Sequence[int]
     start: int  # tokens of this sequence already in the KV cache
     pages: Sequence[int]  # the sequence's pages in order, covering start + len(token_ids)
+    # Prompt logprobs: per token, the next prompt token whose logprob is wanted (-1:
+    # none); empty when the sequence wants none.
+    prompt_targets: Sequence[int] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +62,7 @@ class HostBatch:
     cu_q_lens: np.ndarray  # [B + 1] int32
     num_seqs: np.ndarray  # [1] int32
     logits_indices: np.ndarray  # [B] or [T] int32
+    prompt_targets: np.ndarray  # [T] int32: -1 where no prompt logprob is wanted
 
 
 def build_batch(
@@ -85,6 +91,7 @@ def build_batch(
     page_indices = np.full((seq_bucket, pages_per_seq), NULL_PAGE, np.int32)
     cu_q_lens = np.zeros(seq_bucket + 1, np.int32)
     logits_indices = np.zeros(seq_bucket, np.int32)
+    prompt_targets = np.full(token_bucket, -1, np.int32)
 
     t = 0
     for b, w in enumerate(work):
@@ -100,6 +107,8 @@ def build_batch(
         pages = np.asarray(w.pages, np.int32)
         pos = np.arange(w.start, end, dtype=np.int32)
         input_ids[t : t + n] = w.token_ids
+        if len(w.prompt_targets):
+            prompt_targets[t : t + n] = w.prompt_targets
         positions[t : t + n] = pos
         slot_mapping[t : t + n] = pages[pos // page_size] * page_size + pos % page_size
         kv_lens[b] = end
@@ -119,6 +128,7 @@ def build_batch(
         cu_q_lens=cu_q_lens,
         num_seqs=np.array([len(work)], np.int32),
         logits_indices=logits_indices,
+        prompt_targets=prompt_targets,
     )
 
 

@@ -24,14 +24,7 @@ from jaxserve.runner.input_batch import (
     pick_bucket,
     pow2_buckets,
 )
-from jaxserve.runner.step import (
-    ModelDef,
-    StepInput,
-    forward,
-    logits_step,
-    prompt_logprobs_step,
-    sample_step,
-)
+from jaxserve.runner.step import ModelDef, StepInput, forward, logits_step, sample_step
 
 logger = logging.getLogger(__name__)
 
@@ -120,20 +113,23 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
 
-    def buckets_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
-        return (
-            pick_bucket(num_tokens, self.token_buckets, what="tokens"),
-            pick_bucket(num_seqs, self.seq_buckets, what="sequences"),
-        )
+    @property
+    def max_seqs(self) -> int:
+        """S: the fixed size of every per-sequence array of the forward program."""
+        return self.seq_buckets[-1]
+
+    def seq_bucket(self, num_seqs: int) -> int:
+        """The sampling program's row count for `num_seqs` sampled sequences."""
+        return pick_bucket(num_seqs, self.seq_buckets, what="sequences")
 
     def build(self, work: list[SeqWork], *, all_logits: bool = False) -> HostBatch:
-        t, b = self.buckets_for(sum(len(w.token_ids) for w in work), len(work))
+        num_tokens = sum(len(w.token_ids) for w in work)
         return build_batch(
             work,
             page_size=self.config.cache.page_size,
             pages_per_seq=self.config.pages_per_seq,
-            token_bucket=t,
-            seq_bucket=b,
+            token_bucket=pick_bucket(num_tokens, self.token_buckets, what="tokens"),
+            seq_bucket=self.max_seqs,
             all_logits=all_logits,
         )
 
@@ -151,35 +147,32 @@ class ModelRunner:
 
     # ------------------------------------------------------------------- steps
 
-    def _forward(self, batch: HostBatch) -> tuple[jax.Array, jax.Array]:
-        hidden, selected, self.kv_caches = forward(
+    def _forward(self, batch: HostBatch):
+        selected, prompt_lp, self.kv_caches = forward(
             self.model_def, self.weights, self.kv_caches, StepInput.from_host(batch)
         )
-        return hidden, selected
+        return selected, prompt_lp
 
     def execute(self, batch: HostBatch) -> jax.Array:
-        """Runs one step; returns the selected rows' logits [B, V] (float32, on device)."""
-        return logits_step(self.model_def, self.weights, self._forward(batch)[1])
+        """Runs one step; returns the selected rows' logits (float32, on device)."""
+        return logits_step(self.model_def, self.weights, self._forward(batch)[0])
 
-    def dispatch(
-        self, batch: HostBatch, sampling: SamplingMetadata, prompt_targets: np.ndarray | None = None
-    ):
+    def dispatch(self, batch: HostBatch, sampling: SamplingMetadata):
         """Starts one serving step on the device and returns at once (JAX dispatch is
         asynchronous): the host can do other work before `fetch` waits for it.
 
-        With `prompt_targets` ([T] next-prompt-token ids), the step also computes each
-        token row's (logprob of its target, top ids, top logprobs).
+        The step also computes each token row's prompt logprobs (logprob of its
+        target, top ids, top logprobs) where `batch.prompt_targets` asks.
         """
         before = self.compiles.count
-        hidden, selected = self._forward(batch)
+        selected, prompt_lp = self._forward(batch)
         out = sample_step(self.model_def, self.weights, selected, sampling)
-        prompt_lp = None
-        if prompt_targets is not None:
-            prompt_lp = prompt_logprobs_step(self.model_def, self.weights, hidden, prompt_targets)
+        if not (batch.prompt_targets >= 0).any():
+            prompt_lp = None  # computed as zeros; not worth the transfer
         if self.warmed_up and self.compiles.count != before and self.config.compile_guard:
             raise RuntimeError(
                 f"a step compiled after warm-up (token bucket {len(batch.input_ids)}, "
-                f"sequence bucket {len(batch.kv_lens)}): a shape escaped the buckets"
+                f"sampling bucket {len(sampling.temperature)}): a shape escaped the buckets"
             )
         return out, prompt_lp
 
@@ -191,41 +184,50 @@ class ModelRunner:
         """
         return jax.tree.map(np.asarray, pending)
 
-    def execute_and_sample(
-        self, batch: HostBatch, sampling: SamplingMetadata, prompt_targets: np.ndarray | None = None
-    ):
-        return self.fetch(self.dispatch(batch, sampling, prompt_targets))
+    def execute_and_sample(self, batch: HostBatch, sampling: SamplingMetadata):
+        return self.fetch(self.dispatch(batch, sampling))
 
     def warmup(self) -> None:
-        """Compiles every program a serving step can need: the forward pass for each
-        (token bucket, sequence bucket) pair, sampling for each sequence bucket and
-        prompt logprobs for each token bucket."""
-        pairs = [(t, b) for t in self.token_buckets for b in self.seq_buckets if b <= t]
+        """Compiles every program a serving step can need, ahead of time and without
+        running them: the forward pass for each token bucket, and sampling for each
+        sequence bucket (with and without the penalty history). The batches are
+        abstract (shapes only), so warm-up computes nothing; the programs land in
+        the jit caches (and the persistent compilation cache) that steps then use."""
         t0, before = time.perf_counter(), self.compiles.count
-        done_t, done_b = set(), set()
-        for t, b in tqdm(pairs, desc="warm-up (compiling buckets)", mininterval=2):
-            batch = build_batch(
-                [],
-                page_size=self.config.cache.page_size,
-                pages_per_seq=self.config.pages_per_seq,
-                token_bucket=t,
-                seq_bucket=b,
-            )
-            targets = None if t in done_t else np.zeros(t, np.int32)
-            if b in done_b and targets is None:
-                self._forward(batch)
+        programs = [("forward", t) for t in self.token_buckets]
+        programs += [("sample", b, h) for b in self.seq_buckets for h in (False, True)]
+        selected = None
+        for program in tqdm(programs, desc="warm-up (compiling step programs)", mininterval=2):
+            if program[0] == "forward":
+                batch = self._abstract_batch(program[1])
+                lowered = forward.lower(self.model_def, self.weights, self.kv_caches, batch)
+                selected = lowered.out_info[0]
             else:
-                self.execute_and_sample(batch, self.build_sampling([], b), targets)
-            if b not in done_b:  # the sampling program with the penalty history, too
-                self.execute_and_sample(batch, self.build_sampling([], b, with_history=True))
-            done_t.add(t)
-            done_b.add(b)
-        jax.block_until_ready(self.kv_caches)
+                _, b, history = program
+                sampling = _abstract_tree(self.build_sampling([], b, with_history=history))
+                lowered = sample_step.lower(self.model_def, self.weights, selected, sampling)
+            lowered.compile()
         self.warmed_up = True
         self.warmup_seconds = time.perf_counter() - t0
         logger.info(
-            "warm-up: %d forward programs ready in %.1fs (%d compiled)",
-            len(pairs),
-            time.perf_counter() - t0,
+            "warm-up: %d step programs ready in %.1fs (%d compiled, the rest from the "
+            "persistent cache or already in memory)",
+            len(programs),
+            self.warmup_seconds,
             self.compiles.count - before,
         )
+
+    def _abstract_batch(self, num_tokens: int) -> StepInput:
+        """The StepInput of a batch of `num_tokens` tokens, as shapes only."""
+        batch = build_batch(
+            [],
+            page_size=self.config.cache.page_size,
+            pages_per_seq=self.config.pages_per_seq,
+            token_bucket=num_tokens,
+            seq_bucket=self.max_seqs,
+        )
+        return _abstract_tree(StepInput.from_host(batch))
+
+
+def _abstract_tree(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)

@@ -1,4 +1,17 @@
-"""The compiled step: a pure function of (model state, KV caches, batch)."""
+"""The compiled step: a pure function of (model state, KV caches, batch).
+
+The program layout (what is compiled, and for which shapes):
+
+- `forward`: one program per token bucket T. The per-sequence metadata (kv
+  lens, page table, query offsets, the rows to sample) always has the fixed size
+  S = max_num_seqs, so the sequence count never selects a program; prompt
+  logprobs are part of it too, computed under a `lax.cond` only when a row asks.
+- `sample_step`: the LM head and sampling of the B sampled rows, one program per
+  sequence bucket B (and a second per B with the penalty history).
+
+So a configuration compiles len(token buckets) + 2 * len(sequence buckets)
+programs (26 for the defaults), instead of one forward per (T, B) pair.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 from jax.tree_util import PyTreeDef
 
 from jaxserve.runner.input_batch import MAX_TOP_LOGPROBS, HostBatch, SamplingMetadata
@@ -22,8 +36,9 @@ class StepInput:
 
     input_ids: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32
-    attention: AttentionMetadata
-    logits_indices: jax.Array  # [B] int32: rows of the hidden states to turn into logits
+    attention: AttentionMetadata  # per-sequence arrays of the fixed size S
+    logits_indices: jax.Array  # [S] int32: rows of the hidden states to sample from
+    prompt_targets: jax.Array  # [T] int32: next prompt token per row for logprobs; -1 none
 
     @classmethod
     def from_host(cls, b: HostBatch) -> StepInput:
@@ -38,6 +53,7 @@ class StepInput:
                 num_seqs=b.num_seqs,
             ),
             logits_indices=b.logits_indices,
+            prompt_targets=b.prompt_targets,
         )
 
 
@@ -82,18 +98,39 @@ class ModelDef:
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def forward(
     model_def: ModelDef, weights: list[jax.Array], kv_caches: list[jax.Array], batch: StepInput
-) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
-    """One forward pass: hidden states of all tokens [T, D] and of the selected rows
-    [B, D] (`logits_indices`), and the updated KV caches.
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], list[jax.Array]]:
+    """One forward pass: the hidden states of the rows to sample [S, D], prompt
+    logprobs of every token row (zeros unless `prompt_targets` asks), and the updated
+    KV caches.
 
     The KV caches are donated: XLA updates them in place, and the caller must use
-    the returned ones from then on. The LM head is left to the programs below,
-    which depend on B or T alone and so compile once per sequence bucket (or token
-    bucket) instead of once per pair.
+    the returned ones from then on. The sampled rows' LM head is left to
+    `sample_step`, which depends on B alone, so that a program per token bucket
+    serves every sequence count.
     """
     model = model_def.merge(weights)
     hidden, kv_caches = model(kv_caches, batch.input_ids, batch.positions, batch.attention)
-    return hidden, hidden[batch.logits_indices], kv_caches
+    targets = batch.prompt_targets
+    prompt_lp = lax.cond(
+        jnp.any(targets >= 0),
+        lambda h: _prompt_logprobs(model, h, targets),
+        lambda h: (
+            jnp.zeros(targets.shape, jnp.float32),
+            jnp.zeros((*targets.shape, MAX_TOP_LOGPROBS), jnp.int32),
+            jnp.zeros((*targets.shape, MAX_TOP_LOGPROBS), jnp.float32),
+        ),
+        hidden,
+    )
+    return hidden[batch.logits_indices], prompt_lp, kv_caches
+
+
+def _prompt_logprobs(model, hidden: jax.Array, targets: jax.Array):
+    """For each token row [T, D]: the logprob of its target (the next prompt token),
+    and the top MAX_TOP_LOGPROBS entries."""
+    logprobs = jax.nn.log_softmax(model.compute_logits(hidden), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+    top, ids = lax.top_k(logprobs, MAX_TOP_LOGPROBS)
+    return chosen, ids.astype(jnp.int32), top
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -104,20 +141,9 @@ def logits_step(model_def: ModelDef, weights: list[jax.Array], hidden: jax.Array
 
 @functools.partial(jax.jit, static_argnums=0)
 def sample_step(
-    model_def: ModelDef, weights: list[jax.Array], hidden: jax.Array, sampling: SamplingMetadata
+    model_def: ModelDef, weights: list[jax.Array], selected: jax.Array, sampling: SamplingMetadata
 ) -> SamplerOutput:
-    """[B, D] -> one sampled token per row (logits never leave the device)."""
+    """The first B rows of `selected` [S, D] (B from the sampling metadata) -> one
+    sampled token per row (logits never leave the device)."""
+    hidden = selected[: sampling.temperature.shape[0]]
     return sample(model_def.merge(weights).compute_logits(hidden), sampling)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def prompt_logprobs_step(
-    model_def: ModelDef, weights: list[jax.Array], hidden: jax.Array, targets: jax.Array
-):
-    """Prompt logprobs: for each token row [T, D], the logprob of `targets` [T] (the
-    next prompt token) and the top MAX_TOP_LOGPROBS entries."""
-    logits = model_def.merge(weights).compute_logits(hidden)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
-    top, ids = jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
-    return chosen, ids.astype(jnp.int32), top

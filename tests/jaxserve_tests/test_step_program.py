@@ -13,7 +13,11 @@ from tests.engine_utils import engine_config
 
 @pytest.fixture(scope="module")
 def runner():
-    return ModelRunner(engine_config(EMBEDDED_MODELS["demo-model-tiny"], page_size=16))
+    # A cache (4 MiB a layer) well above the step's own scratch (the prompt-logprob
+    # branch holds a few [T, V] buffers), so a copy of it cannot hide in the margin.
+    return ModelRunner(
+        engine_config(EMBEDDED_MODELS["demo-model-tiny"], page_size=16, num_pages=512)
+    )
 
 
 @pytest.mark.parametrize("q_lens", [[1], [1, 1], [5], [1, 7, 1]])

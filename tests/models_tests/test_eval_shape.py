@@ -139,10 +139,11 @@ def test_real_size_builds_and_traces_abstractly(name):
         token_bucket=32,
         seq_bucket=4,
     )
-    hidden, selected, new_kv = jax.eval_shape(
+    selected, prompt_lp, new_kv = jax.eval_shape(
         functools.partial(forward, model_def), leaves, kv, StepInput.from_host(batch)
     )
     logits = jax.eval_shape(functools.partial(logits_step, model_def), leaves, selected)
-    assert hidden.shape == (32, config.hidden_size)
+    assert selected.shape == (4, config.hidden_size)
+    assert [x.shape for x in prompt_lp] == [(32,), (32, 20), (32, 20)]
     assert logits.shape == (4, config.vocab_size) and logits.dtype == jnp.float32
     assert [x.shape for x in new_kv] == [x.shape for x in kv]
