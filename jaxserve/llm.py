@@ -40,9 +40,10 @@ def resolve_model_dir(model: str | os.PathLike | None) -> str:
 class LLM:
     """Offline generation over a local Hugging Face model directory.
 
-    With no model, the embedded demo model is used. Offline runs compile step
-    programs as their shapes first occur; `warmup=True` compiles every bucket
-    up front, as a server does. `tokenizer` names another directory to load the
+    With no model, the embedded demo model is used. Every step program is compiled
+    (or loaded from the persistent compilation cache) before the constructor
+    returns, so no request waits for a compilation; `warmup=False` compiles each
+    program when its shape first occurs instead. `tokenizer` names another directory to load the
     tokenizer from; `skip_tokenizer_init=True` loads none (prompts and outputs are
     token ids only, as in vLLM).
 
@@ -67,7 +68,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
         seed: int = 0,
-        warmup: bool = False,
+        warmup: bool = True,
         compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
         mesh: Mesh | None = None,
         **engine_args,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import os
 import time
 
 import jax
@@ -29,21 +31,30 @@ from jaxserve.runner.step import ModelDef, StepInput, forward, logits_step, samp
 logger = logging.getLogger(__name__)
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 class CompileCounter:
-    """Counts XLA compilations in this process (a JAX monitoring listener)."""
+    """Counts the XLA executables this process builds (compiled, or loaded from the
+    persistent compilation cache: `cache_hits` of them), with JAX monitoring listeners."""
 
     def __init__(self):
         self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        self.cache_hits = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        jax.monitoring.register_event_listener(self._on_event)
 
-    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+    def _on_duration(self, event: str, duration: float, **kwargs) -> None:
         if event == _BACKEND_COMPILE_EVENT:
             self.count += 1
 
+    def _on_event(self, event: str, **kwargs) -> None:
+        if event == _CACHE_HIT_EVENT:
+            self.cache_hits += 1
+
     def close(self) -> None:
-        jax.monitoring.unregister_event_duration_listener(self._on_event)
+        jax.monitoring.unregister_event_duration_listener(self._on_duration)
+        jax.monitoring.unregister_event_listener(self._on_event)
 
 
 def _device_memory() -> tuple[int, int] | None:
@@ -192,29 +203,37 @@ class ModelRunner:
         running them: the forward pass for each token bucket, and sampling for each
         sequence bucket (with and without the penalty history). The batches are
         abstract (shapes only), so warm-up computes nothing; the programs land in
-        the jit caches (and the persistent compilation cache) that steps then use."""
-        t0, before = time.perf_counter(), self.compiles.count
-        programs = [("forward", t) for t in self.token_buckets]
-        programs += [("sample", b, h) for b in self.seq_buckets for h in (False, True)]
-        selected = None
-        for program in tqdm(programs, desc="warm-up (compiling step programs)", mininterval=2):
-            if program[0] == "forward":
-                batch = self._abstract_batch(program[1])
-                lowered = forward.lower(self.model_def, self.weights, self.kv_caches, batch)
-                selected = lowered.out_info[0]
-            else:
-                _, b, history = program
+        the jit caches (and the persistent compilation cache) that steps then use.
+        Tracing is Python and goes one program at a time; XLA compiles (or loads
+        from the persistent cache) on a few threads."""
+        t0, before, hits = time.perf_counter(), self.compiles.count, self.compiles.cache_hits
+        lowered = []
+        for t in self.token_buckets:
+            batch = self._abstract_batch(t)
+            lowered.append(forward.lower(self.model_def, self.weights, self.kv_caches, batch))
+        selected = lowered[0].out_info[0]  # [S, D] whatever the token bucket
+        for b in self.seq_buckets:
+            for history in (False, True):
                 sampling = _abstract_tree(self.build_sampling([], b, with_history=history))
-                lowered = sample_step.lower(self.model_def, self.weights, selected, sampling)
-            lowered.compile()
+                lowered.append(sample_step.lower(self.model_def, self.weights, selected, sampling))
+        threads = min(4, os.cpu_count() or 1)
+        with (
+            concurrent.futures.ThreadPoolExecutor(threads) as pool,
+            tqdm(total=len(lowered), desc="warm-up (compiling step programs)") as bar,
+        ):
+            for _ in pool.map(lambda program: program.compile(), lowered):
+                bar.update(1)
         self.warmed_up = True
         self.warmup_seconds = time.perf_counter() - t0
         logger.info(
-            "warm-up: %d step programs ready in %.1fs (%d compiled, the rest from the "
-            "persistent cache or already in memory)",
-            len(programs),
+            "warm-up: %d step programs (%d forward, %d sampling) ready in %.1fs: %d built, "
+            "%d of them loaded from the persistent compilation cache",
+            len(lowered),
+            len(self.token_buckets),
+            len(lowered) - len(self.token_buckets),
             self.warmup_seconds,
             self.compiles.count - before,
+            self.compiles.cache_hits - hits,
         )
 
     def _abstract_batch(self, num_tokens: int) -> StepInput:

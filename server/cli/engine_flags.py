@@ -51,7 +51,9 @@ flags.DEFINE_string(
     "reference, pallas_tpu, pallas_gpu, pallas_*_interpret, or auto (by platform).",
 )
 flags.DEFINE_integer("seed", 0, "Engine seed (for requests without their own seed).")
-flags.DEFINE_bool("warmup", False, "Compile every step bucket before generating.")
+flags.DEFINE_bool(
+    "warmup", True, "Compile every step program at start-up (false: as shapes first occur)."
+)
 flags.DEFINE_string(
     "compilation_cache_dir",
     DEFAULT_COMPILATION_CACHE,

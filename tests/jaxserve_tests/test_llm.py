@@ -186,6 +186,7 @@ def test_token_ids_only_with_skip_tokenizer_init(tiny_model_dir, llm):
         num_kv_pages=40,
         max_num_seqs=4,
         max_num_batched_tokens=32,
+        warmup=False,
     )
     assert plain.tokenizer is None
     prompt = {"prompt_token_ids": [1, 50, 60, 70]}
@@ -206,5 +207,12 @@ def test_tokenizer_from_another_directory(tiny_model_dir, tmp_path):
         shutil.copy(os.path.join(tiny_model_dir, name), tmp_path / name)
     with pytest.raises(FileNotFoundError, match="tokenizer"):
         LLM(tmp_path, max_model_len=96, num_kv_pages=40, max_num_seqs=4)
-    llm = LLM(tmp_path, tokenizer=tiny_model_dir, max_model_len=96, num_kv_pages=40, max_num_seqs=4)
+    llm = LLM(
+        tmp_path,
+        tokenizer=tiny_model_dir,
+        max_model_len=96,
+        num_kv_pages=40,
+        max_num_seqs=4,
+        warmup=False,
+    )
     assert llm.generate(["The quick"], GREEDY)[0].outputs[0].text

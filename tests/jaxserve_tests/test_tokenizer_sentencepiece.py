@@ -303,7 +303,12 @@ def test_a_sentencepiece_only_model_generates(tmp_path, model_dir):
     make_hf_model(tmp_path, "LlamaForCausalLM", dict(vocab_size=VOCAB + 2))
     assert not (tmp_path / "tokenizer.json").exists()
     llm = LLM(
-        tmp_path, max_model_len=64, num_kv_pages=16, max_num_seqs=2, max_num_batched_tokens=32
+        tmp_path,
+        max_model_len=64,
+        num_kv_pages=16,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        warmup=False,
     )
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     text_out, chat_out = llm.generate(
