@@ -65,6 +65,24 @@ def test_usage_errors():
     assert proc.returncode == 2 and "unknown command 'frobnicate'" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "command,own,shared",
+    [
+        ("generate", "--max_tokens", "--kv_cache_dtype"),
+        ("serve", "--metrics_port", "--max_num_seqs"),
+        ("bench", "--request_rate", "skip_tokenizer_init"),
+        ("client", "--target", None),
+    ],
+)
+def test_help_lists_the_commands_own_flags(command, own, shared):
+    """absl's --help listed only the dispatcher's (no) flags and exited 1."""
+    proc = _jaxserve(command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert own in proc.stdout
+    if shared is not None:
+        assert shared in proc.stdout
+
+
 @pytest.mark.slow
 def test_generate_needs_exactly_one_prompt_source(tiny_model_dir):
     proc = _jaxserve("generate", f"--model={tiny_model_dir}")
