@@ -16,13 +16,13 @@ def params(n):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def slow_engine():
-    """A mock engine whose steps take 5 ms, so a stream can be cut mid-flight."""
+def slow_engine(step_s=0.005):
+    """A mock engine whose steps take `step_s`, so a stream can be cut mid-flight."""
     engine = make_engine()
     run_step = engine.runner.dispatch
 
     def slow_step(*args):
-        time.sleep(0.005)
+        time.sleep(step_s)
         return run_step(*args)
 
     engine.runner.dispatch = slow_step
@@ -226,15 +226,8 @@ def test_a_reused_id_never_gets_the_aborted_requests_outputs():
     event loop's id -> stream map)."""
 
     async def main():
-        engine = make_engine()
+        engine = slow_engine(step_s=0.05)
         aengine = AsyncLLMEngine(engine)
-        run_step = engine.runner.dispatch
-
-        def slow_step(*args):
-            time.sleep(0.05)
-            return run_step(*args)
-
-        engine.runner.dispatch = slow_step
         for attempt in range(3):
             old = aengine.generate("x", [1, 2, 3], params(50))
             await old.__anext__()  # the engine is now in its next 50 ms step
