@@ -13,7 +13,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import ACTIVATIONS, INIT, RMSNorm, apply_rope, linear, rope_frequencies
+from models.layers import (
+    ACTIVATIONS,
+    INIT,
+    RMSNorm,
+    apply_rope,
+    dot_f32,
+    linear,
+    rope_frequencies,
+)
 from models.registry import register
 from pallas_kernels import AttentionMetadata, get_backend
 
@@ -160,11 +168,11 @@ class LlamaForCausalLM(nnx.Module):
         return self.model(kv_caches, input_ids, positions, attention_metadata)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [B, D] -> [B, V] float32
-        if self.config.tie_word_embeddings:
-            w = self.model.embed_tokens.embedding[...].T  # [D, V]
-        else:
-            w = self.lm_head.kernel[...]
-        return jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+        if self.config.tie_word_embeddings:  # [V, D]: contract its D, no transpose
+            w, dims = self.model.embed_tokens.embedding[...], (((1,), (1,)), ((), ()))
+        else:  # [D, V]
+            w, dims = self.lm_head.kernel[...], (((1,), (0,)), ((), ()))
+        return dot_f32(hidden.astype(w.dtype), w, dims)
 
     @classmethod
     def checkpoint_key(cls, path: tuple) -> tuple[str, bool]:
