@@ -167,17 +167,21 @@ def test_model_must_be_a_local_directory(tmp_path):
         LLM(str(tmp_path))
 
 
-def test_bfloat16_runs_and_the_log_names_the_fast_dtype(tiny_model_dir, caplog):
+def test_bfloat16_runs_and_a_slow_dtype_is_named_in_the_log(tiny_model_dir, caplog):
     with caplog.at_level("WARNING", logger="jaxserve.runner.model_runner"):
         llm = LLM(
             tiny_model_dir,
-            dtype="bf16",
+            dtype="fp16",
             max_model_len=64,
             block_size=8,
             num_kv_pages=16,
             warmup=False,
         )
-    assert "dtype=bfloat16 on the CPU" in caplog.text and "float32 is the fast one" in caplog.text
+    assert "dtype=float16 is slow on this CPU" in caplog.text
+    assert "float32 is the fast one" in caplog.text
+    llm = LLM(
+        tiny_model_dir, dtype="bf16", max_model_len=64, block_size=8, num_kv_pages=16, warmup=False
+    )
     out = llm.generate(["The quick brown fox"], GREEDY)[0].outputs[0]
     assert len(out.token_ids) == 12
     assert llm.engine.runner.kv_caches[0].dtype.name == "bfloat16"
