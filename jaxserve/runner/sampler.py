@@ -130,7 +130,6 @@ def _process_and_sample(logits, md: SamplingMetadata):
 
 def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """logits [B, V] float32 -> one token per row, with logprobs where asked."""
-    b = logits.shape[0]
     # A batch of plain greedy rows (no bias, no penalty) takes the argmax of the raw
     # logits: no processed copy of [B, V] is made.
     plain = jnp.all(
@@ -147,18 +146,28 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
         md,
     )
 
-    def with_logprobs(logits):
-        raw = jax.nn.log_softmax(logits, axis=-1)
-        chosen = jnp.take_along_axis(raw, sampled[:, None], axis=-1)[:, 0]
-        vals, ids = lax.top_k(raw, MAX_TOP_LOGPROBS)
-        return chosen, ids.astype(jnp.int32), vals
-
-    def without(logits):
-        return (
-            jnp.zeros((b,), jnp.float32),
-            jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.int32),
-            jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.float32),
-        )
-
-    chosen, top_ids, top_vals = lax.cond(md.want_logprobs[0], with_logprobs, without, logits)
+    chosen, top_ids, top_vals = lax.cond(
+        md.want_logprobs[0],
+        lambda x: token_logprobs(x, sampled),
+        lambda x: no_logprobs(x.shape[0]),
+        logits,
+    )
     return SamplerOutput(sampled, chosen, top_ids, top_vals)
+
+
+def token_logprobs(logits: jax.Array, token_ids: jax.Array):
+    """Raw logprobs of rows [R, V]: of each row's `token_ids` [R], and the top
+    MAX_TOP_LOGPROBS (ids, values)."""
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0]
+    vals, ids = lax.top_k(raw, MAX_TOP_LOGPROBS)
+    return chosen, ids.astype(jnp.int32), vals
+
+
+def no_logprobs(rows: int):
+    """`token_logprobs`'s zeros, for the branch of a `lax.cond` that skips it."""
+    return (
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.int32),
+        jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.float32),
+    )

@@ -24,8 +24,8 @@ from flax import nnx
 from jax import lax
 from jax.tree_util import PyTreeDef
 
-from jaxserve.runner.input_batch import MAX_TOP_LOGPROBS, HostBatch, SamplingMetadata
-from jaxserve.runner.sampler import SamplerOutput, sample
+from jaxserve.runner.input_batch import HostBatch, SamplingMetadata
+from jaxserve.runner.sampler import SamplerOutput, no_logprobs, sample, token_logprobs
 from pallas_kernels import AttentionMetadata
 
 
@@ -110,27 +110,14 @@ def forward(
     """
     model = model_def.merge(weights)
     hidden, kv_caches = model(kv_caches, batch.input_ids, batch.positions, batch.attention)
-    targets = batch.prompt_targets
+    targets = batch.prompt_targets  # per token row: its next prompt token, -1 for none
     prompt_lp = lax.cond(
         jnp.any(targets >= 0),
-        lambda h: _prompt_logprobs(model, h, targets),
-        lambda h: (
-            jnp.zeros(targets.shape, jnp.float32),
-            jnp.zeros((*targets.shape, MAX_TOP_LOGPROBS), jnp.int32),
-            jnp.zeros((*targets.shape, MAX_TOP_LOGPROBS), jnp.float32),
-        ),
+        lambda h: token_logprobs(model.compute_logits(h), jnp.maximum(targets, 0)),
+        lambda h: no_logprobs(h.shape[0]),
         hidden,
     )
     return hidden[batch.logits_indices], prompt_lp, kv_caches
-
-
-def _prompt_logprobs(model, hidden: jax.Array, targets: jax.Array):
-    """For each token row [T, D]: the logprob of its target (the next prompt token),
-    and the top MAX_TOP_LOGPROBS entries."""
-    logprobs = jax.nn.log_softmax(model.compute_logits(hidden), axis=-1)
-    chosen = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
-    top, ids = lax.top_k(logprobs, MAX_TOP_LOGPROBS)
-    return chosen, ids.astype(jnp.int32), top
 
 
 @functools.partial(jax.jit, static_argnums=0)
