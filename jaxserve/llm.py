@@ -43,9 +43,9 @@ class LLM:
     With no model, the embedded demo model is used. Every step program is compiled
     (or loaded from the persistent compilation cache) before the constructor
     returns, so no request waits for a compilation; `warmup=False` compiles each
-    program when its shape first occurs instead. `tokenizer` names another directory to load the
-    tokenizer from; `skip_tokenizer_init=True` loads none (prompts and outputs are
-    token ids only, as in vLLM).
+    program when its shape first occurs instead. `tokenizer` names another
+    directory to load the tokenizer from; `skip_tokenizer_init=True` loads none
+    (prompts and outputs are token ids only, as in vLLM).
 
     >>> llm = LLM(model="path/to/model", dtype="float32")
     >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))

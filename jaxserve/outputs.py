@@ -50,8 +50,3 @@ class ModelInfo:
     weight_bytes: int  # the model's weights on the device(s)
     warmup_seconds: float  # compiling the step programs at start-up (0: no warm-up)
     max_logit_bias: int  # logit_bias entries a request may carry
-
-    @property
-    def max_concurrency(self) -> float:
-        """Requests of max_model_len tokens that fit in the KV cache at once."""
-        return self.kv_cache_tokens / self.max_model_len

@@ -154,13 +154,18 @@ class ModelRunner:
         """The sampling program's row count for `num_seqs` sampled sequences."""
         return pick_bucket(num_seqs, self.seq_buckets, what="sequences")
 
-    def build(self, work: list[SeqWork], *, all_logits: bool = False) -> HostBatch:
-        num_tokens = sum(len(w.token_ids) for w in work)
+    def build(
+        self, work: list[SeqWork], *, token_bucket: int | None = None, all_logits: bool = False
+    ) -> HostBatch:
+        """The step's arrays, padded to `token_bucket` (default: the smallest that fits)."""
+        if token_bucket is None:
+            num_tokens = sum(len(w.token_ids) for w in work)
+            token_bucket = pick_bucket(num_tokens, self.token_buckets, what="tokens")
         return build_batch(
             work,
             page_size=self.config.cache.page_size,
             pages_per_seq=self.config.pages_per_seq,
-            token_bucket=pick_bucket(num_tokens, self.token_buckets, what="tokens"),
+            token_bucket=token_bucket,
             seq_bucket=self.max_seqs,
             all_logits=all_logits,
         )
@@ -233,7 +238,7 @@ class ModelRunner:
         bar = tqdm(total=2 * total, desc=f"warm-up: tracing, then compiling {total} programs")
         lowered = []
         for t in self.token_buckets:
-            batch = self._abstract_batch(t)
+            batch = _abstract_tree(StepInput.from_host(self.build([], token_bucket=t)))
             lowered.append(forward.lower(self.model_def, self.weights, self.kv_caches, batch))
             bar.update(1)
         selected = lowered[0].out_info[0]  # [S, D] whatever the token bucket
@@ -258,17 +263,6 @@ class ModelRunner:
             self.compiles.count - before,
             self.compiles.cache_hits - hits,
         )
-
-    def _abstract_batch(self, num_tokens: int) -> StepInput:
-        """The StepInput of a batch of `num_tokens` tokens, as shapes only."""
-        batch = build_batch(
-            [],
-            page_size=self.config.cache.page_size,
-            pages_per_seq=self.config.pages_per_seq,
-            token_bucket=num_tokens,
-            seq_bucket=self.max_seqs,
-        )
-        return _abstract_tree(StepInput.from_host(batch))
 
 
 def _abstract_tree(tree):

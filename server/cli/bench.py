@@ -52,7 +52,6 @@ flags.DEFINE_integer("max_concurrency", None, "serving: most requests in flight.
 flags.DEFINE_string("goodput", None, "SLOs in ms, e.g. ttft:500,tpot:100,e2e:5000.")
 flags.DEFINE_string("output_json", "bench_result.json", "Where the results go.")
 flags.DEFINE_string("output_png", "bench_result.png", "Latency CDF plot ('' for none).")
-FLAGS.set_default("warmup", True)  # compile before measuring
 
 
 def _workload(vocab: int, max_len: int) -> list[workloads.BenchRequest]:

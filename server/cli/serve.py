@@ -40,7 +40,6 @@ flags.DEFINE_string("tls_cert", None, "PEM certificate chain (with --tls_key) to
 flags.DEFINE_string("tls_key", None, "PEM private key.")
 flags.DEFINE_float("drain_grace_s", 30.0, "Seconds in-flight requests may finish on SIGTERM.")
 flags.DEFINE_string("served_model_name", None, "Name reported by GetModelInfo.")
-FLAGS.set_default("warmup", True)  # a server compiles every bucket before it serves
 
 
 def main(argv) -> None:
