@@ -176,6 +176,11 @@ class LLMEngine:
                 f"stop {params.stop!r}: stop strings need a tokenizer, and this engine has "
                 "none (skip_tokenizer_init); use stop_token_ids"
             )
+        if params.structured_outputs is not None:
+            raise ValueError(
+                f"structured_outputs ({params.structured_outputs.kind}): this engine does "
+                "not constrain output yet"
+            )
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(
                 f"logit_bias names token {max(params.logit_bias)}, outside the "

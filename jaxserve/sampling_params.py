@@ -13,6 +13,51 @@ import math
 MAX_LOGPROBS = 20
 
 
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrains a request's output (vLLM's `StructuredOutputsParams`): exactly one of
+    a JSON schema (dict or JSON text), any JSON object, a regex, a choice among
+    strings, or a context-free grammar."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [
+            f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, "
+                f"choice, grammar; got {given or 'none'}"
+            )
+        if self.choice is not None:
+            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError(
+                    f"structured_outputs.choice must be non-empty strings, got {self.choice!r}"
+                )
+            object.__setattr__(self, "choice", list(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(
+                    f"structured_outputs.{name} must be a non-empty string, got {value!r}"
+                )
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema (dict or JSON text), "
+                f"got {type(self.json).__name__}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(f.name for f in dataclasses.fields(self) if getattr(self, f.name))
+
+
 @dataclasses.dataclass
 class SamplingParams:
     n: int = 1
@@ -34,6 +79,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -102,6 +148,10 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            bad("structured_outputs", "must be a StructuredOutputsParams or None")
         for token, bias in (self.logit_bias or {}).items():
             if not is_int(token) or token < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
