@@ -29,6 +29,7 @@ __all__ = [
     "ParallelConfig",
     "RopeConfig",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "engine_config",
     "normalize_dtype",
 ]
@@ -113,6 +114,77 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.data_parallel_size
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's `speculative_config` shape.
+
+    Each step, a decoding sequence may carry up to `num_speculative_tokens` proposed
+    tokens, which the step verifies alongside its real one. "ngram" proposes the
+    tokens that followed the newest earlier match of the sequence's last n tokens
+    (n from `prompt_lookup_max` down to `prompt_lookup_min`); "draft_model" asks a
+    smaller model (`model`, a directory) with the same vocabulary. Speculation is
+    off for a step whose running batch is larger than `disable_by_batch_size`:
+    there the step is compute-bound and verification costs more than it saves.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    disable_by_batch_size: int = 8
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.method!r}"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 16:
+                raise ValueError(
+                    f"speculative_config.{name} must be an integer in [1, 16], got {value!r}"
+                )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "speculative_config.model (the draft model's directory) is required for "
+                f"method 'draft_model' and only for it; got method {self.method!r}, "
+                f"model {self.model!r}"
+            )
+        if not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1:
+            raise ValueError(
+                "speculative_config.disable_by_batch_size must be a positive integer, "
+                f"got {self.disable_by_batch_size!r}"
+            )
+
+    @classmethod
+    def make(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+        """From vLLM's dict form (`{"method": "ngram", "num_speculative_tokens": 4}`)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown keys {unknown}; known: {sorted(known)}"
+            )
+        for name in ("method", "num_speculative_tokens"):
+            if name not in value:
+                raise ValueError(f"speculative_config needs {name!r}, got {value!r}")
+        return cls(**value)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, built once at the edge (CLI or `LLM(...)`)."""
@@ -124,6 +196,7 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    speculative: SpeculativeConfig | None = None
     attention_backend: str = "auto"  # pallas_tpu on TPU, pallas_gpu on GPU, else reference
     seed: int = 0
     min_token_bucket: int = 1  # 1: a lone decode computes one row, not a padded 16
@@ -147,6 +220,11 @@ class EngineConfig:
             )
         if self.max_logit_bias <= 0:
             raise ValueError(f"max_logit_bias must be positive, got {self.max_logit_bias}")
+
+    @property
+    def num_lookahead(self) -> int:
+        """The most proposed tokens a sequence verifies in one step (0: no speculation)."""
+        return self.speculative.num_speculative_tokens if self.speculative else 0
 
     @property
     def kv_dtype(self) -> str:
@@ -204,9 +282,10 @@ _SUB_CONFIGS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": 
 _TOP_LEVEL_ARGS = tuple(
     f.name
     for f in dataclasses.fields(EngineConfig)
-    if f.name not in (*_SUB_CONFIGS, "model_dir", "model")
+    if f.name not in (*_SUB_CONFIGS, "model_dir", "model", "speculative")
 )
-ENGINE_ARGS = (*_NESTED_ARGS, *_TOP_LEVEL_ARGS)  # every name `engine_config` accepts
+# every name `engine_config` accepts
+ENGINE_ARGS = (*_NESTED_ARGS, *_TOP_LEVEL_ARGS, "speculative_config")
 
 
 def engine_config(model_dir: str, model: ModelConfig, **args: Any) -> EngineConfig:
@@ -222,7 +301,9 @@ def engine_config(model_dir: str, model: ModelConfig, **args: Any) -> EngineConf
     nested: dict[str, dict[str, Any]] = {name: {} for name in _SUB_CONFIGS}
     top = {}
     for name, value in args.items():
-        if name in _NESTED_ARGS:
+        if name == "speculative_config":
+            top["speculative"] = SpeculativeConfig.make(value)
+        elif name in _NESTED_ARGS:
             sub, field = _NESTED_ARGS[name]
             nested[sub][field] = value
         else:

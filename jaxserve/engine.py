@@ -26,6 +26,7 @@ from jaxserve.runner.input_batch import SampleRow, SeqWork
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
+from jaxserve.spec import NgramProposer
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,9 +73,23 @@ class LLMEngine:
         self.pool = PagePool(
             self.runner.num_pages, enable_prefix_caching=config.scheduler.enable_prefix_caching
         )
+        spec = config.speculative
         self.scheduler = Scheduler(
-            config.scheduler, self.pool, page_size=config.cache.page_size, seed=config.seed
+            config.scheduler,
+            self.pool,
+            page_size=config.cache.page_size,
+            seed=config.seed,
+            spec_max_batch=spec.disable_by_batch_size if spec else 0,
         )
+        self.proposer = None
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(
+                min_n=spec.prompt_lookup_min,
+                max_n=spec.prompt_lookup_max,
+                k=spec.num_speculative_tokens,
+            )
+        elif spec is not None:
+            raise ValueError(f"speculative_config.method {spec.method!r} is not served yet")
         self.requests: dict[str, _Request] = {}
         self.eos_token_ids = set(config.model.eos_token_ids)
         if not self.eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -315,46 +330,64 @@ class LLMEngine:
         if not plan.scheduled:
             return []
         runner = self.runner
-        work = [
-            SeqWork(
-                s.seq.token_ids[s.start : s.start + s.num_tokens],
-                s.start,
-                s.seq.pages,
-                self._prompt_targets(s),
+        work, rows = [], []
+        for s in plan.scheduled:
+            num_samples = 1 + len(s.draft)
+            work.append(
+                SeqWork(s.token_ids, s.start, s.seq.pages, self._prompt_targets(s), num_samples)
             )
-            for s in plan.scheduled
-        ]
+            rows.extend(self._sample_row(s.seq, s.draft, j) for j in range(num_samples))
         batch = runner.build(work)
-        rows = [self._sample_row(s.seq) for s in plan.scheduled]
-        sampling = runner.build_sampling(rows, runner.seq_bucket(len(rows)))
+        sampling = runner.build_sampling(rows, runner.row_bucket(len(rows)))
         pending = runner.dispatch(batch, sampling)
         t1 = time.perf_counter()
-        # While the device runs: the bookkeeping that does not need the sampled tokens.
+        # While the device runs: the bookkeeping that does not need the sampled tokens
+        # (a sequence verifying drafts waits for the verdict).
         for item in plan.scheduled:
-            self.scheduler.on_computed(item)
+            if not item.draft:
+                self.scheduler.on_computed(item)
         out, prompt_lp = runner.fetch(pending)
         t2 = time.perf_counter()
 
         touched: dict[str, _Request] = {}
-        new_tokens: dict[Sequence, int] = {}
-        offset = 0
-        for i, item in enumerate(plan.scheduled):
+        new_tokens: dict[Sequence, list[int]] = {}
+        offset = row = 0
+        for item in plan.scheduled:
             if prompt_lp is not None:
                 self._record_prompt_logprobs(item, offset, prompt_lp)
             offset += item.num_tokens
+            first, row = row, row + 1 + len(item.draft)
             if not item.samples:
                 continue
             seq = item.seq
             req = self.requests[seq.request_id]
-            token = int(out.token_ids[i])
-            seq.append(token)
-            new_tokens[seq] = token
-            if seq.params.logprobs is not None:
-                self._record_logprobs(req, seq, out, i, token)
-            reason = self._check_stop(req, seq, token)
+            # The accepted drafts, then the token of the first row that rejected (or of
+            # the last row, the bonus after a fully accepted run).
+            emitted = first
+            while emitted < row - 1 and out.accepted[emitted]:
+                emitted += 1
+            appended, reason = [], None
+            for i in range(first, emitted + 1):
+                token = int(out.token_ids[i])
+                seq.append(token)
+                appended.append(token)
+                if seq.params.logprobs is not None:
+                    self._record_logprobs(req, seq, out, i, token)
+                reason = self._check_stop(req, seq, token)
+                if reason is not None:
+                    break
+            if item.draft:
+                accepted = min(len(appended), emitted - first)
+                self.scheduler.on_computed(item, accepted)
+                self._stats.on_spec(len(item.draft), accepted)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
+            new_tokens[seq] = appended
             touched[seq.request_id] = req
+        if self.proposer is not None:
+            for seq in new_tokens:
+                if not seq.finished:
+                    seq.spec_token_ids = self._propose(seq)
         outputs = [self._output(req, new_tokens) for req in touched.values()]
         for o in outputs:
             if o.finished:
@@ -363,7 +396,7 @@ class LLMEngine:
         t3 = time.perf_counter()
         self._stats.on_step(
             plan,
-            len(new_tokens),
+            sum(len(t) for t in new_tokens.values()),
             self.scheduler.running,
             host_s=(t1 - t0) + (t3 - t2),
             device_s=t2 - t1,
@@ -371,6 +404,12 @@ class LLMEngine:
         if self._stats.log_due(time.monotonic()):
             self._stats.log(self.stats())
         return outputs
+
+    def _propose(self, seq: Sequence) -> list[int]:
+        """Draft tokens for the sequence's next step: no more than it may still emit,
+        less the one token the step samples anyway."""
+        room = min(seq.max_tokens - len(seq.output_ids), self.config.max_model_len - seq.num_tokens)
+        return self.proposer.propose(seq.token_ids, limit=room - 1)
 
     @staticmethod
     def _prompt_targets(item) -> list[int]:
@@ -401,12 +440,22 @@ class LLMEngine:
             entry[seq.prompt_token_ids[pos + 1]] = float(chosen[row])
             req.prompt_logprobs.append(entry)
 
-    def _sample_row(self, seq: Sequence) -> SampleRow:
+    def _sample_row(self, seq: Sequence, draft: tuple[int, ...] = (), j: int = 0) -> SampleRow:
+        """The sampler's row for the sequence's next token, or with drafts for the
+        token after its first j drafts (row j verifies draft j, if there is one)."""
         blocked = ()
-        if len(seq.output_ids) < seq.params.min_tokens:
+        if len(seq.output_ids) + j < seq.params.min_tokens:
             eos = () if seq.params.ignore_eos else self.eos_token_ids
             blocked = tuple(set(eos) | set(seq.params.stop_token_ids))
-        return SampleRow(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.seed, blocked)
+        token_ids = seq.token_ids + list(draft[:j]) if j else seq.token_ids
+        return SampleRow(
+            seq.params,
+            token_ids,
+            seq.num_prompt_tokens,
+            seq.seed,
+            blocked,
+            draft[j] if j < len(draft) else -1,
+        )
 
     def _record_logprobs(self, req: _Request, seq: Sequence, out, i: int, token: int) -> None:
         k = seq.params.logprobs
@@ -438,7 +487,7 @@ class LLMEngine:
             return "length"
         return None
 
-    def _output(self, req: _Request, new_tokens: dict[Sequence, int]) -> RequestOutput:
+    def _output(self, req: _Request, new_tokens: dict[Sequence, list[int]]) -> RequestOutput:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         completions = []
@@ -447,7 +496,7 @@ class LLMEngine:
             if detok is not None:
                 delta = detok.release(seq.finished)
                 text = detok.text[: detok.released]
-            token = new_tokens.get(seq)
+            tokens = new_tokens.get(seq, [])
             completions.append(
                 CompletionOutput(
                     index=seq.index,
@@ -464,7 +513,7 @@ class LLMEngine:
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                     delta_text=delta,
-                    delta_token_ids=[] if token is None else [token],
+                    delta_token_ids=list(tokens),
                 )
             )
         return RequestOutput(

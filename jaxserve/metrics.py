@@ -31,6 +31,17 @@ class StatsSnapshot:
     device_seconds: float = 0.0  # waiting for the device (host bookkeeping overlapped)
     peak_kv_pages: int = 0  # most pages ever held by running sequences at once
     kv_waste_at_peak: float = 0.0  # of those pages' slots, the fraction holding no token
+    # Speculative decoding (vLLM's spec_decode_* counters).
+    spec_decode_num_drafts: int = 0  # sequence-steps that verified drafts
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [k]: accepted at draft j
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens a verifying step emits on average: 1 + accepted drafts (vLLM's)."""
+        n = self.spec_decode_num_drafts
+        return 1.0 + self.spec_decode_num_accepted_tokens / n if n else 0.0
 
     @property
     def host_overhead(self) -> float:
@@ -63,6 +74,9 @@ class EngineStats:
         self.device_seconds = 0.0
         self.peak_kv_pages = 0
         self.kv_waste_at_peak = 0.0
+        self.spec_drafts = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_per_pos: list[int] = []
         self._last_log = time.monotonic()
         self._last = (0, 0)
 
@@ -86,6 +100,15 @@ class EngineStats:
                 pages * self.page_size
             )
 
+    def on_spec(self, num_draft: int, num_accepted: int) -> None:
+        """One sequence verified `num_draft` drafts and accepted the first `num_accepted`."""
+        self.spec_drafts += 1
+        self.spec_draft_tokens += num_draft
+        if len(self.spec_accepted_per_pos) < num_draft:
+            self.spec_accepted_per_pos += [0] * (num_draft - len(self.spec_accepted_per_pos))
+        for j in range(num_accepted):
+            self.spec_accepted_per_pos[j] += 1
+
     def on_finish(self, *, aborted: bool = False) -> None:
         if aborted:
             self.requests_aborted += 1
@@ -104,6 +127,10 @@ class EngineStats:
             device_seconds=self.device_seconds,
             peak_kv_pages=self.peak_kv_pages,
             kv_waste_at_peak=self.kv_waste_at_peak,
+            spec_decode_num_drafts=self.spec_drafts,
+            spec_decode_num_draft_tokens=self.spec_draft_tokens,
+            spec_decode_num_accepted_tokens=sum(self.spec_accepted_per_pos),
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_accepted_per_pos),
         )
 
     def log_due(self, now: float) -> bool:
@@ -114,9 +141,17 @@ class EngineStats:
         dt = max(now - self._last_log, 1e-9)
         prompt_tps = (s.prompt_tokens - self._last[0]) / dt
         gen_tps = (s.generation_tokens - self._last[1]) / dt
+        spec = ""
+        if s.spec_decode_num_drafts:
+            spec = (
+                f" | spec decode: mean acceptance length "
+                f"{s.spec_decode_mean_acceptance_length:.2f}, "
+                f"{s.spec_decode_num_accepted_tokens}/{s.spec_decode_num_draft_tokens} "
+                "drafts accepted"
+            )
         logger.info(
             "prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d | "
-            "KV cache %.1f%% | prefix cache hit rate %.1f%% | preemptions %d",
+            "KV cache %.1f%% | prefix cache hit rate %.1f%% | preemptions %d%s",
             prompt_tps,
             gen_tps,
             s.num_running,
@@ -124,5 +159,6 @@ class EngineStats:
             100 * s.kv_cache_usage,
             100 * s.prefix_cache_hit_rate,
             s.num_preemptions,
+            spec,
         )
         self._last_log, self._last = now, (s.prompt_tokens, s.generation_tokens)

@@ -42,6 +42,8 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     num_preemptions: int = 0
+    # Speculative decoding: tokens proposed to follow token_ids, verified next step.
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -7,6 +7,14 @@ sequences are admitted, each starting after its longest cached prefix. When a
 running sequence needs a page and none is left, the lowest-priority, newest
 running sequence is preempted: its pages are released (its full pages stay in
 the prefix cache) and it is recomputed later.
+
+Speculative decoding: a decoding sequence with proposed tokens
+(`Sequence.spec_token_ids`) takes them as extra query tokens within the budget,
+unless more than `spec_max_batch` sequences are running (a compute-bound step,
+where verifying costs more than it saves) or the pool is short of pages (drafts
+go before anyone is preempted). After the step, `on_computed` keeps only the
+accepted drafts' KV: `num_computed` stops at the first rejection and pages past
+the sequence's tokens go back to the pool, so an unverified token is never cached.
 """
 
 from __future__ import annotations
@@ -24,12 +32,19 @@ from jaxserve.request import Sequence, Status
 class ScheduledSeq:
     seq: Sequence
     start: int  # first token to compute (== seq.num_computed when scheduled)
-    num_tokens: int
+    num_tokens: int  # drafts included
+    draft: tuple[int, ...] = ()  # proposed tokens verified after the real ones
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the known tokens, so its logits predict."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens - len(self.draft) == self.seq.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens to compute: known ones, then the drafts."""
+        real = self.num_tokens - len(self.draft)
+        return self.seq.token_ids[self.start : self.start + real] + list(self.draft)
 
 
 @dataclasses.dataclass
@@ -45,8 +60,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: PagePool, *, page_size: int, seed: int = 0):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: PagePool,
+        *,
+        page_size: int,
+        seed: int = 0,
+        spec_max_batch: int = 0,
+    ):
         self.pool = pool
+        self.spec_max_batch = spec_max_batch  # speculate only up to this many running
         self.page_size = page_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -94,10 +118,16 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim)
 
+        speculate = len(self.running) <= self.spec_max_batch
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
+            draft: tuple[int, ...] = ()
+            if n == 1 and seq.num_computed == seq.num_tokens - 1 and speculate:
+                draft = tuple(seq.spec_token_ids[: budget - 1])
+                if draft and not self._grow(seq, seq.num_tokens + len(draft)):
+                    draft = ()  # short of pages: no drafts before anyone is preempted
             while not self._grow(seq, seq.num_computed + n):
                 victim = max(self.running[i:], key=Sequence.sort_key)
                 self._preempt(victim)
@@ -105,8 +135,8 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
-                budget -= n
+                scheduled.append(ScheduledSeq(seq, seq.num_computed, n + len(draft), draft))
+                budget -= n + len(draft)
                 i += 1
 
         if not preempted:
@@ -174,11 +204,17 @@ class Scheduler:
 
     # --------------------------------------------------------------- after step
 
-    def on_computed(self, item: ScheduledSeq) -> None:
-        """Advances a sequence past its computed chunk and caches the pages it filled."""
+    def on_computed(self, item: ScheduledSeq, num_accepted: int = 0) -> None:
+        """Advances a sequence past its computed chunk (of its drafts, the first
+        `num_accepted`, which the caller has appended) and caches the pages it filled."""
         seq = item.seq
-        seq.num_computed = item.start + item.num_tokens
+        seq.num_computed = item.start + item.num_tokens - len(item.draft) + num_accepted
         page = self.page_size
+        if item.draft and not seq.finished:
+            # The rejected drafts' pages: those past the sequence's tokens.
+            keep = -(-seq.num_tokens // page)
+            self.pool.free(seq.pages[keep:])
+            del seq.pages[keep:]
         for j in range(len(seq.page_uids), seq.num_computed // page):
             parent = seq.page_uids[-1] if seq.page_uids else ROOT_UID
             tokens = seq.token_ids[j * page : (j + 1) * page]

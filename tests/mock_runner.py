@@ -37,7 +37,8 @@ class MockRunner:
         self.vocab = config.model.vocab_size
         sched = config.scheduler
         self.token_buckets = pow2_buckets(config.min_token_bucket, sched.max_num_batched_tokens)
-        self.seq_buckets = pow2_buckets(1, sched.max_num_seqs)
+        self.max_seqs = pow2_buckets(1, sched.max_num_seqs)[-1]
+        self.row_buckets = pow2_buckets(1, self.max_seqs * (1 + config.num_lookahead))
         self.weight_bytes = 0
         self.warmup_seconds = 0.0
         self.compiles = types.SimpleNamespace(count=0)
@@ -45,26 +46,26 @@ class MockRunner:
         self.slots: dict[int, int] = {}
         self.steps = 0
 
-    def seq_bucket(self, num_seqs):
-        return pick_bucket(num_seqs, self.seq_buckets, what="sequences")
+    def row_bucket(self, num_rows):
+        return pick_bucket(num_rows, self.row_buckets, what="sampling rows")
 
     def build(self, work):
         t = pick_bucket(sum(len(w.token_ids) for w in work), self.token_buckets, what="tokens")
-        b = self.seq_buckets[-1]  # the fixed per-sequence size, as the real runner
         self._work = work
         return build_batch(
             work,
             page_size=self.config.cache.page_size,
             pages_per_seq=self.config.pages_per_seq,
             token_bucket=t,
-            seq_bucket=b,
+            seq_bucket=self.max_seqs,  # the fixed sizes, as the real runner
+            num_rows=self.row_buckets[-1],
         )
 
-    def build_sampling(self, rows, seq_bucket) -> SamplingMetadata:
+    def build_sampling(self, rows, row_bucket) -> SamplingMetadata:
         self._rows = rows
         return build_sampling(
             rows,
-            seq_bucket=seq_bucket,
+            seq_bucket=row_bucket,
             history_len=1,
             max_bias=self.config.max_logit_bias,
             vocab_size=self.vocab,
@@ -80,23 +81,31 @@ class MockRunner:
     def dispatch(self, batch, sampling):
         self.steps += 1
         page_size = self.config.cache.page_size
-        token_ids = np.zeros(len(batch.kv_lens), np.int32)
-        for i, (w, row) in enumerate(zip(self._work, self._rows, strict=True)):
+        token_ids = np.zeros(len(self._rows), np.int32)
+        accepted = np.zeros(len(self._rows), np.bool_)
+        rows = iter(enumerate(self._rows))
+        for w in self._work:
             for j, tok in enumerate(w.token_ids):
                 pos = w.start + j
                 self.slots[w.pages[pos // page_size] * page_size + pos % page_size] = tok
-            # The sequence's full history, read back through its page table.
+            # The sequence's full history, read back through its page table; the last
+            # num_samples tokens each predict one (drafts are verified against them).
             end = w.start + len(w.token_ids)
             history = [
                 self.slots[w.pages[p // page_size] * page_size + p % page_size] for p in range(end)
             ]
-            assert history == list(row.token_ids[:end]), "KV pages hold the wrong tokens"
-            token_ids[i] = sum(history) % self.vocab
+            for k in range(w.num_samples):
+                i, row = next(rows)
+                upto = end - w.num_samples + k + 1
+                assert history[:upto] == list(row.token_ids[:upto]), "KV holds wrong tokens"
+                token_ids[i] = sum(history[:upto]) % self.vocab
+                accepted[i] = row.draft == token_ids[i]
         zeros = np.zeros((len(token_ids), 20))
         out = types.SimpleNamespace(
             token_ids=token_ids,
             logprobs=np.zeros(len(token_ids)),
             top_ids=zeros.astype(np.int32),
             top_logprobs=zeros,
+            accepted=accepted,
         )
         return out, None

@@ -48,6 +48,9 @@ class SeqWork:
     # Prompt logprobs: per token, the next prompt token whose logprob is wanted (-1:
     # none); empty when the sequence wants none.
     prompt_targets: Sequence[int] = ()
+    # How many of the last tokens' hidden states go to sampling: 1, or 1 + k when the
+    # last k tokens are drafts to verify (speculative decoding).
+    num_samples: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +64,7 @@ class HostBatch:
     page_indices: np.ndarray  # [B, M] int32
     cu_q_lens: np.ndarray  # [B + 1] int32
     num_seqs: np.ndarray  # [1] int32
-    logits_indices: np.ndarray  # [B] or [T] int32
+    logits_indices: np.ndarray  # [R] or [T] int32: the rows sampling reads
     prompt_targets: np.ndarray  # [T] int32: -1 where no prompt logprob is wanted
 
 
@@ -72,12 +75,14 @@ def build_batch(
     pages_per_seq: int,
     token_bucket: int,
     seq_bucket: int,
+    num_rows: int | None = None,
     all_logits: bool = False,
 ) -> HostBatch:
     """Packs `work` into padded arrays.
 
-    `logits_indices` selects each sequence's last token (what sampling needs),
-    or with `all_logits` every token of the bucket (prompt logprobs, tests).
+    `logits_indices` [num_rows] (default: seq_bucket) selects each sequence's last
+    `num_samples` tokens, in order (what sampling needs), or with `all_logits`
+    every token of the bucket (tests).
     """
     num_tokens = sum(len(w.token_ids) for w in work)
     if num_tokens > token_bucket:
@@ -90,10 +95,10 @@ def build_batch(
     kv_lens = np.zeros(seq_bucket, np.int32)
     page_indices = np.full((seq_bucket, pages_per_seq), NULL_PAGE, np.int32)
     cu_q_lens = np.zeros(seq_bucket + 1, np.int32)
-    logits_indices = np.zeros(seq_bucket, np.int32)
+    logits_indices = np.zeros(seq_bucket if num_rows is None else num_rows, np.int32)
     prompt_targets = np.full(token_bucket, -1, np.int32)
 
-    t = 0
+    t = r = 0
     for b, w in enumerate(work):
         n = len(w.token_ids)
         end = w.start + n
@@ -115,7 +120,13 @@ def build_batch(
         page_indices[b, : len(pages)] = pages
         t += n
         cu_q_lens[b + 1] = t
-        logits_indices[b] = t - 1
+        if not 1 <= w.num_samples <= n or r + w.num_samples > len(logits_indices):
+            raise ValueError(
+                f"sequence {b} samples {w.num_samples} of its {n} tokens; the batch has "
+                f"{len(logits_indices) - r} sampling rows left"
+            )
+        logits_indices[r : r + w.num_samples] = np.arange(t - w.num_samples, t)
+        r += w.num_samples
     cu_q_lens[len(work) + 1 :] = t
     if all_logits:
         logits_indices = np.arange(token_bucket, dtype=np.int32)
@@ -154,6 +165,7 @@ class SamplingMetadata:
     masked: np.ndarray  # [B] bool: the row blocks some token (min_tokens; later grammars)
     history: np.ndarray  # [B, L] i32: prompt + output ids for penalties, -1 = none
     num_prompt: np.ndarray  # i32: how many of `history` are prompt tokens
+    draft: np.ndarray  # i32: the proposed token each row verifies; -1 = none
     want_logprobs: np.ndarray  # [1] bool: any row asks for logprobs
 
 
@@ -166,6 +178,7 @@ class SampleRow:
     num_prompt: int
     seed: int
     blocked_ids: Sequence[int] = ()  # EOS / stop ids while under min_tokens
+    draft: int = -1  # a proposed token this row verifies (speculative decoding)
 
 
 def _wants_history(p: SamplingParams) -> bool:
@@ -213,6 +226,7 @@ def build_sampling(
     masked = np.zeros(b, np.bool_)
     history = np.full((b, history_len if with_history else 1), -1, np.int32)
     num_prompt = np.zeros(b, np.int32)
+    draft = np.full(b, -1, np.int32)
     want_logprobs = False
     for i, row in enumerate(rows):
         p = row.params
@@ -235,6 +249,7 @@ def build_sampling(
         if _wants_history(p):
             history[i, : len(row.token_ids)] = row.token_ids
             num_prompt[i] = row.num_prompt
+        draft[i] = row.draft
         want_logprobs |= p.logprobs is not None
     return SamplingMetadata(
         temperature=temperature,
@@ -252,5 +267,6 @@ def build_sampling(
         masked=masked,
         history=history,
         num_prompt=num_prompt,
+        draft=draft,
         want_logprobs=np.array([want_logprobs]),
     )

@@ -112,7 +112,12 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv(mesh)
         sched = config.scheduler
         self.token_buckets = pow2_buckets(config.min_token_bucket, sched.max_num_batched_tokens)
-        self.seq_buckets = pow2_buckets(1, sched.max_num_seqs)
+        # S: the fixed size of every per-sequence array of the forward program.
+        self.max_seqs = pow2_buckets(1, sched.max_num_seqs)[-1]
+        # Sampling rows: one per sequence, or 1 + k with k drafts to verify; R, the
+        # most, is the fixed row count of the forward program's output.
+        self.row_buckets = pow2_buckets(1, self.max_seqs * (1 + config.num_lookahead))
+        self.max_rows = self.row_buckets[-1]
         self.history_len = config.pages_per_seq * config.cache.page_size
         self.compiles = CompileCounter()
         self.warmed_up = False
@@ -145,14 +150,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
 
-    @property
-    def max_seqs(self) -> int:
-        """S: the fixed size of every per-sequence array of the forward program."""
-        return self.seq_buckets[-1]
-
-    def seq_bucket(self, num_seqs: int) -> int:
-        """The sampling program's row count for `num_seqs` sampled sequences."""
-        return pick_bucket(num_seqs, self.seq_buckets, what="sequences")
+    def row_bucket(self, num_rows: int) -> int:
+        """The sampling program's row count for `num_rows` rows to sample."""
+        return pick_bucket(num_rows, self.row_buckets, what="sampling rows")
 
     def build(
         self, work: list[SeqWork], *, token_bucket: int | None = None, all_logits: bool = False
@@ -167,15 +167,16 @@ class ModelRunner:
             pages_per_seq=self.config.pages_per_seq,
             token_bucket=token_bucket,
             seq_bucket=self.max_seqs,
+            num_rows=self.max_rows,
             all_logits=all_logits,
         )
 
     def build_sampling(
-        self, rows: list[SampleRow], seq_bucket: int, with_history: bool | None = None
+        self, rows: list[SampleRow], row_bucket: int, with_history: bool | None = None
     ) -> SamplingMetadata:
         return build_sampling(
             rows,
-            seq_bucket=seq_bucket,
+            seq_bucket=row_bucket,
             history_len=self.history_len,
             max_bias=self.config.max_logit_bias,
             vocab_size=self.config.model.vocab_size,
@@ -233,7 +234,7 @@ class ModelRunner:
         Tracing is Python and goes one program at a time; XLA compiles (or loads
         from the persistent cache) on a few threads."""
         t0, before, hits = time.perf_counter(), self.compiles.count, self.compiles.cache_hits
-        num_sampling = 2 * len(self.seq_buckets)
+        num_sampling = 2 * len(self.row_buckets)
         total = len(self.token_buckets) + num_sampling
         bar = tqdm(total=2 * total, desc=f"warm-up: tracing, then compiling {total} programs")
         lowered = []
@@ -241,8 +242,8 @@ class ModelRunner:
             batch = _abstract_tree(StepInput.from_host(self.build([], token_bucket=t)))
             lowered.append(forward.lower(self.model_def, self.weights, self.kv_caches, batch))
             bar.update(1)
-        selected = lowered[0].out_info[0]  # [S, D] whatever the token bucket
-        for b in self.seq_buckets:
+        selected = lowered[0].out_info[0]  # [R, D] whatever the token bucket
+        for b in self.row_buckets:
             for history in (False, True):
                 sampling = _abstract_tree(self.build_sampling([], b, with_history=history))
                 lowered.append(sample_step.lower(self.model_def, self.weights, selected, sampling))

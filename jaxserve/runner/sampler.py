@@ -15,6 +15,14 @@ and no setting changes the compiled program.
 
 Logprobs are those of the raw model distribution (log-softmax of the logits),
 as vLLM returns by default.
+
+Speculative decoding: a row with a `draft` token verifies it against the row's
+processed distribution p (the same processing as a normal draw). Proposals are
+deterministic (q one-hot), so the standard rejection rule reads: accept the draft
+with probability p(draft); on rejection, draw from p with the draft removed,
+renormalized (normalize(max(0, p - q))). The emitted token is then distributed
+exactly as p. Greedy rows accept when the argmax equals the draft. A row without
+a draft draws as usual (the bonus token after a fully accepted run).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ class SamplerOutput:
     logprobs: jax.Array  # [B] f32: raw logprob of each sampled token (0 unless asked)
     top_ids: jax.Array  # [B, 20] i32 (zeros unless requested)
     top_logprobs: jax.Array  # [B, 20] f32
+    accepted: jax.Array  # [B] bool: the row's draft was accepted (its token is the draft)
 
 
 def _apply_penalties(logits, md: SamplingMetadata):
@@ -75,7 +84,9 @@ def _top_k_top_p(logits, md: SamplingMetadata):
 
 
 def _draw(x, md: SamplingMetadata):
-    """Temperature, min-p, top-k/top-p, then a Gumbel-max draw from each row's own key."""
+    """Temperature, min-p, top-k/top-p, then a Gumbel-max draw from each row's own key;
+    a row with a draft accepts it with probability p(draft) instead, and on rejection
+    draws with the draft excluded. Returns (tokens, accepted)."""
     v = x.shape[1]
     greedy = md.temperature <= 0.0
     x = x / jnp.where(greedy, 1.0, md.temperature)[:, None]
@@ -84,12 +95,33 @@ def _draw(x, md: SamplingMetadata):
     needs_sort = jnp.any(((md.top_k > 0) & (md.top_k < v)) | (md.top_p < 1.0))
     x = lax.cond(needs_sort, _top_k_top_p, lambda x, md: x, x, md)
 
-    def gumbel(seed, position):
+    def randomness(seed, position):
         key = jax.random.fold_in(jax.random.key(seed), position)
-        return jax.random.gumbel(key, (v,), jnp.float32)
+        uniform = jax.random.uniform(jax.random.fold_in(key, _ACCEPT_STREAM), ())
+        return jax.random.gumbel(key, (v,), jnp.float32), uniform
 
-    noise = jax.vmap(gumbel)(md.seed, md.position)
-    return jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
+    noise, uniform = jax.vmap(randomness)(md.seed, md.position)
+    return verify(x, md.draft, noise, uniform)
+
+
+_ACCEPT_STREAM = 0x5EED  # the acceptance draw's key: fold_in(the row's key, this)
+
+
+def verify(x, draft, noise, uniform):
+    """The rejection rule for deterministic proposals, on processed logits x [B, V]
+    (-inf where excluded), Gumbel noise [B, V] and a uniform [B] per row.
+
+    Rows without a draft (-1) take the Gumbel-max draw: a sample of p = softmax(x).
+    A drafted row accepts its draft when uniform < p(draft); otherwise it draws from
+    p with the draft removed. Returns (tokens [B] i32, accepted [B] bool).
+    """
+    has_draft = draft >= 0
+    safe = jnp.maximum(draft, 0)[:, None]
+    p_draft = jnp.take_along_axis(jax.nn.softmax(x, axis=-1), safe, axis=-1)[:, 0]
+    accepted = has_draft & (uniform < p_draft)
+    is_draft = has_draft[:, None] & (jnp.arange(x.shape[1])[None, :] == draft[:, None])
+    recovered = jnp.argmax(jnp.where(is_draft, -jnp.inf, x) + noise, axis=-1)
+    return jnp.where(accepted, draft, recovered).astype(jnp.int32), accepted
 
 
 def _penalized(md: SamplingMetadata) -> jax.Array:
@@ -124,8 +156,10 @@ def _process_and_sample(logits, md: SamplingMetadata):
     # Greedy rows need none of the rest: min-p, top-k and top-p never remove the argmax.
     greedy = md.temperature <= 0.0
     argmax = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    drawn = lax.cond(jnp.all(greedy), lambda x, md: argmax, _draw, x, md)
-    return jnp.where(greedy, argmax, drawn)
+    drawn, accepted = lax.cond(
+        jnp.all(greedy), lambda x, md: (argmax, argmax == md.draft), _draw, x, md
+    )
+    return jnp.where(greedy, argmax, drawn), jnp.where(greedy, argmax == md.draft, accepted)
 
 
 def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
@@ -138,13 +172,7 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
         & ~md.masked
         & ~_penalized(md)
     )
-    sampled = lax.cond(
-        plain,
-        lambda x, md: jnp.argmax(x, axis=-1).astype(jnp.int32),
-        _process_and_sample,
-        logits,
-        md,
-    )
+    sampled, accepted = lax.cond(plain, _plain_greedy, _process_and_sample, logits, md)
 
     chosen, top_ids, top_vals = lax.cond(
         md.want_logprobs[0],
@@ -152,7 +180,12 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
         lambda x: no_logprobs(x.shape[0]),
         logits,
     )
-    return SamplerOutput(sampled, chosen, top_ids, top_vals)
+    return SamplerOutput(sampled, chosen, top_ids, top_vals, accepted)
+
+
+def _plain_greedy(logits, md: SamplingMetadata):
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return argmax, argmax == md.draft
 
 
 def token_logprobs(logits: jax.Array, token_ids: jax.Array):

@@ -7,7 +7,9 @@ The program layout (what is compiled, and for which shapes):
   S = max_num_seqs, so the sequence count never selects a program; prompt
   logprobs are part of it too, computed under a `lax.cond` only when a row asks.
 - `sample_step`: the LM head and sampling of the B sampled rows, one program per
-  sequence bucket B (and a second per B with the penalty history).
+  row bucket B (and a second per B with the penalty history). A row is a
+  sequence's last token, plus one per draft token with speculative decoding
+  (R = max_num_seqs * (1 + num_speculative_tokens) rows at most).
 
 So a configuration compiles len(token buckets) + 2 * len(sequence buckets)
 programs (26 for the defaults), instead of one forward per (T, B) pair.
@@ -37,7 +39,7 @@ class StepInput:
     input_ids: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32
     attention: AttentionMetadata  # per-sequence arrays of the fixed size S
-    logits_indices: jax.Array  # [S] int32: rows of the hidden states to sample from
+    logits_indices: jax.Array  # [R] int32: rows of the hidden states to sample from
     prompt_targets: jax.Array  # [T] int32: next prompt token per row for logprobs; -1 none
 
     @classmethod
@@ -99,7 +101,7 @@ class ModelDef:
 def forward(
     model_def: ModelDef, weights: list[jax.Array], kv_caches: list[jax.Array], batch: StepInput
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], list[jax.Array]]:
-    """One forward pass: the hidden states of the rows to sample [S, D], prompt
+    """One forward pass: the hidden states of the rows to sample [R, D], prompt
     logprobs of every token row (zeros unless `prompt_targets` asks), and the updated
     KV caches.
 
@@ -130,7 +132,7 @@ def logits_step(model_def: ModelDef, weights: list[jax.Array], hidden: jax.Array
 def sample_step(
     model_def: ModelDef, weights: list[jax.Array], selected: jax.Array, sampling: SamplingMetadata
 ) -> SamplerOutput:
-    """The first B rows of `selected` [S, D] (B from the sampling metadata) -> one
+    """The first B rows of `selected` [R, D] (B from the sampling metadata) -> one
     sampled token per row (logits never leave the device)."""
     hidden = selected[: sampling.temperature.shape[0]]
     return sample(model_def.merge(weights).compute_logits(hidden), sampling)

@@ -21,6 +21,8 @@ BATCHES = {
     "prefill": ([16, 5, 33, 8], [16, 5, 33, 8]),
     "mixed": ([1, 7, 1, 20, 3], [40, 7, 9, 52, 3]),
     "chunk_after_cache": ([4, 16], [36, 16]),
+    # Speculative decoding: 1 + k queries per sequence (k drafts), beside a prefill chunk.
+    "verify": ([5, 3, 5, 1, 12], [21, 8, 40, 13, 12]),
 }
 TOLERANCE = {np.float32: 2e-5, ml_dtypes.bfloat16: 2e-2}
 
@@ -63,6 +65,11 @@ def run_and_compare(kernel, batch, *, heads=(8, 2), head_dim=16, dtype=np.float3
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (7, 1), (16, 2)])  # 1:1, 4:1, 7:1, 8:1
 def test_batches_and_gqa_ratios(kernel, batch, heads):
     run_and_compare(kernel, batch, heads=heads)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_verification_batches(kernel):
+    run_and_compare(kernel, "verify")
 
 
 @pytest.mark.slow
