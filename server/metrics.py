@@ -71,6 +71,32 @@ class _EngineCollector:
         yield self._family(
             c, "jaxserve:compilations", "XLA compilations in this process.", s.num_compiles
         )
+        yield self._family(
+            c,
+            "jaxserve:spec_decode_num_drafts",
+            "Speculative decoding: sequence-steps that verified drafts.",
+            s.spec_decode_num_drafts,
+        )
+        yield self._family(
+            c,
+            "jaxserve:spec_decode_num_draft_tokens",
+            "Speculative decoding: draft tokens verified.",
+            s.spec_decode_num_draft_tokens,
+        )
+        yield self._family(
+            c,
+            "jaxserve:spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted.",
+            s.spec_decode_num_accepted_tokens,
+        )
+        per_pos = c(
+            "jaxserve:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted, by position in the draft.",
+            labels=(*self._labels[0], "position"),
+        )
+        for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric((*self._labels[1], str(pos)), n)
+        yield per_pos
 
 
 class ServerMetrics:

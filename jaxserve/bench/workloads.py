@@ -61,3 +61,40 @@ def shared_prefix(
         BenchRequest(prefixes[i % num_prefixes] + _ids(rs, suffix_len, vocab), output_len)
         for i in range(num)
     ]
+
+
+def passages_from_python_docs(tokenize, *, min_tokens: int, count: int = 64) -> list[list[int]]:
+    """Real English text that every Python installation holds: the help topics of
+    `pydoc_data` (the language reference's sections), tokenized, longest first."""
+    from pydoc_data.topics import topics
+
+    texts = sorted(topics.values(), key=len, reverse=True)[: 4 * count]
+    out = [ids for ids in (tokenize(t) for t in texts) if len(ids) >= min_tokens]
+    if not out:
+        raise ValueError(f"no pydoc topic has {min_tokens} tokens")
+    return out[:count]
+
+
+def grounded(
+    num: int,
+    *,
+    passages: list[list[int]],
+    instruction: list[int],
+    separator: list[int],
+    input_len: int,
+    output_len: int,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """Input-grounded requests: "repeat this passage", whose answer copies the prompt
+    (the case prompt lookup speeds up; edits and extraction behave alike). Each
+    prompt is the instruction, a passage of `input_len` tokens from a random place
+    in real text, the separator, and the passage's first few tokens to start the copy.
+    """
+    rs = np.random.RandomState(seed)
+    out = []
+    for _ in range(num):
+        text = passages[rs.randint(len(passages))]
+        start = rs.randint(max(1, len(text) - input_len))
+        passage = text[start : start + input_len]
+        out.append(BenchRequest(instruction + passage + separator + passage[:8], output_len))
+    return out

@@ -30,11 +30,18 @@ from tqdm import tqdm
 from jaxserve.bench import report, workloads
 from jaxserve.llm import LLM, resolve_model_dir
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import Tokenizer
 from server.cli.engine_flags import engine_kwargs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("mode", "offline", ["offline", "serving"], "What to measure.")
-flags.DEFINE_enum("workload", "random", ["random", "sharegpt", "shared-prefix"], "Requests.")
+flags.DEFINE_enum(
+    "workload",
+    "random",
+    ["random", "sharegpt", "shared-prefix", "grounded"],
+    "Requests ('grounded': repeat a passage of real text, tokenized with --model's "
+    "tokenizer; the case n-gram speculation is for).",
+)
 flags.DEFINE_integer("num_requests", 64, "Requests in the workload.")
 flags.DEFINE_integer("input_len", 128, "random: mean prompt length.")
 flags.DEFINE_integer("output_len", 64, "random / shared-prefix: mean output length.")
@@ -79,6 +86,19 @@ def _make_workload(vocab: int, max_len: int) -> list[workloads.BenchRequest]:
         )
     if FLAGS.workload == "sharegpt":
         return workloads.sharegpt_like(n, vocab=vocab, max_len=max_len, seed=seed)
+    if FLAGS.workload == "grounded":
+        tokenizer = Tokenizer(resolve_model_dir(FLAGS.tokenizer or FLAGS.model))
+        return workloads.grounded(
+            n,
+            passages=workloads.passages_from_python_docs(
+                tokenizer.encode, min_tokens=FLAGS.input_len
+            ),
+            instruction=tokenizer.encode("Repeat the following passage exactly.\n\n"),
+            separator=tokenizer.encode("\n\nThe passage, repeated:\n\n"),
+            input_len=FLAGS.input_len,
+            output_len=FLAGS.output_len,
+            seed=seed,
+        )
     return workloads.shared_prefix(
         n,
         num_prefixes=FLAGS.num_prefixes,
@@ -174,6 +194,17 @@ def _result(reqs, arrive, first, ends, token_times, elapsed, stats, base) -> dic
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
             "compilations_during_run": stats.num_compiles - base.num_compiles,
         }
+        drafts = stats.spec_decode_num_drafts - base.spec_decode_num_drafts
+        if drafts:
+            accepted = stats.spec_decode_num_accepted_tokens - base.spec_decode_num_accepted_tokens
+            draft_tokens = stats.spec_decode_num_draft_tokens - base.spec_decode_num_draft_tokens
+            result["engine"].update(
+                spec_decode_drafts=drafts,
+                spec_decode_draft_tokens=draft_tokens,
+                spec_decode_accepted_tokens=accepted,
+                spec_decode_acceptance_rate=accepted / draft_tokens,
+                spec_decode_mean_acceptance_length=1.0 + accepted / drafts,
+            )
     result["_latencies"] = lat
     return result
 

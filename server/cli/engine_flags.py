@@ -60,6 +60,27 @@ flags.DEFINE_string(
     "JAX persistent compilation cache ('' disables it).",
 )
 
+# Speculative decoding: vLLM's speculative_config, flat.
+flags.DEFINE_enum(
+    "speculative_method", None, ["ngram", "draft_model"], "Speculative decoding method (off)."
+)
+flags.DEFINE_integer("num_speculative_tokens", 4, "Draft tokens verified per step.")
+flags.DEFINE_string("speculative_model", None, "draft_model: the draft model's directory.")
+flags.DEFINE_integer("prompt_lookup_min", 1, "ngram: shortest suffix n-gram to match.")
+flags.DEFINE_integer("prompt_lookup_max", 4, "ngram: longest suffix n-gram to match.")
+flags.DEFINE_integer(
+    "speculative_disable_by_batch_size", 8, "No speculation while more sequences run."
+)
+# flag -> speculative_config key
+SPECULATIVE_FLAGS = {
+    "speculative_method": "method",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "speculative_model": "model",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "speculative_disable_by_batch_size": "disable_by_batch_size",
+}
+
 ENGINE_FLAGS = (
     "tokenizer",
     "skip_tokenizer_init",
@@ -77,6 +98,7 @@ ENGINE_FLAGS = (
     "seed",
     "warmup",
     "compilation_cache_dir",
+    *SPECULATIVE_FLAGS,
 )
 
 
@@ -94,4 +116,16 @@ def engine_kwargs() -> dict:
         for name in ENGINE_FLAGS
     }
     kw["compilation_cache_dir"] = kw["compilation_cache_dir"] or None
+    return gather_speculative(kw)
+
+
+def gather_speculative(kw: dict) -> dict:
+    """Replaces the flat speculative flags in `kw` by vLLM's `speculative_config`
+    dict (left out when no method is given)."""
+    kw = dict(kw)
+    spec = {key: kw.pop(name) for name, key in SPECULATIVE_FLAGS.items()}
+    if spec["method"] is not None:
+        if spec["model"] is None:
+            del spec["model"]
+        kw["speculative_config"] = spec
     return kw

@@ -25,6 +25,29 @@ def test_workloads_are_seeded_and_in_range():
     assert prefix[0].prompt_token_ids[:20] != prefix[1].prompt_token_ids[:20]
 
 
+def test_grounded_prompts_quote_real_text():
+    from jaxserve.llm import resolve_model_dir
+    from jaxserve.tokenizer import Tokenizer
+
+    tok = Tokenizer(resolve_model_dir(None))
+    passages = workloads.passages_from_python_docs(tok.encode, min_tokens=100)
+    reqs = workloads.grounded(
+        6,
+        passages=passages,
+        instruction=[1, 2],
+        separator=[3],
+        input_len=100,
+        output_len=50,
+        seed=1,
+    )
+    for r in reqs:
+        ids = r.prompt_token_ids
+        passage = ids[2:102]
+        assert ids[:2] == [1, 2] and ids[102] == 3 and ids[103:] == passage[:8]
+        assert r.max_tokens == 50
+    assert "the" in tok.decode(reqs[0].prompt_token_ids[2:102])  # English prose
+
+
 def test_summarize():
     s = report.summarize([0.001 * i for i in range(1, 101)])
     assert s["median"] == pytest.approx(50.5) and s["p99"] == pytest.approx(99.01)
@@ -78,6 +101,24 @@ def test_offline_shared_prefix_with_and_without_caching(tiny_model_dir, tmp_path
     assert 0 <= on["engine"]["host_overhead_frac"] <= 1
     assert 0 <= on["engine"]["kv_waste_at_peak_frac"] < 1
     assert "mean TTFT, caching off / on" in stdout
+
+
+@pytest.mark.slow
+def test_offline_grounded_with_ngram_speculation_reports_acceptance(tmp_path):
+    result, stdout = _bench(
+        tmp_path,
+        "--mode=offline",
+        "--workload=grounded",
+        "--num_requests=3",
+        "--input_len=64",
+        "--output_len=24",
+        "--speculative_method=ngram",
+        "--num_speculative_tokens=3",
+    )
+    engine = result["runs"]["run"]["engine"]
+    assert engine["spec_decode_draft_tokens"] > 0
+    assert engine["spec_decode_mean_acceptance_length"] >= 1.0
+    assert "spec_decode_mean_acceptance_length" in stdout
 
 
 @pytest.mark.slow

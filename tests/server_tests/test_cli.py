@@ -84,12 +84,60 @@ def test_help_lists_the_commands_own_flags(command, own, shared):
 
 
 @pytest.mark.slow
+def test_generate_with_ngram_speculation_gives_the_same_tokens(tiny_model_dir, tmp_path):
+    dst = tmp_path / "out.jsonl"
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt_token_ids": prompt}) + "\n")
+    proc = _jaxserve(
+        "generate",
+        f"--model={tiny_model_dir}",
+        f"--input={src}",
+        f"--output={dst}",
+        "--max_tokens=16",
+        "--ignore_eos",
+        "--max_model_len=64",
+        "--speculative_method=ngram",
+        "--num_speculative_tokens=3",
+        "--nowarmup",
+    )
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(dst.read_text())["token_ids"]
+    want = LLM(tiny_model_dir, max_model_len=64, warmup=False).generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert got == want[0].outputs[0].token_ids
+
+
+def test_speculative_flags_become_vllms_speculative_config():
+    from absl import flags
+
+    from server.cli import engine_flags
+
+    defaults = {name: flags.FLAGS[name].default for name in engine_flags.ENGINE_FLAGS}
+    assert "speculative_config" not in engine_flags.gather_speculative(defaults)
+    kw = engine_flags.gather_speculative(
+        {**defaults, "speculative_method": "ngram", "num_speculative_tokens": 3}
+    )
+    assert kw["speculative_config"] == dict(
+        method="ngram",
+        num_speculative_tokens=3,
+        prompt_lookup_min=1,
+        prompt_lookup_max=4,
+        disable_by_batch_size=8,
+    )
+    assert not any(name in kw for name in engine_flags.SPECULATIVE_FLAGS)
+
+
+@pytest.mark.slow
 def test_generate_needs_exactly_one_prompt_source(tiny_model_dir):
     proc = _jaxserve("generate", f"--model={tiny_model_dir}")
     assert proc.returncode != 0 and "exactly one of --prompt and --input" in proc.stderr
 
 
-@pytest.mark.parametrize("preset", ["cpu", "gpu", "tpu"])
+@pytest.mark.parametrize("preset", ["cpu", "gpu", "tpu", "cpu-ngram"])
 def test_config_presets_name_only_engine_flags(preset):
     import os
     import tomllib

@@ -360,3 +360,37 @@ def test_tls(tiny_model_dir, tmp_path):
             stub(server.target).Complete(request(max_tokens=2), timeout=5)
     finally:
         server.stop()
+
+
+def test_speculative_decoding_metrics_have_vllms_names():
+    from prometheus_client import generate_latest
+
+    from jaxserve.metrics import StatsSnapshot
+    from server.metrics import ServerMetrics
+
+    snapshot = StatsSnapshot(
+        num_running=0,
+        num_waiting=0,
+        kv_cache_usage=0.0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        num_preemptions=0,
+        prompt_tokens=0,
+        generation_tokens=0,
+        requests_finished=0,
+        requests_aborted=0,
+        num_compiles=0,
+        spec_decode_num_drafts=5,
+        spec_decode_num_draft_tokens=20,
+        spec_decode_num_accepted_tokens=9,
+        spec_decode_num_accepted_tokens_per_pos=(5, 3, 1, 0),
+    )
+    text = generate_latest(ServerMetrics("m", lambda: snapshot).registry).decode()
+    assert 'jaxserve:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
+    assert 'jaxserve:spec_decode_num_draft_tokens_total{model_name="m"} 20.0' in text
+    assert 'jaxserve:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
+    assert (
+        'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 3.0'
+        in text
+    )
+    assert snapshot.spec_decode_mean_acceptance_length == 1.0 + 9 / 5
