@@ -14,10 +14,10 @@ import numpy as np
 
 from jaxserve.runner.input_batch import (
     SamplingMetadata,
+    StepShapes,
     build_batch,
     build_sampling,
     pick_bucket,
-    pow2_buckets,
 )
 
 
@@ -36,9 +36,12 @@ class MockRunner:
         self.kv_tokens = (num_pages - 1) * config.cache.page_size
         self.vocab = config.model.vocab_size
         sched = config.scheduler
-        self.token_buckets = pow2_buckets(config.min_token_bucket, sched.max_num_batched_tokens)
-        self.max_seqs = pow2_buckets(1, sched.max_num_seqs)[-1]
-        self.row_buckets = pow2_buckets(1, self.max_seqs * (1 + config.num_lookahead))
+        self.shapes = StepShapes.make(
+            min_token_bucket=config.min_token_bucket,
+            max_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs,
+            lookahead=config.num_lookahead,
+        )
         self.weight_bytes = 0
         self.warmup_seconds = 0.0
         self.compiles = types.SimpleNamespace(count=0)
@@ -47,18 +50,19 @@ class MockRunner:
         self.steps = 0
 
     def row_bucket(self, num_rows):
-        return pick_bucket(num_rows, self.row_buckets, what="sampling rows")
+        return pick_bucket(num_rows, self.shapes.row_buckets, what="sampling rows")
 
     def build(self, work):
-        t = pick_bucket(sum(len(w.token_ids) for w in work), self.token_buckets, what="tokens")
+        num_tokens = sum(len(w.token_ids) for w in work)
+        t = pick_bucket(num_tokens, self.shapes.token_buckets, what="tokens")
         self._work = work
         return build_batch(
             work,
             page_size=self.config.cache.page_size,
             pages_per_seq=self.config.pages_per_seq,
             token_bucket=t,
-            seq_bucket=self.max_seqs,  # the fixed sizes, as the real runner
-            num_rows=self.row_buckets[-1],
+            seq_bucket=self.shapes.max_seqs,  # the fixed sizes, as the real runner
+            num_rows=self.shapes.max_rows,
         )
 
     def build_sampling(self, rows, row_bucket) -> SamplingMetadata:

@@ -31,6 +31,37 @@ def pow2_buckets(minimum: int, maximum: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+    """The padded sizes a configuration's steps use (each bucket selects a program)."""
+
+    token_buckets: tuple[int, ...]  # T: the forward program's token count
+    max_seqs: int  # S: the fixed size of every per-sequence array
+    row_buckets: tuple[int, ...]  # B: the sampling program's row count
+
+    @property
+    def max_rows(self) -> int:
+        """R: the fixed number of hidden-state rows the forward program hands sampling."""
+        return self.row_buckets[-1]
+
+    @classmethod
+    def make(
+        cls, *, min_token_bucket: int, max_tokens: int, max_num_seqs: int, lookahead: int = 0
+    ) -> StepShapes:
+        """Powers of two; with `lookahead` drafts per sequence, a sequence samples
+        1 + lookahead rows, and a lone speculating sequence's step (1 + lookahead
+        tokens and rows) gets buckets of its own size, not the next power of two."""
+        tokens = pow2_buckets(min_token_bucket, max_tokens)
+        max_seqs = pow2_buckets(1, max_num_seqs)[-1]
+        rows = pow2_buckets(1, max_seqs * (1 + lookahead))
+        if lookahead:
+            one = 1 + lookahead
+            rows = tuple(sorted({*rows, one}))
+            if min_token_bucket <= one <= max_tokens:
+                tokens = tuple(sorted({*tokens, one}))
+        return cls(tokens, max_seqs, rows)
+
+
 def pick_bucket(n: int, buckets: Sequence[int], *, what: str) -> int:
     for b in buckets:
         if b >= n:

@@ -21,10 +21,10 @@ from jaxserve.runner.input_batch import (
     SampleRow,
     SamplingMetadata,
     SeqWork,
+    StepShapes,
     build_batch,
     build_sampling,
     pick_bucket,
-    pow2_buckets,
 )
 from jaxserve.runner.step import ModelDef, StepInput, forward, logits_step, sample_step
 
@@ -111,13 +111,13 @@ class ModelRunner:
         self.num_pages = config.num_kv_pages(_device_memory())
         self.kv_caches = self._allocate_kv(mesh)
         sched = config.scheduler
-        self.token_buckets = pow2_buckets(config.min_token_bucket, sched.max_num_batched_tokens)
-        # S: the fixed size of every per-sequence array of the forward program.
-        self.max_seqs = pow2_buckets(1, sched.max_num_seqs)[-1]
-        # Sampling rows: one per sequence, or 1 + k with k drafts to verify; R, the
-        # most, is the fixed row count of the forward program's output.
-        self.row_buckets = pow2_buckets(1, self.max_seqs * (1 + config.num_lookahead))
-        self.max_rows = self.row_buckets[-1]
+        self.shapes = StepShapes.make(
+            min_token_bucket=config.min_token_bucket,
+            max_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs,
+            lookahead=config.num_lookahead,
+        )
+        self.token_buckets, self.row_buckets = self.shapes.token_buckets, self.shapes.row_buckets
         self.history_len = config.pages_per_seq * config.cache.page_size
         self.compiles = CompileCounter()
         self.warmed_up = False
@@ -166,8 +166,8 @@ class ModelRunner:
             page_size=self.config.cache.page_size,
             pages_per_seq=self.config.pages_per_seq,
             token_bucket=token_bucket,
-            seq_bucket=self.max_seqs,
-            num_rows=self.max_rows,
+            seq_bucket=self.shapes.max_seqs,
+            num_rows=self.shapes.max_rows,
             all_logits=all_logits,
         )
 

@@ -9,10 +9,12 @@ The program layout (what is compiled, and for which shapes):
 - `sample_step`: the LM head and sampling of the B sampled rows, one program per
   row bucket B (and a second per B with the penalty history). A row is a
   sequence's last token, plus one per draft token with speculative decoding
-  (R = max_num_seqs * (1 + num_speculative_tokens) rows at most).
+  (R = S * (1 + num_speculative_tokens) rows at most).
 
-So a configuration compiles len(token buckets) + 2 * len(sequence buckets)
-programs (26 for the defaults), instead of one forward per (T, B) pair.
+So a configuration compiles len(token buckets) + 2 * len(row buckets) programs
+(26 for the defaults; `input_batch.StepShapes` lists the buckets), instead of
+one forward per (T, B) pair. Speculation with k drafts adds the row buckets up
+to S * (1 + k) and a token and row bucket of 1 + k (a lone speculating sequence).
 """
 
 from __future__ import annotations

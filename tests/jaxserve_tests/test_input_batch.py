@@ -45,3 +45,15 @@ def test_layout_of_a_mixed_batch():
 def test_bad_work(work, match):
     with pytest.raises(ValueError, match=match):
         build_batch(work, page_size=4, pages_per_seq=3, token_bucket=8, seq_bucket=2)
+
+
+def test_step_shapes_give_a_lone_speculating_sequence_its_own_bucket():
+    from jaxserve.runner.input_batch import StepShapes
+
+    plain = StepShapes.make(min_token_bucket=1, max_tokens=64, max_num_seqs=12)
+    assert plain.token_buckets == (1, 2, 4, 8, 16, 32, 64)
+    assert plain.max_seqs == 16 and plain.row_buckets == (1, 2, 4, 8, 16)
+    spec = StepShapes.make(min_token_bucket=1, max_tokens=64, max_num_seqs=12, lookahead=4)
+    assert spec.token_buckets == (1, 2, 4, 5, 8, 16, 32, 64)
+    assert spec.row_buckets == (1, 2, 4, 5, 8, 16, 32, 64, 128)  # 16 sequences x 5 rows
+    assert spec.max_rows == 128 and spec.max_seqs == 16
