@@ -385,9 +385,12 @@ class LLMEngine:
             new_tokens[seq] = appended
             touched[seq.request_id] = req
         if self.proposer is not None:
+            # Proposals for the next step, unless the batch is too large to speculate
+            # (stale ones would only be rejected: clear them).
+            speculate = len(self.scheduler.running) <= self.scheduler.spec_max_batch
             for seq in new_tokens:
                 if not seq.finished:
-                    seq.spec_token_ids = self._propose(seq)
+                    seq.spec_token_ids = self._propose(seq) if speculate else []
         outputs = [self._output(req, new_tokens) for req in touched.values()]
         for o in outputs:
             if o.finished:
