@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 
 PROTOCOLS = ("grpc", "http")
@@ -76,6 +77,7 @@ async def _grpc(target: str) -> AsyncIterator[Stream]:
 async def _http(target: str) -> AsyncIterator[Stream]:
     import httpx
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=_base_url(target), timeout=None, limits=limits) as c:
 
