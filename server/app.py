@@ -229,10 +229,12 @@ class JaxServeServer:
         grace = self.options.drain_grace_s if grace is None else grace
         self.state.draining = True  # new requests: UNAVAILABLE / 503
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        stops = [self._drain_http(grace)]
+        grpc_stop = None
         if self._server is not None:
-            stops.append(self._server.stop(grace))
-        await asyncio.gather(*stops)
+            grpc_stop = asyncio.create_task(self._server.stop(grace))
+        await self._drain_http(grace, grpc_stop)
+        if grpc_stop is not None:
+            await grpc_stop
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -242,14 +244,19 @@ class JaxServeServer:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
 
-    async def _drain_http(self, grace: float) -> None:
-        """Keeps the HTTP port open (answering 503) until the requests in flight finish or
-        `grace` runs out, then closes it."""
+    async def _drain_http(self, grace: float, grpc_stop: asyncio.Task | None) -> None:
+        """Keeps the HTTP port open (answering 503) while requests are in flight and
+        gRPC drains, for at most `grace` seconds, then closes it."""
         if self._http is None:
             return
         deadline = time.monotonic() + grace
         engine = self.state.engine
-        while engine is not None and engine.num_requests and time.monotonic() < deadline:
+
+        def busy() -> bool:
+            grpc_busy = grpc_stop is not None and not grpc_stop.done()
+            return grpc_busy or (engine is not None and engine.num_requests > 0)
+
+        while busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self._http.stop(max(deadline - time.monotonic(), 0.0))
 
