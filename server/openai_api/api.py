@@ -30,13 +30,13 @@ from starlette.exceptions import HTTPException
 from jaxserve.inputs import parse_prompt
 from server import serving
 from server.metrics import ServerMetrics
+from server.openai_api.completions import OpenAIServing, error_body, status_of
 from server.openai_api.protocol import (
     BadField,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
 )
-from server.openai_api.serving import OpenAIServing, error_body, status_of
 from server.serving import Refused, ServingState
 
 

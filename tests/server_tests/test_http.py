@@ -117,6 +117,18 @@ def test_greedy_tokens_agree_over_http_grpc_and_offline(served, client, tiny_mod
     usage = chunks[-1].usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(offline.prompt_token_ids), 10)
     assert usage.total_tokens == usage.prompt_tokens + 10
+    # Chat: the same messages over HTTP and gRPC give the same tokens.
+    chat = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, extra_body=extra, **kw
+    ).model_dump()
+    grpc_chat = pb_grpc.JaxServeStub(grpc.insecure_channel(served.target)).Complete(
+        pb.GenerateRequest(
+            messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in MESSAGES]),
+            sampling_params=pb.SamplingParams(ignore_eos=True, **kw),
+        )
+    )
+    assert chat["choices"][0]["token_ids"] == list(grpc_chat.completions[0].token_ids)
+    assert chat["choices"][0]["message"]["content"] == grpc_chat.completions[0].text
     # Asked again, the prompt's full pages come from the prefix cache.
     again = client.completions.create(model="tiny", prompt=PROMPT, extra_body=extra, **kw)
     assert again.usage.prompt_tokens_details.cached_tokens == 8  # one page of 8 tokens
@@ -216,6 +228,29 @@ def test_completion_echo_logprobs_and_several_prompts(client):
     assert [c.index for c in several.choices] == [0, 1, 2, 3]
     assert several.choices[0].text == several.choices[1].text  # greedy
     assert several.usage.completion_tokens == 8
+    streamed, finished = {}, set()
+    for chunk in client.completions.create(
+        model="tiny", prompt=[PROMPT, "Once upon"], max_tokens=3, temperature=0, stream=True
+    ):
+        (c,) = chunk.choices
+        streamed[c.index] = streamed.get(c.index, "") + c.text
+        if c.finish_reason:
+            finished.add(c.index)
+    assert finished == {0, 1}
+    assert streamed[0].startswith(several.choices[0].text)  # 3 tokens vs 2, greedy
+    assert streamed[1].startswith(several.choices[2].text)
+
+
+def test_stop_strings(client):
+    full = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0]
+    stop = full.text[3:5]
+    cut = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop]
+    ).choices[0]
+    assert cut.finish_reason == "stop" and cut.model_dump()["stop_reason"] == stop
+    assert cut.text == full.text[: full.text.index(stop)]
 
 
 HI = [{"role": "user", "content": "hi"}]

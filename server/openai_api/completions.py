@@ -58,7 +58,8 @@ class OpenAIServing:
         prompt_field = "messages" if chat_kwargs is not None else "prompt"
         try:
             params, names = body.sampling_params()
-            if getattr(body, "echo", False) and params.logprobs is not None and not chat_kwargs:
+            echo = isinstance(body, CompletionRequest) and body.echo
+            if echo and params.logprobs is not None:  # echoed prompt tokens get logprobs too
                 params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
             names.update(prompt_token_ids=prompt_field, prompt=prompt_field)
             parsed = []
