@@ -56,12 +56,13 @@ class OpenAIServing:
         body.check_unsupported()
         engine = serving.admit(self.state, self.metrics, extra=len(prompts) - 1)
         prompt_field = "messages" if chat_kwargs is not None else "prompt"
+        names = {"prompt_token_ids": prompt_field, "prompt": prompt_field}
         try:
-            params, names = body.sampling_params()
+            params, renamed = body.sampling_params()
+            names.update(renamed)
             echo = isinstance(body, CompletionRequest) and body.echo
             if echo and params.logprobs is not None:  # echoed prompt tokens get logprobs too
                 params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
-            names.update(prompt_token_ids=prompt_field, prompt=prompt_field)
             parsed = []
             for p in prompts:
                 try:
@@ -206,9 +207,7 @@ class OpenAIServing:
                 "stop_reason": c.stop_reason,
             }
             if c.logprobs is not None:
-                choice["logprobs"] = {
-                    "content": self._chat_logprobs(c.token_ids, c.logprobs, job.params.logprobs)
-                }
+                choice["logprobs"] = {"content": self._chat_logprobs(c.token_ids, c.logprobs, body)}
             if body.return_token_ids:
                 choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
@@ -248,7 +247,7 @@ class OpenAIServing:
                 k = len(c.delta_token_ids)
                 entries = c.logprobs[len(c.logprobs) - k :]
                 choice["logprobs"] = {
-                    "content": self._chat_logprobs(c.delta_token_ids, entries, job.params.logprobs)
+                    "content": self._chat_logprobs(c.delta_token_ids, entries, body)
                 }
             if body.return_token_ids:
                 choice["token_ids"] = list(c.delta_token_ids)
@@ -293,7 +292,7 @@ class OpenAIServing:
                 if out.finished:
                     finals.append(out)
         except Refused as e:  # the engine died mid-stream: the status line is long sent
-            yield _event(error_body(e.message, _ERROR_TYPES[e.reason][1], None))
+            yield _event(error_body(e.message, _ERROR_TYPES[e.reason][1], e.param))
         else:
             options = job.body.stream_options
             if options is not None and options.include_usage:
@@ -343,21 +342,22 @@ class OpenAIServing:
             )
         return out
 
-    def _chat_logprobs(self, tokens, entries, k: int) -> list[dict]:
-        """OpenAI's chat logprobs `content`: per token its logprob and top `k` others."""
+    def _chat_logprobs(self, tokens, entries, body) -> list[dict]:
+        """OpenAI's chat logprobs `content`: per token its logprob and its top_logprobs."""
+        k, as_ids = body.top_logprobs or 0, body.return_tokens_as_token_ids
         content = []
         for token, entry in zip(tokens, entries, strict=True):
             top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
             content.append(
                 {
-                    **self._logprob(token, entry[token]),
-                    "top_logprobs": [self._logprob(t, v) for t, v in top],
+                    **self._logprob(token, entry[token], as_ids),
+                    "top_logprobs": [self._logprob(t, v, as_ids) for t, v in top],
                 }
             )
         return content
 
-    def _logprob(self, token: int, value: float) -> dict:
-        text = self._token_str(token, False)
+    def _logprob(self, token: int, value: float, as_ids: bool) -> dict:
+        text = self._token_str(token, as_ids)
         return {
             "token": text,
             "logprob": max(value, _MIN_LOGPROB),
