@@ -373,10 +373,25 @@ def test_client_that_disconnects_frees_its_request(served, base_url, monkeypatch
     assert engine.stats().requests_aborted == aborted + 2
 
 
-def test_drain_finishes_running_streams_and_refuses_new_ones(tiny_model_dir, monkeypatch):
-    server = ServerThread(tiny_model_dir, http_port=0, metrics_port=None)
-    slow_down(monkeypatch, server.engine)
+def test_engine_failure_is_503(served, http, monkeypatch):
+    engine = served.server.state.engine
+    monkeypatch.setattr(engine, "error", RuntimeError("device lost"))
+    r = http.post("/v1/completions", json={"prompt": PROMPT})
+    assert r.status_code == 503 and "device lost" in r.json()["error"]["message"]
+    assert http.get("/health").status_code == 503
+    monkeypatch.undo()
+    assert http.get("/health").status_code == 200
+
+
+def test_loading_then_serving_then_draining(tiny_model_dir, monkeypatch):
+    server = ServerThread(tiny_model_dir, http_port=0, metrics_port=None, load=False)
     base = f"http://127.0.0.1:{server.server.http_port}"
+    assert httpx.get(f"{base}/health").status_code == 503  # the port is open, the model not
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT})
+    assert r.status_code == 503 and "still loading" in r.json()["error"]["message"]
+    server.load()
+    assert httpx.get(f"{base}/health").status_code == 200
+    slow_down(monkeypatch, server.engine)
     body = {"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True, "stream": True}
     body["return_token_ids"] = True
     with (
