@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import time
 from typing import Any
@@ -201,11 +202,20 @@ def build_app(state: ServingState, metrics: ServerMetrics, api_key: str | None =
     return app
 
 
+_UNION_TAGS = re.compile(r"^(str|int|float|bool|dict|list|none)\b|[\[(-]")
+
+
 def _dotted(loc: list[str]) -> str:
-    """pydantic's location as the field path a client wrote: messages[0].content."""
+    """pydantic's location as the field path a client wrote: messages[0].content (without
+    the union member pydantic tried, as in prompt.list[int])."""
     out = ""
     for part in loc:
-        out += f"[{part}]" if part.isdigit() else (f".{part}" if out else part)
+        if part.isdigit():
+            out += f"[{part}]"
+        elif _UNION_TAGS.search(part):
+            break
+        else:
+            out += f".{part}" if out else part
     return out
 
 
