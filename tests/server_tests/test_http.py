@@ -13,9 +13,11 @@ import pytest
 from conftest import ServerThread
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.sampling_params import StructuredOutputsParams
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
 from server.openai_api.api import HttpServer, build_app
+from server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 
 PROMPT = "The quick brown fox"
 MESSAGES = [
@@ -422,3 +424,34 @@ def test_loading_then_serving_then_draining(tiny_model_dir, monkeypatch):
     server.loop.call_soon_threadsafe(server.loop.stop)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{base}/health", timeout=5)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+GRAMMAR = 'root ::= "a" | "b"'
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+CONSTRAINTS = [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": JSON_SCHEMA}, {"json": SCHEMA}),
+    ({"structured_outputs": {"json": SCHEMA}}, {"json": SCHEMA}),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, {"regex": "[0-9]+"}),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+    ({"structured_outputs": {"grammar": GRAMMAR}}, {"grammar": GRAMMAR}),
+    ({"structured_outputs": {"json_object": True}}, {"json_object": True}),
+    ({"guided_json": json.dumps(SCHEMA)}, {"json": json.dumps(SCHEMA)}),
+    ({"guided_regex": "a|b"}, {"regex": "a|b"}),
+    ({"guided_choice": ["a", "b"]}, {"choice": ["a", "b"]}),
+    ({"guided_grammar": GRAMMAR}, {"grammar": GRAMMAR}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields,want", CONSTRAINTS)
+def test_output_constraints_map_to_structured_outputs_params(fields, want):
+    """What the engine gets once it constrains output (it refuses them until then)."""
+    want = None if want is None else StructuredOutputsParams(**want)
+    for request in (
+        ChatCompletionRequest(messages=HI, **fields),
+        CompletionRequest(prompt=PROMPT, **fields),
+    ):
+        params, _ = request.sampling_params()
+        assert params.structured_outputs == want
