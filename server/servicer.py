@@ -152,13 +152,9 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
     async def Generate(self, request, context):
         sent_prompt_logprobs = False
-        reported = set()  # samples whose finish was sent: each is sent once
+        reported: set[int] = set()
         async for rid, out in self._stream(request, context):
-            for c in out.outputs:
-                if not c.delta_token_ids and (not c.finished or c.index in reported):
-                    continue
-                if c.finished:
-                    reported.add(c.index)
+            for c in serving.deltas(out, reported):
                 msg = self._delta(rid, c, out)
                 if not sent_prompt_logprobs:
                     msg.prompt_logprobs.extend(_prompt_logprobs_proto(out))

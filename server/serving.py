@@ -13,11 +13,11 @@ import dataclasses
 import enum
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.inputs import ParsedPrompt
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 from server.metrics import ServerMetrics
@@ -122,6 +122,18 @@ async def stream(
         raise invalid(metrics, str(e), param_of(str(e))) from None
     except EngineDeadError as e:
         raise Refused(Reason.UNAVAILABLE, str(e)) from None
+
+
+def deltas(out: RequestOutput, reported: set[int]) -> Iterator[CompletionOutput]:
+    """The samples of `out` a stream sends now: those with new tokens, and those that
+    finished without one. A sample's finish is sent once (`reported` holds the indexes
+    sent): with n > 1 an output carries every sample, finished ones too."""
+    for c in out.outputs:
+        if not c.delta_token_ids and (not c.finished or c.index in reported):
+            continue
+        if c.finished:
+            reported.add(c.index)
+        yield c
 
 
 # A validation message starts with the field it is about (`SamplingParams`,

@@ -274,19 +274,15 @@ class OpenAIServing:
         """Server-sent events: a chunk per choice per step with new tokens (and its
         finish), the usage chunk if asked for, then `[DONE]`."""
         n = job.params.n
-        started: set[int] = set()
-        reported: set[int] = set()  # choices whose finish was sent: each is sent once
+        started: set[int] = set()  # choices that sent a chunk
+        reported: list[set[int]] = [set() for _ in job.prompts]  # per prompt: samples done
         finals: list[RequestOutput] = []
         try:
             for event in opening() if opening else ():
                 yield _event(event)
             async for i, out in self._streams(job):
-                for c in out.outputs:
+                for c in serving.deltas(out, reported[i]):
                     index = i * n + c.index
-                    if not c.delta_token_ids and (not c.finished or index in reported):
-                        continue
-                    if c.finished:
-                        reported.add(index)
                     yield _event(chunk(i, c, out, index not in started))
                     started.add(index)
                 if out.finished:
