@@ -9,8 +9,8 @@ stream, even one that reuses the id of a request aborted a moment earlier. A
 stream that is closed or cancelled before its request finished aborts the
 request, which frees its pages within a step.
 
-Front ends read the engine only through `model_info` (immutable after start-up)
-and `stats()`.
+Front ends read the engine only through `model_info` (immutable after start-up),
+`stats()` and `validate()`.
 """
 
 from __future__ import annotations
@@ -74,6 +74,12 @@ class AsyncLLMEngine:
         """Requests accepted and not yet finished (queued commands included)."""
         return len(self._streams)
 
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError naming the field if the engine would refuse this request
+        (`generate` checks the same; a front end that must answer before its first
+        output, e.g. a stream's status line, checks first)."""
+        self.engine.validate(list(prompt_token_ids), params)  # reads only immutable state
+
     async def generate(
         self,
         request_id: str,
@@ -91,7 +97,7 @@ class AsyncLLMEngine:
         """
         if not self.healthy:
             raise EngineDeadError(f"the engine loop stopped: {self.error!r}")
-        self.engine.validate(list(prompt_token_ids), params)  # reads only immutable state
+        self.validate(prompt_token_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())

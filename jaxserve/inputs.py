@@ -35,11 +35,18 @@ class ParsedPrompt:
     text: str | None  # the prompt's text (the rendered chat for messages); None if unknown
 
 
-def parse_prompt(prompt: PromptType, tokenizer: Tokenizer | None) -> ParsedPrompt:
+def parse_prompt(
+    prompt: PromptType,
+    tokenizer: Tokenizer | None,
+    *,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> ParsedPrompt:
     """Turns a prompt of any accepted shape into token ids (and its text).
 
     `tokenizer` is None for an engine started without one (`skip_tokenizer_init`):
-    then only token ids are accepted. Raises ValueError naming the field.
+    then only token ids are accepted. `chat_template_kwargs` go to the chat template
+    with messages (e.g. `add_generation_prompt=False`; it defaults to True).
+    Raises ValueError naming the field.
     """
     if isinstance(prompt, str):
         prompt = {"prompt": prompt}
@@ -62,7 +69,7 @@ def parse_prompt(prompt: PromptType, tokenizer: Tokenizer | None) -> ParsedPromp
         tok = _need_tokenizer(tokenizer, "messages")
         messages = _messages(prompt["messages"])
         try:
-            text = tok.apply_chat_template(messages)
+            text = tok.apply_chat_template(messages, **(chat_template_kwargs or {}))
         except ValueError as e:
             raise ValueError(f"messages: {e}") from None
         return ParsedPrompt(tok.encode(text, add_special_tokens=False), text)

@@ -1,7 +1,10 @@
-"""The gRPC server: servicer, health, reflection, metrics, auth, TLS, draining.
+"""The server: gRPC (servicer, health, reflection, auth, TLS) and, with `http_port`,
+the OpenAI-compatible HTTP API (`server.openai_api`), in one process, on one event
+loop, over one engine; metrics and draining for both.
 
-The port opens first, reporting NOT_SERVING while the model loads and warms up,
-then SERVING; it goes back to NOT_SERVING if the engine dies and while draining.
+The ports open first, reporting NOT_SERVING (HTTP /health: 503) while the model
+loads and warms up, then SERVING; they go back to NOT_SERVING if the engine dies
+and while draining.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import grpc
@@ -24,7 +28,8 @@ from jaxserve.tokenizer import Tokenizer
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
 from server.metrics import ServerMetrics
-from server.servicer import JaxServeServicer, ServingState
+from server.servicer import JaxServeServicer
+from server.serving import ServingState
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +41,7 @@ _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port
+    http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off, 0: any free port
     metrics_port: int | None = None  # None: no /metrics endpoint
     max_pending: int = 1024  # past this many requests in flight: RESOURCE_EXHAUSTED
     max_message_bytes: int = 4 << 20
@@ -138,7 +144,9 @@ class JaxServeServer:
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
         self._server: grpc.aio.Server | None = None
+        self._http = None
         self._metrics_http = None
         self._watch: asyncio.Task | None = None
         self.ready = asyncio.Event()
@@ -185,6 +193,15 @@ class JaxServeServer:
         else:
             self.port = self._server.add_insecure_port(address)
         await self._server.start()
+        if o.http_port is not None:
+            from server.openai_api.api import HttpServer, build_app
+
+            app = build_app(self.state, self.metrics, o.api_key)
+            self._http = HttpServer(
+                app, o.host, o.http_port, tls_cert=o.tls_cert, tls_key=o.tls_key
+            )
+            self.http_port = await self._http.start()
+            logger.info("HTTP (OpenAI API) on %s:%d", o.host, self.http_port)
         if o.metrics_port is not None:
             self._metrics_http = self.metrics.serve(o.metrics_port, o.host)
             self.metrics_port = self._metrics_http.server_port
@@ -210,9 +227,14 @@ class JaxServeServer:
     async def stop(self, grace: float | None = None) -> None:
         """Drains: NOT_SERVING, refuse new calls, let running ones finish within `grace`."""
         grace = self.options.drain_grace_s if grace is None else grace
+        self.state.draining = True  # new requests: UNAVAILABLE / 503
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        grpc_stop = None
         if self._server is not None:
-            await self._server.stop(grace)
+            grpc_stop = asyncio.create_task(self._server.stop(grace))
+        await self._drain_http(grace, grpc_stop)
+        if grpc_stop is not None:
+            await grpc_stop
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -221,6 +243,22 @@ class JaxServeServer:
             self.state.engine.shutdown()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
+
+    async def _drain_http(self, grace: float, grpc_stop: asyncio.Task | None) -> None:
+        """Keeps the HTTP port open (answering 503) while requests are in flight and
+        gRPC drains, for at most `grace` seconds, then closes it."""
+        if self._http is None:
+            return
+        deadline = time.monotonic() + grace
+        engine = self.state.engine
+
+        def busy() -> bool:
+            grpc_busy = grpc_stop is not None and not grpc_stop.done()
+            return grpc_busy or (engine is not None and engine.num_requests > 0)
+
+        while busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self._http.stop(max(deadline - time.monotonic(), 0.0))
 
     async def wait(self) -> None:
         await self._server.wait_for_termination()

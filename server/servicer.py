@@ -8,20 +8,26 @@ cancels or disconnects aborts its request (the engine stream's cleanup).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import time
 
 import grpc
 
-from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.inputs import ParsedPrompt, parse_prompt
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
+from server import serving
 from server.metrics import ServerMetrics
+from server.serving import Reason, Refused, ServingState
+
+_CODES = {
+    Reason.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
 
 _OPTIONAL_SAMPLING_FIELDS = (
     "max_tokens",
@@ -82,16 +88,6 @@ def _usage(out: RequestOutput) -> pb.Usage:
     )
 
 
-@dataclasses.dataclass
-class ServingState:
-    """What the servicer serves with; `engine` is None until the model is loaded."""
-
-    tokenizer: Tokenizer | None = None
-    engine: AsyncLLMEngine | None = None
-    model_name: str = ""
-    max_pending: int = 1024
-
-
 class JaxServeServicer(pb_grpc.JaxServeServicer):
     def __init__(self, state: ServingState, metrics: ServerMetrics):
         self.state = state
@@ -101,18 +97,15 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     # ---------------------------------------------------------------- helpers
 
     async def _ready(self, context) -> AsyncLLMEngine:
-        engine = self.state.engine
-        if engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        if not engine.healthy:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"the engine has stopped: {engine.error!r}"
-            )
-        return engine
+        try:
+            return serving.ready(self.state)
+        except Refused as e:
+            await context.abort(_CODES[e.reason], e.message)
 
     async def _invalid(self, context, message: str):
-        self.metrics.rejected.labels("invalid").inc()
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, serving.invalid(self.metrics, message).message
+        )
 
     async def _prompt(self, request, context) -> ParsedPrompt:
         """The request's prompt through the one parser all front ends share."""
@@ -129,63 +122,39 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         except ValueError as e:
             await self._invalid(context, str(e))
 
-    async def _admit(self, request, context):
-        """Validates a GenerateRequest; returns (engine, request_id, prompt, ids, params)."""
-        engine = await self._ready(context)
-        if engine.num_requests >= self.state.max_pending:
-            self.metrics.rejected.labels("overloaded").inc()
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{engine.num_requests} requests pending (the bound is "
-                f"{self.state.max_pending}); retry later",
-            )
+    async def _stream(self, request, context):
+        """Validates a GenerateRequest; yields (request_id, RequestOutput)."""
+        try:
+            engine = serving.admit(self.state, self.metrics)
+        except Refused as e:
+            await context.abort(_CODES[e.reason], e.message)
         prompt = await self._prompt(request, context)
         try:
             params = sampling_params_from_proto(request.sampling_params)
         except ValueError as e:
             await self._invalid(context, str(e))
         rid = request.request_id or f"req-{next(self._ids)}"
-        return engine, rid, prompt, params
-
-    async def _stream(self, request, context):
-        """Yields the engine's RequestOutputs, recording latency metrics."""
-        engine, rid, prompt, params = await self._admit(request, context)
-        start = last = time.monotonic()
-        first = True
         try:
-            async for out in engine.generate(
+            async for out in serving.stream(
+                engine,
+                self.metrics,
                 rid,
-                prompt.token_ids,
+                prompt,
                 params,
-                prompt=prompt.text,
                 priority=request.priority,
                 cache_salt=request.cache_salt or None,
             ):
-                now = time.monotonic()
-                if any(c.delta_token_ids for c in out.outputs):
-                    (self.metrics.ttft if first else self.metrics.itl).observe(now - last)
-                    first, last = False, now
                 yield rid, out
-                if out.finished:
-                    self.metrics.e2e.observe(now - start)
-                    for c in out.outputs:
-                        self.metrics.requests.labels(c.finish_reason).inc()
-        except ValueError as e:  # refused by the engine's validation, before anything ran
-            await self._invalid(context, str(e))
-        except EngineDeadError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except Refused as e:
+            await context.abort(_CODES[e.reason], e.message)
 
     # -------------------------------------------------------------------- RPCs
 
     async def Generate(self, request, context):
         sent_prompt_logprobs = False
-        reported = set()  # samples whose finish was sent: each is sent once
+        reported: set[int] = set()
         async for rid, out in self._stream(request, context):
-            for c in out.outputs:
-                if not c.delta_token_ids and (not c.finished or c.index in reported):
-                    continue
-                if c.finished:
-                    reported.add(c.index)
+            for c in serving.deltas(out, reported):
                 msg = self._delta(rid, c, out)
                 if not sent_prompt_logprobs:
                     msg.prompt_logprobs.extend(_prompt_logprobs_proto(out))

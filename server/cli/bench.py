@@ -4,16 +4,18 @@
   jaxserve bench --mode=offline --workload=shared-prefix --compare_prefix_caching
   jaxserve bench --mode=serving --request_rate=4 --goodput=ttft:500,tpot:100
   jaxserve bench --mode=serving --target=host:50051     # against a running server
+  jaxserve bench --mode=serving --target_protocol=http  # over the OpenAI HTTP API
   jaxserve bench --roofline                             # batch-1 decode vs bandwidth
 
 Offline mode submits every request at once to an engine and steps it to the
-end; serving mode sends them to a gRPC server (started in-process unless
---target is given) at a Poisson rate or a fixed concurrency. Both report
-request and token throughput and per-request TTFT, TPOT (time per output token
-after the first), inter-token latency and end-to-end latency (mean, median,
-p90, p99), plus the engine's own figures: host overhead per step, KV waste at
-peak, preemptions and the prefix-cache hit rate. Results go to a JSON file and
-a PNG of latency CDFs, and a table to the terminal.
+end; serving mode streams them from a server (started in-process unless
+--target is given) over gRPC or, with --target_protocol=http, the OpenAI HTTP
+API, at a Poisson rate or a fixed concurrency. Both report request and token
+throughput and per-request TTFT, TPOT (time per output token after the first),
+inter-token latency and end-to-end latency (mean, median, p90, p99), plus the
+engine's own figures: host overhead per step, KV waste at peak, preemptions and
+the prefix-cache hit rate. Results go to a JSON file and a PNG of latency CDFs,
+and a table to the terminal.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from jaxserve.bench import report, workloads
 from jaxserve.llm import LLM, resolve_model_dir
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
+from server.cli import bench_clients
 from server.cli.engine_flags import engine_kwargs
 
 FLAGS = flags.FLAGS
@@ -53,7 +56,13 @@ flags.DEFINE_bool("ignore_eos", True, "Generate exactly the requested number of 
 flags.DEFINE_integer("bench_seed", 0, "Workload seed.")
 flags.DEFINE_bool("compare_prefix_caching", False, "Run twice, caching on and off.")
 flags.DEFINE_bool("roofline", False, "Measure batch-1 decode against memory bandwidth.")
-flags.DEFINE_string("target", None, "serving: address of a running server.")
+flags.DEFINE_string("target", None, "serving: address of a running server (host:port).")
+flags.DEFINE_enum(
+    "target_protocol",
+    "grpc",
+    list(bench_clients.PROTOCOLS),
+    "serving: stream over gRPC (Generate) or the OpenAI HTTP API (/v1/completions).",
+)
 flags.DEFINE_float("request_rate", float("inf"), "serving: Poisson arrival rate (req/s).")
 flags.DEFINE_integer("max_concurrency", None, "serving: most requests in flight.")
 flags.DEFINE_string("goodput", None, "SLOs in ms, e.g. ttft:500,tpot:100,e2e:5000.")
@@ -210,38 +219,24 @@ def _result(reqs, arrive, first, ends, token_times, elapsed, stats, base) -> dic
 
 
 async def _serving(target: str, reqs) -> dict:
-    import grpc
-
-    from server import jaxserve_pb2 as pb
-    from server import jaxserve_pb2_grpc as pb_grpc
-
     arrive, first, ends, token_times = {}, {}, {}, {}
     limit = asyncio.Semaphore(FLAGS.max_concurrency or len(reqs))
     rs = np.random.RandomState(FLAGS.bench_seed)
 
-    async def one(stub, i, r):
+    async def one(stream, i, r):
         async with limit:
             arrive[i], token_times[i] = time.perf_counter(), []
-            req = pb.GenerateRequest(
-                request_id=f"bench-{i}",
-                prompt_token_ids=pb.TokenIds(ids=r.prompt_token_ids),
-                sampling_params=pb.SamplingParams(
-                    max_tokens=r.max_tokens, temperature=0.0, ignore_eos=FLAGS.ignore_eos
-                ),
-            )
-            async for msg in stub.Generate(req):
-                if msg.token_ids:
-                    now = time.perf_counter()
-                    token_times[i].extend([now] * len(msg.token_ids))
-                    first.setdefault(i, now)
+            async for n in stream(f"bench-{i}", r.prompt_token_ids, r.max_tokens, FLAGS.ignore_eos):
+                now = time.perf_counter()
+                token_times[i].extend([now] * n)
+                first.setdefault(i, now)
             ends[i] = time.perf_counter()
 
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.JaxServeStub(channel)
+    async with bench_clients.open_client(FLAGS.target_protocol, target) as stream:
         t0 = time.perf_counter()
         tasks = []
         for i, r in enumerate(reqs):
-            tasks.append(asyncio.create_task(one(stub, i, r)))
+            tasks.append(asyncio.create_task(one(stream, i, r)))
             if np.isfinite(FLAGS.request_rate):
                 await asyncio.sleep(rs.exponential(1.0 / FLAGS.request_rate))
         await asyncio.gather(*tasks)
@@ -263,24 +258,15 @@ def _serve_in_process(model_dir: str, kwargs: dict):
         return llm.engine, llm.tokenizer
 
     async def start():
-        server = JaxServeServer(make_engine, ServerOptions(port=0), model_name="bench")
+        http_port = 0 if FLAGS.target_protocol == "http" else None
+        options = ServerOptions(port=0, http_port=http_port)
+        server = JaxServeServer(make_engine, options, model_name="bench")
         await server.start()
         await server.load()
         return server
 
     server = asyncio.run_coroutine_threadsafe(start(), loop).result()
     return server, loop
-
-
-async def _model_info(target: str):
-    """The server's own limits (GetModelInfo), so prompts fit its vocabulary and length."""
-    import grpc
-
-    from server import jaxserve_pb2 as pb
-    from server import jaxserve_pb2_grpc as pb_grpc
-
-    async with grpc.aio.insecure_channel(target) as channel:
-        return await pb_grpc.JaxServeStub(channel).GetModelInfo(pb.GetModelInfoRequest())
 
 
 def _roofline(llm: LLM) -> dict:
@@ -342,6 +328,7 @@ def main(argv) -> None:
                 "ignore_eos",
                 "request_rate",
                 "max_concurrency",
+                "target_protocol",
                 "model",
                 "max_num_seqs",
                 "max_num_batched_tokens",
@@ -370,9 +357,10 @@ def main(argv) -> None:
             target = FLAGS.target
             if target is None:
                 server, loop = _serve_in_process(model_dir, run_kwargs)
-                target = f"127.0.0.1:{server.port}"
-            info = asyncio.run(_model_info(target))
-            reqs = _workload(info.vocab_size, info.max_model_len)
+                port = server.http_port if FLAGS.target_protocol == "http" else server.port
+                target = f"127.0.0.1:{port}"
+            vocab, max_len = asyncio.run(bench_clients.model_limits(FLAGS.target_protocol, target))
+            reqs = _workload(vocab, max_len)
             runs[label or "run"] = asyncio.run(_serving(target, reqs))
             if server is not None:
                 asyncio.run_coroutine_threadsafe(server.stop(grace=1), loop).result()

@@ -1,10 +1,13 @@
-"""`jaxserve serve`: the gRPC server (jaxserve.v1.JaxServe, health, reflection, metrics).
+"""`jaxserve serve`: the gRPC server (jaxserve.v1.JaxServe, health, reflection, metrics)
+and, with --http_port, the OpenAI-compatible HTTP API, in one process over one engine.
 
   jaxserve serve --port=50051 --metrics_port=9090            (embedded demo model)
+  jaxserve serve --http_port=8000                            (gRPC on 50051, HTTP on 8000)
   jaxserve serve --model=DIR --config=configs/gpu.toml --tls_cert=c.pem --tls_key=k.pem
 
-SIGTERM (or Ctrl-C) drains: the server reports NOT_SERVING, refuses new calls and
-lets running ones finish for --drain_grace_s seconds before it exits. If the model
+SIGTERM (or Ctrl-C) drains: the server reports NOT_SERVING (HTTP /health: 503),
+refuses new calls (HTTP: 503) and lets running ones finish for --drain_grace_s
+seconds before it exits. If the model
 fails to load (bad directory or config, out of memory at warm-up), the error is
 logged with its cause and the process exits with status 1, so a supervisor sees it
 and restarts it.
@@ -25,6 +28,12 @@ from server.cli.engine_flags import engine_kwargs
 FLAGS = flags.FLAGS
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 for all).")
 flags.DEFINE_integer("port", 50051, "gRPC port (0: any free port).")
+flags.DEFINE_integer(
+    "http_port",
+    None,
+    "OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, "
+    "/tokenize, /detokenize, /health, /metrics); 0 or unset: no HTTP server.",
+)
 flags.DEFINE_integer("metrics_port", None, "Prometheus /metrics port (unset: no endpoint).")
 flags.DEFINE_integer(
     "max_pending_requests", 1024, "Requests in flight past which new ones get RESOURCE_EXHAUSTED."
@@ -34,12 +43,17 @@ flags.DEFINE_string(
     "api_key",
     None,
     "Require this key in 'authorization: Bearer KEY' or "
-    "'x-api-key' metadata (default: $JAXSERVE_API_KEY, else no key).",
+    "'x-api-key' metadata or HTTP headers (default: $JAXSERVE_API_KEY, else no key).",
 )
 flags.DEFINE_string("tls_cert", None, "PEM certificate chain (with --tls_key) to serve TLS.")
 flags.DEFINE_string("tls_key", None, "PEM private key.")
 flags.DEFINE_float("drain_grace_s", 30.0, "Seconds in-flight requests may finish on SIGTERM.")
-flags.DEFINE_string("served_model_name", None, "Name reported by GetModelInfo.")
+flags.DEFINE_string(
+    "served_model_name",
+    None,
+    "Name reported by GetModelInfo and /v1/models, and accepted as the HTTP `model` "
+    "(default: the model directory's name).",
+)
 
 
 def main(argv) -> None:
@@ -65,6 +79,7 @@ async def _serve() -> None:
     options = ServerOptions(
         host=FLAGS.host,
         port=FLAGS.port,
+        http_port=FLAGS.http_port or None,
         metrics_port=FLAGS.metrics_port,
         max_pending=FLAGS.max_pending_requests,
         max_message_bytes=FLAGS.max_message_bytes,

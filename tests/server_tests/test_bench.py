@@ -171,3 +171,29 @@ def test_target_mode_asks_the_server_for_its_limits(tiny_model_dir, tmp_path):
         assert "max_model_len is 128" in too_long.stderr, too_long.stderr[-2000:]
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_serving_over_http(tiny_model_dir, tmp_path):
+    """--target_protocol=http streams from /v1/completions; the limits come from /v1/models."""
+    from conftest import ServerThread
+
+    server = ServerThread(tiny_model_dir, http_port=0)
+    try:
+        result, _ = _bench(
+            tmp_path,
+            f"--target=127.0.0.1:{server.server.http_port}",
+            "--target_protocol=http",
+            "--mode=serving",
+            "--workload=random",
+            "--num_requests=6",
+            "--input_len=24",
+            "--output_len=5",
+            "--max_concurrency=3",
+        )
+        run = result["runs"]["run"]
+        assert run["requests"] == 6 and run["output_tokens_per_s"] > 0
+        assert run["itl_ms"]["median"] > 0 and result["config"]["target_protocol"] == "http"
+        assert server.engine.stats().generation_tokens >= 6 * 5
+    finally:
+        server.stop()

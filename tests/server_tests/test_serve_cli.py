@@ -8,6 +8,7 @@ import sys
 import time
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -38,8 +39,9 @@ def wait_serving(target, proc, timeout=180):
 
 @pytest.mark.slow
 def test_serve_client_and_sigterm_drain(tiny_model_dir):
-    port = free_port()
+    port, http_port = free_port(), free_port()
     target = f"127.0.0.1:{port}"
+    http = f"http://127.0.0.1:{http_port}"
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -48,6 +50,7 @@ def test_serve_client_and_sigterm_drain(tiny_model_dir):
             "serve",
             f"--model={tiny_model_dir}",
             f"--port={port}",
+            f"--http_port={http_port}",
             "--max_model_len=128",
             "--max_num_seqs=4",
             "--max_num_batched_tokens=64",
@@ -78,6 +81,10 @@ def test_serve_client_and_sigterm_drain(tiny_model_dir):
         assert client.returncode == 0, client.stderr
         assert client.stdout.startswith("The quick brown fox")
         assert "5 generated" in client.stderr
+        # The OpenAI HTTP API on the same engine, under the model directory's name.
+        body = {"model": os.path.basename(tiny_model_dir), "prompt": "The quick", "max_tokens": 3}
+        completion = httpx.post(f"{http}/v1/completions", json=body, timeout=60).json()
+        assert completion["usage"]["completion_tokens"] == 3, completion
 
         # A request in flight when SIGTERM arrives still finishes (drain), while new
         # requests are refused.
@@ -92,6 +99,11 @@ def test_serve_client_and_sigterm_drain(tiny_model_dir):
         with pytest.raises(grpc.RpcError) as refused:
             stub.Complete(long_request, timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        try:  # 503 while draining, or the port already closed (test_http checks the 503)
+            status = httpx.post(f"{http}/v1/completions", json=body, timeout=10).status_code
+        except httpx.ConnectError:
+            status = None
+        assert status in (503, None)
         tokens += sum(len(m.token_ids) for m in stream)
         assert tokens == 100
         assert proc.wait(60) == 0

@@ -1,0 +1,299 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes on uvicorn, in the gRPC server's
+process and event loop, over the same engine.
+
+Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
+(streamed as server-sent events with `stream`), `POST /tokenize`,
+`POST /detokenize`, `GET /health`, `GET /metrics`. Errors are OpenAI's
+`{"error": {"message", "type", "param", "code"}}`: 400 for an invalid field
+(naming it in `param`), 401 without the API key, 404 for an unknown model or
+route, 429 past the pending-request bound, 503 while loading, draining or after
+the engine died. With an API key, every route but /health and /metrics needs
+`Authorization: Bearer KEY` (or `X-API-Key: KEY`, as gRPC accepts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import socket
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+
+from jaxserve.inputs import parse_prompt
+from server import serving
+from server.metrics import ServerMetrics
+from server.openai_api.completions import OpenAIServing, error_body, status_of
+from server.openai_api.protocol import (
+    BadField,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
+from server.serving import Refused, ServingState
+
+
+class _Error(Exception):
+    def __init__(self, status: int, message: str, type_: str, param=None, code=None):
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, type_, param, code)
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def build_app(state: ServingState, metrics: ServerMetrics, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None)
+    openai = OpenAIServing(state, metrics)
+    accepted = {f"Bearer {api_key}"} if api_key else set()
+
+    def authorized(request: Request) -> None:
+        if not api_key:
+            return
+        if request.headers.get("authorization") in accepted:
+            return
+        if request.headers.get("x-api-key") == api_key:
+            return
+        raise _Error(
+            401, "missing or wrong API key", "invalid_request_error", None, "invalid_api_key"
+        )
+
+    def check_model(model: str | None) -> None:
+        engine = state.engine
+        known = {state.model_name} | ({engine.model_info.model_dir} if engine else set())
+        if model is not None and model not in known:
+            raise _Error(
+                404,
+                f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+
+    api = APIRouter(dependencies=[Depends(authorized)])
+
+    @app.exception_handler(_Error)
+    async def _error(request, e: _Error):
+        return JSONResponse(e.body, status_code=e.status)
+
+    @app.exception_handler(Refused)
+    async def _refused(request, e: Refused):
+        status, type_ = status_of(e)
+        return JSONResponse(error_body(e.message, type_, e.param), status_code=status)
+
+    @app.exception_handler(BadField)
+    async def _bad_field(request, e: BadField):
+        metrics.rejected.labels("invalid").inc()
+        return JSONResponse(error_body(str(e), "invalid_request_error", e.param), status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = _dotted(loc) or None
+        metrics.rejected.labels("invalid").inc()
+        message = f"{param}: {first['msg']}" if param else first["msg"]
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, e: HTTPException):
+        type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), type_, None), status_code=e.status_code)
+
+    @app.get("/health")
+    async def health():
+        serving.ready(state)  # 503 while loading, draining, or with a dead engine
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @api.get("/v1/models")
+    async def models():
+        info = serving.ready(state).model_info
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "jaxserve",
+            "root": info.model_dir,
+            "parent": None,
+            "max_model_len": info.max_model_len,
+            "vocab_size": info.vocab_size,
+        }
+        return {"object": "list", "data": [card]}
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        job = openai.completion_job(body)
+        if body.stream:
+            return _sse(openai.complete_stream(job))
+        return await _unless_disconnected(request, openai.complete(job))
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        job = openai.chat_job(body)
+        if body.stream:
+            return _sse(openai.chat_stream(job))
+        return await _unless_disconnected(request, openai.chat(job))
+
+    @api.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        info = serving.ready(state).model_info
+        tok = _tokenizer(state)
+        if (body.prompt is None) == (body.messages is None):
+            raise _Error(400, "give one of prompt or messages", "invalid_request_error", "prompt")
+        try:
+            if body.prompt is not None:
+                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            else:
+                messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
+                kwargs = {"add_generation_prompt": body.add_generation_prompt}
+                ids = parse_prompt({"messages": messages}, tok, chat_template_kwargs=kwargs)
+                ids = ids.token_ids
+        except ValueError as e:
+            raise serving.invalid(metrics, str(e), "messages") from None
+        out: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": info.max_model_len,
+            "tokens": ids,
+        }
+        if body.return_token_strs:
+            out["token_strs"] = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        return out
+
+    @api.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        vocab = serving.ready(state).model_info.vocab_size
+        tok = _tokenizer(state)
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise serving.invalid(
+                metrics, f"tokens outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens"
+            )
+        return {"prompt": tok.decode(body.tokens)}
+
+    app.include_router(api)
+    return app
+
+
+_UNION_TAGS = re.compile(r"^(str|int|float|bool|dict|list|none)\b|[\[(-]")
+
+
+def _dotted(loc: list[str]) -> str:
+    """pydantic's location as the field path a client wrote: messages[0].content (without
+    the union member pydantic tried, as in prompt.list[int])."""
+    out = ""
+    for part in loc:
+        if part.isdigit():
+            out += f"[{part}]"
+        elif _UNION_TAGS.search(part):
+            break
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def _tokenizer(state: ServingState):
+    if state.tokenizer is None:
+        raise _Error(
+            400, "this server has no tokenizer (skip_tokenizer_init)", "invalid_request_error"
+        )
+    return state.tokenizer
+
+
+def _sse(events) -> StreamingResponse:
+    # A client that disconnects cancels the response, which closes `events`, whose
+    # engine streams then abort their requests (AsyncLLMEngine.generate).
+    return StreamingResponse(
+        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+async def _unless_disconnected(request: Request, work):
+    """Runs `work`; if the client disconnects first, cancels it (aborting its requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)  # nobody reads it
+    return task.result()
+
+
+class _Uvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield  # `jaxserve serve` owns SIGTERM/SIGINT: it drains gRPC and HTTP together
+
+
+class HttpServer:
+    """uvicorn serving `app` on the running event loop."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, *, tls_cert=None, tls_key=None):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.create_server((host, port), family=family)
+        self.port: int = self._socket.getsockname()[1]
+        config = uvicorn.Config(
+            app,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            ssl_certfile=tls_cert,
+            ssl_keyfile=tls_key,
+            timeout_keep_alive=30,
+        )
+        self._server = _Uvicorn(config)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises why it stopped
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self, grace: float) -> None:
+        """Closes the port; open responses get `grace` seconds, then are cancelled."""
+        if self._task is None:
+            return
+        self._server.config.timeout_graceful_shutdown = max(grace, 0.1)
+        self._server.should_exit = True
+        await self._task
+        self._socket.close()

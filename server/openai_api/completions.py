@@ -1,0 +1,438 @@
+"""Completions and chat completions: requests to engine streams, outputs to OpenAI JSON.
+
+Each prompt of a request is one engine request (`server.serving.stream`); a
+completions request with several prompts runs them side by side, its choices
+numbered prompt by prompt (`prompt_index * n + sample`), as OpenAI does. Every
+prompt is validated before any is queued, so a stream either fails with its
+status code up front or starts; an engine that dies mid-stream ends it with an
+error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from jaxserve.async_engine import AsyncLLMEngine
+from jaxserve.inputs import ParsedPrompt, parse_prompt
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from server import serving
+from server.metrics import ServerMetrics
+from server.openai_api.protocol import BadField, ChatCompletionRequest, CompletionRequest
+from server.serving import Reason, Refused, ServingState
+
+# JSON has no -inf: a logprob below this is reported as this (vLLM's convention).
+_MIN_LOGPROB = -9999.0
+
+
+@dataclasses.dataclass
+class _Job:
+    """One HTTP request's engine requests, ready to run."""
+
+    request_id: str
+    engine: AsyncLLMEngine
+    prompts: list[ParsedPrompt]
+    params: SamplingParams
+    body: CompletionRequest | ChatCompletionRequest
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+class OpenAIServing:
+    def __init__(self, state: ServingState, metrics: ServerMetrics):
+        self.state = state
+        self.metrics = metrics
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ admission
+
+    def _job(self, prefix: str, body, prompts: list, chat_kwargs=None) -> _Job:
+        """Validates everything a request can get wrong before anything is queued."""
+        body.check_unsupported()
+        engine = serving.admit(self.state, self.metrics, extra=len(prompts) - 1)
+        prompt_field = "messages" if chat_kwargs is not None else "prompt"
+        names = {"prompt_token_ids": prompt_field, "prompt": prompt_field}
+        try:
+            params, renamed = body.sampling_params()
+            names.update(renamed)
+            echo = isinstance(body, CompletionRequest) and body.echo
+            if echo and params.logprobs is not None:  # echoed prompt tokens get logprobs too
+                params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
+            parsed = []
+            for p in prompts:
+                try:
+                    parsed.append(
+                        parse_prompt(p, self.state.tokenizer, chat_template_kwargs=chat_kwargs)
+                    )
+                except TypeError as e:  # a chat_template_kwargs key the template owns
+                    raise BadField("chat_template_kwargs", f"chat_template_kwargs: {e}") from None
+            for p in parsed:
+                engine.validate(p.token_ids, params)
+        except BadField as e:
+            raise serving.invalid(self.metrics, str(e), e.param) from None
+        except ValueError as e:
+            param = serving.param_of(str(e))
+            raise serving.invalid(self.metrics, str(e), names.get(param, param)) from None
+        rid = f"{prefix}-{uuid.uuid4().hex[:16]}{next(self._ids)}"
+        return _Job(rid, engine, parsed, params, body)
+
+    def _streams(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+        streams = [
+            serving.stream(
+                job.engine,
+                self.metrics,
+                job.request_id if len(job.prompts) == 1 else f"{job.request_id}-{i}",
+                p,
+                job.params,
+                priority=job.body.priority,
+                cache_salt=job.body.cache_salt,
+            )
+            for i, p in enumerate(job.prompts)
+        ]
+        return _merge(streams)
+
+    # ---------------------------------------------------------------- completions
+
+    def completion_job(self, body: CompletionRequest) -> _Job:
+        return self._job("cmpl", body, body.prompts())
+
+    async def complete(self, job: _Job) -> dict:
+        finals = await _collect(self._streams(job), len(job.prompts))
+        n, body = job.params.n, job.body
+        choices = []
+        for i, out in enumerate(finals):
+            echo = self._echo_text(job.prompts[i]) if body.echo else ""
+            for c in out.outputs:
+                choice = {
+                    "index": i * n + c.index,
+                    "text": echo + c.text,
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if c.logprobs is not None:
+                    tokens, entries = list(c.token_ids), list(c.logprobs)
+                    if body.echo:
+                        tokens = out.prompt_token_ids + tokens
+                        entries = list(out.prompt_logprobs) + entries
+                    choice["logprobs"] = self._completion_logprobs(tokens, entries, 0, body)
+                if body.return_token_ids:
+                    choice["token_ids"] = list(c.token_ids)
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                choices.append(choice)
+        return {
+            "id": job.request_id,
+            "object": "text_completion",
+            "created": job.created,
+            "model": self.state.model_name,
+            "choices": choices,
+            "usage": _usage(finals),
+        }
+
+    async def complete_stream(self, job: _Job) -> AsyncIterator[str]:
+        body, n = job.body, job.params.n
+        offsets: dict[int, int] = {}  # per choice: text offset of its next token
+
+        def chunk(i: int, c: CompletionOutput, out: RequestOutput, first: bool) -> dict:
+            index = i * n + c.index
+            text = c.delta_text
+            if first and body.echo:
+                text = self._echo_text(job.prompts[i]) + text
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if c.logprobs is not None:
+                k = len(c.delta_token_ids)
+                tokens, entries = c.delta_token_ids, c.logprobs[len(c.logprobs) - k :]
+                if first and body.echo:
+                    tokens = out.prompt_token_ids + tokens
+                    entries = list(out.prompt_logprobs) + entries
+                lp = self._completion_logprobs(tokens, entries, offsets.get(index, 0), body)
+                if lp["text_offset"]:
+                    offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                choice["logprobs"] = lp
+            if body.return_token_ids:
+                choice["token_ids"] = list(c.delta_token_ids)
+                if first:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+            return {
+                "id": job.request_id,
+                "object": "text_completion",
+                "created": job.created,
+                "model": self.state.model_name,
+                "choices": [choice],
+            }
+
+        async for event in self._sse(job, chunk, None):
+            yield event
+
+    def _echo_text(self, prompt: ParsedPrompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        tok = self.state.tokenizer
+        return "" if tok is None else tok.decode(prompt.token_ids, skip_special_tokens=False)
+
+    # ----------------------------------------------------------- chat completions
+
+    def chat_job(self, body: ChatCompletionRequest) -> _Job:
+        prompt, kwargs = body.prompt()
+        return self._job("chatcmpl", body, [prompt], chat_kwargs=kwargs)
+
+    def _chat_echo(self, body: ChatCompletionRequest) -> str:
+        last = body.messages[-1]
+        if body.echo and last.role == "assistant" and isinstance(last.content, str):
+            return last.content
+        return ""
+
+    async def chat(self, job: _Job) -> dict:
+        (out,) = await _collect(self._streams(job), 1)
+        body = job.body
+        echo = self._chat_echo(body)
+        choices = []
+        for c in out.outputs:
+            choice = {
+                "index": c.index,
+                "message": {"role": "assistant", "content": echo + c.text},
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if c.logprobs is not None:
+                choice["logprobs"] = {"content": self._chat_logprobs(c.token_ids, c.logprobs, body)}
+            if body.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
+        response = {
+            "id": job.request_id,
+            "object": "chat.completion",
+            "created": job.created,
+            "model": self.state.model_name,
+            "choices": choices,
+            "usage": _usage([out]),
+        }
+        if body.return_token_ids:
+            response["prompt_token_ids"] = list(out.prompt_token_ids)
+        return response
+
+    async def chat_stream(self, job: _Job) -> AsyncIterator[str]:
+        body = job.body
+
+        def wrap(choice: dict) -> dict:
+            return {
+                "id": job.request_id,
+                "object": "chat.completion.chunk",
+                "created": job.created,
+                "model": self.state.model_name,
+                "choices": [choice],
+            }
+
+        def chunk(i: int, c: CompletionOutput, out: RequestOutput, first: bool) -> dict:
+            choice = {
+                "index": c.index,
+                "delta": {"content": c.delta_text} if c.delta_text else {},
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if c.logprobs is not None and c.delta_token_ids:
+                k = len(c.delta_token_ids)
+                entries = c.logprobs[len(c.logprobs) - k :]
+                choice["logprobs"] = {
+                    "content": self._chat_logprobs(c.delta_token_ids, entries, body)
+                }
+            if body.return_token_ids:
+                choice["token_ids"] = list(c.delta_token_ids)
+            return wrap(choice)
+
+        def opening() -> list[dict]:  # each choice's first chunk carries the role
+            delta = {"role": "assistant", "content": self._chat_echo(body)}
+            return [
+                wrap({"index": j, "delta": delta, "logprobs": None, "finish_reason": None})
+                for j in range(job.params.n)
+            ]
+
+        async for event in self._sse(job, chunk, opening):
+            yield event
+
+    # ------------------------------------------------------------------ streaming
+
+    async def _sse(
+        self,
+        job: _Job,
+        chunk: Callable[[int, CompletionOutput, RequestOutput, bool], dict],
+        opening: Callable[[], list[dict]] | None,
+    ) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per choice per step with new tokens (and its
+        finish), the usage chunk if asked for, then `[DONE]`."""
+        n = job.params.n
+        started: set[int] = set()  # choices that sent a chunk
+        reported: list[set[int]] = [set() for _ in job.prompts]  # per prompt: samples done
+        finals: list[RequestOutput] = []
+        try:
+            for event in opening() if opening else ():
+                yield _event(event)
+            async for i, out in self._streams(job):
+                for c in serving.deltas(out, reported[i]):
+                    index = i * n + c.index
+                    yield _event(chunk(i, c, out, index not in started))
+                    started.add(index)
+                if out.finished:
+                    finals.append(out)
+        except Refused as e:  # the engine died mid-stream: the status line is long sent
+            yield _event(error_body(e.message, _ERROR_TYPES[e.reason][1], e.param))
+        else:
+            options = job.body.stream_options
+            if options is not None and options.include_usage:
+                yield _event(
+                    {
+                        "id": job.request_id,
+                        "object": (
+                            "chat.completion.chunk"
+                            if isinstance(job.body, ChatCompletionRequest)
+                            else "text_completion"
+                        ),
+                        "created": job.created,
+                        "model": self.state.model_name,
+                        "choices": [],
+                        "usage": _usage(finals),
+                    }
+                )
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------- logprobs
+
+    def _token_str(self, token_id: int, as_ids: bool) -> str:
+        tok = self.state.tokenizer
+        if as_ids or tok is None:
+            return f"token_id:{token_id}"
+        return tok.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, tokens, entries, offset: int, body) -> dict:
+        """OpenAI's legacy completions logprobs; `entries[i]` is None for a prompt's
+        first token (nothing predicts it)."""
+        as_ids = body.return_tokens_as_token_ids
+        k = body.logprobs
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, entry in zip(tokens, entries, strict=True):
+            text = self._token_str(token, as_ids)
+            out["tokens"].append(text)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            if entry is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(max(entry[token], _MIN_LOGPROB))
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+            out["top_logprobs"].append(
+                {self._token_str(t, as_ids): max(v, _MIN_LOGPROB) for t, v in top}
+            )
+        return out
+
+    def _chat_logprobs(self, tokens, entries, body) -> list[dict]:
+        """OpenAI's chat logprobs `content`: per token its logprob and its top_logprobs."""
+        k, as_ids = body.top_logprobs or 0, body.return_tokens_as_token_ids
+        content = []
+        for token, entry in zip(tokens, entries, strict=True):
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+            content.append(
+                {
+                    **self._logprob(token, entry[token], as_ids),
+                    "top_logprobs": [self._logprob(t, v, as_ids) for t, v in top],
+                }
+            )
+        return content
+
+    def _logprob(self, token: int, value: float, as_ids: bool) -> dict:
+        text = self._token_str(token, as_ids)
+        return {
+            "token": text,
+            "logprob": max(value, _MIN_LOGPROB),
+            "bytes": list(text.encode("utf-8")),
+        }
+
+
+# Reason -> (HTTP status, OpenAI error type).
+_ERROR_TYPES = {
+    Reason.INVALID: (400, "invalid_request_error"),
+    Reason.OVERLOADED: (429, "rate_limit_exceeded"),
+    Reason.UNAVAILABLE: (503, "service_unavailable"),
+}
+
+
+def status_of(e: Refused) -> tuple[int, str]:
+    return _ERROR_TYPES[e.reason]
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _usage(finals: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)},
+    }
+
+
+async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]], k: int) -> list:
+    finals: list[RequestOutput | None] = [None] * k
+    async for i, out in merged:
+        if out.finished:
+            finals[i] = out
+    return finals
+
+
+async def _merge(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several engine streams as they come, tagged with the stream's
+    index. Closing this iterator (a client gone) closes them all, aborting each."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in s:
+                queue.put_nowait((i, out, None))
+        except Exception as e:  # handed to the reader, which raises it
+            queue.put_nowait((i, None, e))
+        else:
+            queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        done = 0
+        while done < len(streams):
+            i, out, error = await queue.get()
+            if error is not None:
+                raise error
+            if out is None:
+                done += 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,281 @@
+"""The OpenAI API's request bodies (with vLLM's extra fields), and their SamplingParams.
+
+Pydantic checks the JSON types; the values are checked where they are for every
+front end (`SamplingParams`, `LLMEngine.validate`), so the HTTP API refuses what
+gRPC refuses, with the same messages. Fields this server does not implement are
+refused when set, not silently ignored. Unknown fields are ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+class BadField(ValueError):
+    """A request field the server refuses; `param` names it as the client sent it."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` object: exactly one constraint."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class _Request(BaseModel):
+    """The fields completions and chat completions share."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extra sampling fields.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    cache_salt: str | None = None
+    priority: int = 0
+    return_token_ids: bool = False  # adds prompt_token_ids and each choice's token_ids
+    return_tokens_as_token_ids: bool = False  # logprobs tokens as "token_id:N"
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def _max_tokens(self) -> tuple[int | None, str]:
+        raise NotImplementedError
+
+    def _logprobs(self) -> tuple[int | None, str]:
+        raise NotImplementedError
+
+    def sampling_params(self) -> tuple[SamplingParams, dict[str, str]]:
+        """The request's validated SamplingParams, and the request's name for each of
+        its fields whose name differs (for errors: `param`)."""
+        max_tokens, max_tokens_name = self._max_tokens()
+        logprobs, logprobs_name = self._logprobs()
+        constraint, constraint_name = self._structured_outputs()
+        names = {
+            "max_tokens": max_tokens_name,
+            "logprobs": logprobs_name,
+            "structured_outputs": constraint_name,
+        }
+        kw = {
+            f: getattr(self, f)
+            for f in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+            )
+            if getattr(self, f) is not None
+        }
+        try:
+            params = SamplingParams(
+                n=self.n,
+                seed=self.seed,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
+                logit_bias=_logit_bias(self.logit_bias),
+                skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=constraint,
+                **kw,
+            )
+        except ValueError as e:
+            from server.serving import param_of
+
+            param = param_of(str(e))
+            raise BadField(names.get(param, param), str(e)) from None
+        return params, names
+
+    def _structured_outputs(self) -> tuple[StructuredOutputsParams | None, str]:
+        """One constraint from response_format, structured_outputs or guided_*."""
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise BadField(
+                    "response_format.json_schema",
+                    "response_format of type json_schema needs json_schema.schema",
+                )
+            given.append(("response_format", {"json": rf.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            if so.get("json_object") is False:
+                del so["json_object"]
+            given.append(("structured_outputs", so))
+        for field in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{field}")
+            if value is not None:
+                given.append((f"guided_{field}", {field: value}))
+        if not given:
+            return None, "structured_outputs"
+        if len(given) > 1:
+            names = [name for name, _ in given]
+            raise BadField(names[1], f"give one output constraint, got {names}")
+        name, kw = given[0]
+        try:
+            return StructuredOutputsParams(**kw), name
+        except ValueError as e:
+            raise BadField(name, f"{name}: {e}") from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise BadField(
+                "logit_bias", f"logit_bias keys must be token ids, got {key!r}"
+            ) from None
+    return out
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def _max_tokens(self):
+        return self.max_tokens, "max_tokens"
+
+    def _logprobs(self):
+        return self.logprobs, "logprobs"
+
+    def prompts(self) -> list[dict[str, Any]]:
+        """The prompts, each in `parse_prompt`'s shape (a batch of text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [{"prompt": p}]
+        if not p:
+            raise BadField("prompt", "prompt must not be empty")
+        if isinstance(p[0], int):
+            return [{"prompt_token_ids": p}]
+        if isinstance(p[0], str):
+            return [{"prompt": text} for text in p]
+        return [{"prompt_token_ids": ids} for ids in p]
+
+    def check_unsupported(self) -> None:
+        if self.suffix:
+            raise BadField("suffix", "suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise BadField("best_of", f"best_of must equal n ({self.n}), got {self.best_of}")
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM: the last message's content leads the reply
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def _max_tokens(self):
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def _logprobs(self):
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise BadField("top_logprobs", "top_logprobs needs logprobs set to true")
+            return None, "top_logprobs"
+        return self.top_logprobs or 0, "top_logprobs"
+
+    def check_unsupported(self) -> None:
+        if self.tools and self.tool_choice != "none":
+            raise BadField("tools", "tool calling is not supported")
+
+    def prompt(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The messages in `parse_prompt`'s shape, and the chat template's arguments."""
+        messages = []
+        for i, m in enumerate(self.messages):
+            content = m.content
+            if isinstance(content, list):  # content parts: only text is supported
+                texts = []
+                for j, part in enumerate(content):
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise BadField(
+                            f"messages[{i}].content[{j}]",
+                            f"only text content parts are supported, got {part.get('type')!r}",
+                        )
+                    texts.append(part["text"])
+                content = "\n".join(texts)
+            messages.append({"role": m.role, "content": content or ""})
+        kwargs = {
+            **(self.chat_template_kwargs or {}),
+            "add_generation_prompt": self.add_generation_prompt,
+        }
+        return {"messages": messages}, kwargs

@@ -1,0 +1,164 @@
+"""What every front end (gRPC, HTTP) does around the engine, in one place.
+
+A front end turns its request into a prompt (`jaxserve.inputs.parse_prompt`) and
+`SamplingParams`, then calls `admit` and `stream`: they refuse requests the same way
+for every protocol (`Refused`, with a reason each front end maps to its own status
+code) and record the same latency metrics. `param_of` finds the field a validation
+message names, for front ends that report it apart from the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+import time
+from collections.abc import AsyncIterator, Iterator
+
+from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxserve.inputs import ParsedPrompt
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import Tokenizer
+from server.metrics import ServerMetrics
+
+
+class Reason(enum.Enum):
+    INVALID = "invalid"  # a bad field: gRPC INVALID_ARGUMENT, HTTP 400
+    OVERLOADED = "overloaded"  # past max_pending: RESOURCE_EXHAUSTED, 429
+    UNAVAILABLE = "unavailable"  # loading, draining, or the engine died: UNAVAILABLE, 503
+
+
+class Refused(Exception):
+    """A request the server will not serve; `reason` says why, the message how to fix it,
+    and `param` names the request field at fault, where a front end knows it."""
+
+    def __init__(self, reason: Reason, message: str, param: str | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.param = param
+
+
+@dataclasses.dataclass
+class ServingState:
+    """What the front ends serve with; `engine` is None until the model is loaded."""
+
+    tokenizer: Tokenizer | None = None
+    engine: AsyncLLMEngine | None = None
+    model_name: str = ""
+    max_pending: int = 1024
+    draining: bool = False  # SIGTERM: running requests finish, new ones are refused
+
+
+def ready(state: ServingState) -> AsyncLLMEngine:
+    """The engine, if it can take work; else raises Refused(UNAVAILABLE)."""
+    engine = state.engine
+    if engine is None:
+        raise Refused(Reason.UNAVAILABLE, "the model is still loading")
+    if not engine.healthy:
+        raise Refused(Reason.UNAVAILABLE, f"the engine has stopped: {engine.error!r}")
+    if state.draining:
+        raise Refused(Reason.UNAVAILABLE, "the server is shutting down")
+    return engine
+
+
+def admit(state: ServingState, metrics: ServerMetrics, *, extra: int = 0) -> AsyncLLMEngine:
+    """The engine, if it is ready and has room for `1 + extra` more requests."""
+    engine = ready(state)
+    if engine.num_requests + extra >= state.max_pending:
+        metrics.rejected.labels("overloaded").inc()
+        raise Refused(
+            Reason.OVERLOADED,
+            f"{engine.num_requests} requests pending (the bound is "
+            f"{state.max_pending}); retry later",
+        )
+    return engine
+
+
+def invalid(metrics: ServerMetrics, message: str, param: str | None = None) -> Refused:
+    """Counts an invalid request; returns the Refused to raise."""
+    metrics.rejected.labels("invalid").inc()
+    return Refused(Reason.INVALID, message, param)
+
+
+async def stream(
+    engine: AsyncLLMEngine,
+    metrics: ServerMetrics,
+    request_id: str,
+    prompt: ParsedPrompt,
+    params: SamplingParams,
+    *,
+    priority: int = 0,
+    cache_salt: str | None = None,
+) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for one request, with latency metrics recorded.
+
+    Raises Refused (INVALID) if the engine's validation refuses the request, before
+    anything ran, and Refused (UNAVAILABLE) if the engine dies. Closing the iterator
+    early (a client that went away) aborts the request.
+    """
+    start = last = time.monotonic()
+    first = True
+    try:
+        async for out in engine.generate(
+            request_id,
+            prompt.token_ids,
+            params,
+            prompt=prompt.text,
+            priority=priority,
+            cache_salt=cache_salt,
+        ):
+            now = time.monotonic()
+            if any(c.delta_token_ids for c in out.outputs):
+                (metrics.ttft if first else metrics.itl).observe(now - last)
+                first, last = False, now
+            yield out
+            if out.finished:
+                metrics.e2e.observe(now - start)
+                for c in out.outputs:
+                    metrics.requests.labels(c.finish_reason).inc()
+    except ValueError as e:
+        raise invalid(metrics, str(e), param_of(str(e))) from None
+    except EngineDeadError as e:
+        raise Refused(Reason.UNAVAILABLE, str(e)) from None
+
+
+def deltas(out: RequestOutput, reported: set[int]) -> Iterator[CompletionOutput]:
+    """The samples of `out` a stream sends now: those with new tokens, and those that
+    finished without one. A sample's finish is sent once (`reported` holds the indexes
+    sent): with n > 1 an output carries every sample, finished ones too."""
+    for c in out.outputs:
+        if not c.delta_token_ids and (not c.finished or c.index in reported):
+            continue
+        if c.finished:
+            reported.add(c.index)
+        yield c
+
+
+# A validation message starts with the field it is about (`SamplingParams`,
+# `LLMEngine.validate`, `parse_prompt`): "temperature must be ...", "logit_bias[5] ...",
+# "messages[0].role ...". A few name the field that fixes them later in the text.
+_FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_FIXED_BY = (
+    (re.compile(r"\+ max_tokens|KV pages"), "max_tokens"),
+    (re.compile(r"^prompt has \d+ tokens"), "prompt"),
+)
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {
+    "prompt",
+    "prompt_token_ids",
+    "messages",
+    "priority",
+    "request_id",
+}
+
+
+def param_of(message: str) -> str | None:
+    """The request field a validation message is about, or None if it names none."""
+    for pattern, field in _FIXED_BY:
+        if pattern.search(message):
+            return field
+    match = _FIELD.match(message)
+    if match and match.group() in _FIELDS:
+        return match.group()
+    return None

@@ -1,0 +1,457 @@
+"""The OpenAI-compatible HTTP API end to end: the official `openai` client and raw HTTP
+against one live server (gRPC and HTTP on one engine), shared by the module."""
+
+import asyncio
+import json
+import threading
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+from conftest import ServerThread
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.sampling_params import StructuredOutputsParams
+from server import jaxserve_pb2 as pb
+from server import jaxserve_pb2_grpc as pb_grpc
+from server.openai_api.api import HttpServer, build_app
+from server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+
+PROMPT = "The quick brown fox"
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Ça va? 東京"},
+]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    server = ServerThread(tiny_model_dir, http_port=0)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def base_url(served):
+    return f"http://127.0.0.1:{served.server.http_port}"
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        yield c
+
+
+def slow_down(monkeypatch, engine, seconds=0.01):
+    """Makes each engine step take at least `seconds`, so a request is surely in flight."""
+    step = engine.step
+
+    def slow():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow)
+
+
+def wait_idle(engine, timeout=10):
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished() or engine.requests:
+        assert time.monotonic() < deadline, "engine did not go idle"
+        time.sleep(0.02)
+    engine.pool.check_invariant()
+    stats = engine.stats()
+    assert stats.num_running == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_models_health_and_metrics(client, http):
+    (model,) = client.models.list().data
+    assert model.id == "tiny" and model.max_model_len == 128
+    assert http.get("/health").status_code == 200
+    before = http.get("/metrics").text
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    after = http.get("/metrics").text
+
+    def count(text):
+        for line in text.splitlines():
+            if line.startswith("jaxserve:e2e_request_latency_seconds_count"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    assert count(after) == count(before) + 1
+    assert 'jaxserve:num_requests_running{model_name="tiny"} 0.0' in after
+
+
+def test_greedy_tokens_agree_over_http_grpc_and_offline(served, client, tiny_model_dir):
+    kw = dict(max_tokens=10, temperature=0.0)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    over_http = client.completions.create(model="tiny", prompt=PROMPT, extra_body=extra, **kw)
+    choice = over_http.choices[0].model_dump()
+    grpc_out = pb_grpc.JaxServeStub(grpc.insecure_channel(served.target)).Complete(
+        pb.GenerateRequest(prompt=PROMPT, sampling_params=pb.SamplingParams(ignore_eos=True, **kw))
+    )
+    offline = LLM(tiny_model_dir, max_model_len=128, warmup=False).generate(
+        [PROMPT], SamplingParams(ignore_eos=True, **kw), use_tqdm=False
+    )[0]
+    ids = offline.outputs[0].token_ids
+    assert choice["token_ids"] == list(grpc_out.completions[0].token_ids) == ids
+    assert choice["text"] == grpc_out.completions[0].text == offline.outputs[0].text
+    assert choice["prompt_token_ids"] == offline.prompt_token_ids
+    # The same request streamed gives the same text, and the usage chunk counts it.
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+            **kw,
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(offline.prompt_token_ids), 10)
+    assert usage.total_tokens == usage.prompt_tokens + 10
+    # Chat: the same messages over HTTP and gRPC give the same tokens.
+    chat = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, extra_body=extra, **kw
+    ).model_dump()
+    grpc_chat = pb_grpc.JaxServeStub(grpc.insecure_channel(served.target)).Complete(
+        pb.GenerateRequest(
+            messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in MESSAGES]),
+            sampling_params=pb.SamplingParams(ignore_eos=True, **kw),
+        )
+    )
+    assert chat["choices"][0]["token_ids"] == list(grpc_chat.completions[0].token_ids)
+    assert chat["choices"][0]["message"]["content"] == grpc_chat.completions[0].text
+    # Asked again, the prompt's full pages come from the prefix cache.
+    again = client.completions.create(model="tiny", prompt=PROMPT, extra_body=extra, **kw)
+    assert again.usage.prompt_tokens_details.cached_tokens == 8  # one page of 8 tokens
+
+
+def test_chat_async_streaming_n2_logprobs_and_seed(served):
+    http_port = served.server.http_port
+    kw = dict(
+        model="tiny",
+        messages=MESSAGES,
+        n=2,
+        max_completion_tokens=6,
+        temperature=0.9,
+        seed=1234,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+
+    async def run():
+        c = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0
+        )
+        whole, again = await asyncio.gather(
+            c.chat.completions.create(**kw), c.chat.completions.create(**kw)
+        )
+        stream = await c.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kw
+        )
+        chunks = [chunk async for chunk in stream]
+        other = await c.chat.completions.create(**{**kw, "seed": 99})
+        await c.close()
+        return whole, again, chunks, other
+
+    whole, again, chunks, other = asyncio.run(run())
+    assert [c.message.content for c in whole.choices] == [c.message.content for c in again.choices]
+    assert [c.message.content for c in whole.choices] != [c.message.content for c in other.choices]
+    assert whole.choices[0].message.content != whole.choices[1].message.content
+    streamed = {0: "", 1: ""}
+    roles, finishes, streamed_lp = set(), {}, {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        roles.add((choice.index, choice.delta.role))
+        streamed[choice.index] += choice.delta.content or ""
+        if choice.logprobs is not None:
+            streamed_lp[choice.index] += [t.logprob for t in choice.logprobs.content]
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    assert {(0, "assistant"), (1, "assistant")} <= roles and finishes == {0: "length", 1: "length"}
+    for c in whole.choices:
+        assert streamed[c.index] == c.message.content
+        lp = c.logprobs.content
+        assert len(lp) == 6 and all(len(t.top_logprobs) == 2 for t in lp)
+        top = [t.logprob for t in lp[0].top_logprobs]
+        assert top == sorted(top, reverse=True) and all(v <= 0 for v in top)
+        assert streamed_lp[c.index] == pytest.approx([t.logprob for t in lp], abs=1e-5)
+    want = served.server.state.tokenizer.encode_chat(MESSAGES)
+    assert whole.usage.prompt_tokens == len(want) and whole.usage.completion_tokens == 12
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_template_and_tokenize(served, client, http):
+    tok = served.server.state.tokenizer
+    with_prompt = http.post("/tokenize", json={"messages": MESSAGES}).json()
+    without = http.post(
+        "/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}
+    ).json()
+    assert with_prompt["tokens"] == tok.encode_chat(MESSAGES)
+    assert without["tokens"] == tok.encode_chat(MESSAGES, add_generation_prompt=False)
+    assert without["count"] == with_prompt["count"] - 1  # <|assistant|>
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=2,
+        extra_body={"add_generation_prompt": False},
+    )
+    assert out.usage.prompt_tokens == without["count"]
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    assert ids == tok.encode(PROMPT)
+    assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": PROMPT}
+
+
+def test_completion_echo_logprobs_and_several_prompts(client):
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True
+    )
+    (choice,) = out.choices
+    assert choice.text.startswith(PROMPT)
+    lp = choice.logprobs
+    n = out.usage.prompt_tokens + 3
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:]) and lp.text_offset[0] == 0
+    several = client.completions.create(
+        model="tiny", prompt=[PROMPT, "Once upon"], n=2, max_tokens=2, temperature=0
+    )
+    assert [c.index for c in several.choices] == [0, 1, 2, 3]
+    assert several.choices[0].text == several.choices[1].text  # greedy
+    assert several.usage.completion_tokens == 8
+    streamed, finished = {}, set()
+    for chunk in client.completions.create(
+        model="tiny", prompt=[PROMPT, "Once upon"], max_tokens=3, temperature=0, stream=True
+    ):
+        (c,) = chunk.choices
+        streamed[c.index] = streamed.get(c.index, "") + c.text
+        if c.finish_reason:
+            finished.add(c.index)
+    assert finished == {0, 1}
+    assert streamed[0].startswith(several.choices[0].text)  # 3 tokens vs 2, greedy
+    assert streamed[1].startswith(several.choices[2].text)
+
+
+def test_stop_strings(client):
+    full = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0]
+    stop = full.text[3:5]
+    cut = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop]
+    ).choices[0]
+    assert cut.finish_reason == "stop" and cut.model_dump()["stop_reason"] == stop
+    assert cut.text == full.text[: full.text.index(stop)]
+
+
+HI = [{"role": "user", "content": "hi"}]
+BAD = [
+    ({"prompt": PROMPT, "temperature": -1}, "temperature"),
+    ({"prompt": PROMPT, "top_p": 0}, "top_p"),
+    ({"prompt": PROMPT, "max_tokens": 1000}, "max_tokens"),
+    ({"prompt": PROMPT, "n": "two"}, "n"),
+    ({"prompt": PROMPT, "logprobs": 21}, "logprobs"),
+    ({"prompt": PROMPT, "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": PROMPT, "logit_bias": {"999": 1}}, "logit_bias"),
+    ({"prompt": PROMPT, "min_tokens": 20}, "min_tokens"),
+    ({"prompt": PROMPT, "stop": [""]}, "stop"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": PROMPT, "stop": 5}, "stop"),
+    ({"prompt": PROMPT, "logit_bias": {"5": "high"}}, "logit_bias[5]"),
+    ({"prompt": [5, 320]}, "prompt"),
+    ({"prompt": PROMPT, "suffix": "x"}, "suffix"),
+    ({"prompt": PROMPT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": PROMPT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"prompt": PROMPT, "response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"prompt": PROMPT, "guided_regex": "[a-z]+"}, "guided_regex"),
+    ({"prompt": PROMPT, "structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+    ({"prompt": "a", "structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+    ({"messages": []}, "messages"),
+    ({"messages": HI, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": HI, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": HI, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    ({"messages": [{"role": "user"}], "guided_json": {"type": "object"}}, "guided_json"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body,param", BAD)
+def test_invalid_fields_are_400_naming_the_param(http, body, param):
+    url = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    for stream in (False, True):
+        r = http.post(url, json={"model": "tiny", "stream": stream, **body})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error", error
+        assert error["message"]
+
+
+def test_error_shapes_and_status_codes(served, client, http):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt=PROMPT)
+    assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, top_p=5)
+    assert e.value.body["param"] == "top_p"
+    r = http.post(
+        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert http.get("/v1/nowhere").status_code == 404
+    state = served.server.state
+    state.max_pending = 0  # overloaded
+    try:
+        r = http.post("/v1/completions", json={"prompt": PROMPT})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_exceeded"
+    finally:
+        state.max_pending = 1024
+    state.draining = True
+    try:
+        r = http.post("/v1/chat/completions", json={"messages": MESSAGES})
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        assert http.get("/health").status_code == 503
+    finally:
+        state.draining = False
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).choices
+
+
+def test_api_key(served):
+    """A second HTTP app on the same engine, with a key: 401 without it."""
+    state, metrics = served.server.state, served.server.metrics
+
+    async def start():
+        server = HttpServer(build_app(state, metrics, api_key="s3cret"), "127.0.0.1", 0)
+        await server.start()
+        return server
+
+    server = served.call(start())
+    try:
+        base = f"http://127.0.0.1:{server.port}"
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        wrong = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        right = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", max_retries=0)
+        assert right.completions.create(model="tiny", prompt=PROMPT, max_tokens=1).choices
+        assert httpx.get(f"{base}/health").status_code == 200  # open, as gRPC health
+    finally:
+        served.call(server.stop(1))
+
+
+def test_client_that_disconnects_frees_its_request(served, base_url, monkeypatch):
+    engine = served.engine
+    slow_down(monkeypatch, engine)
+    aborted = engine.stats().requests_aborted
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 100, "stream": True}
+    body["ignore_eos"] = True
+    with (
+        httpx.Client(base_url=base_url, timeout=60) as c,
+        c.stream("POST", "/v1/chat/completions", json=body) as r,
+    ):
+        for line in r.iter_lines():
+            if '"content":"' in line and '"role"' not in line:
+                break
+        assert engine.stats().num_running == 1  # still generating when the client leaves
+    wait_idle(engine)
+    assert engine.stats().requests_aborted == aborted + 1
+    # Not streamed: a client that gives up (its timeout) aborts too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{base_url}/v1/completions",
+            json={"prompt": PROMPT, "max_tokens": 100, "ignore_eos": True},
+            timeout=httpx.Timeout(60, read=0.3),
+        )
+    wait_idle(engine)
+    assert engine.stats().requests_aborted == aborted + 2
+
+
+def test_engine_failure_is_503(served, http, monkeypatch):
+    engine = served.server.state.engine
+    monkeypatch.setattr(engine, "error", RuntimeError("device lost"))
+    r = http.post("/v1/completions", json={"prompt": PROMPT})
+    assert r.status_code == 503 and "device lost" in r.json()["error"]["message"]
+    assert http.get("/health").status_code == 503
+    monkeypatch.undo()
+    assert http.get("/health").status_code == 200
+
+
+def test_loading_then_serving_then_draining(tiny_model_dir, monkeypatch):
+    server = ServerThread(tiny_model_dir, http_port=0, metrics_port=None, load=False)
+    base = f"http://127.0.0.1:{server.server.http_port}"
+    assert httpx.get(f"{base}/health").status_code == 503  # the port is open, the model not
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT})
+    assert r.status_code == 503 and "still loading" in r.json()["error"]["message"]
+    server.load()
+    assert httpx.get(f"{base}/health").status_code == 200
+    slow_down(monkeypatch, server.engine)
+    body = {"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True, "stream": True}
+    body["return_token_ids"] = True
+    with (
+        httpx.Client(base_url=base, timeout=60) as c,
+        c.stream("POST", "/v1/completions", json=body) as r,
+    ):
+        lines = r.iter_lines()
+        tokens = 0
+        for line in lines:
+            if line.startswith("data: {"):
+                tokens += len(json.loads(line[6:])["choices"][0]["token_ids"])
+                break
+        stopper = threading.Thread(target=server.call, args=(server.server.stop(grace=30),))
+        stopper.start()
+        while not server.server.state.draining:
+            time.sleep(0.001)
+        refused = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT}, timeout=10)
+        assert refused.status_code == 503
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 503
+        rest = [line for line in lines if line]
+        for line in rest[:-1]:
+            tokens += len(json.loads(line[6:])["choices"][0]["token_ids"])
+        assert tokens == 60 and rest[-1] == "data: [DONE]"
+    stopper.join(30)
+    server.loop.call_soon_threadsafe(server.loop.stop)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{base}/health", timeout=5)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+GRAMMAR = 'root ::= "a" | "b"'
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+CONSTRAINTS = [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": JSON_SCHEMA}, {"json": SCHEMA}),
+    ({"structured_outputs": {"json": SCHEMA}}, {"json": SCHEMA}),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, {"regex": "[0-9]+"}),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+    ({"structured_outputs": {"grammar": GRAMMAR}}, {"grammar": GRAMMAR}),
+    ({"structured_outputs": {"json_object": True}}, {"json_object": True}),
+    ({"guided_json": json.dumps(SCHEMA)}, {"json": json.dumps(SCHEMA)}),
+    ({"guided_regex": "a|b"}, {"regex": "a|b"}),
+    ({"guided_choice": ["a", "b"]}, {"choice": ["a", "b"]}),
+    ({"guided_grammar": GRAMMAR}, {"grammar": GRAMMAR}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields,want", CONSTRAINTS)
+def test_output_constraints_map_to_structured_outputs_params(fields, want):
+    """What the engine gets once it constrains output (it refuses them until then)."""
+    want = None if want is None else StructuredOutputsParams(**want)
+    for request in (
+        ChatCompletionRequest(messages=HI, **fields),
+        CompletionRequest(prompt=PROMPT, **fields),
+    ):
+        params, _ = request.sampling_params()
+        assert params.structured_outputs == want
