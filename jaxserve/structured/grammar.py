@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterable
 
 import llguidance
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.tokenizer import Tokenizer
@@ -61,7 +62,10 @@ def to_grammar(spec: StructuredOutputsParams) -> str:
         else:
             lark = spec.grammar
             if "::=" in lark:  # GBNF
-                lark = llguidance.gbnf_to_lark(lark)
+                try:
+                    lark = gbnf_to_lark(lark)
+                except Exception as e:  # the translator raises plain Exceptions too
+                    raise ValueError(f"{field} is not valid GBNF: {e}") from None
             grammar = llguidance.LLMatcher.grammar_from_lark(lark)
     except ValueError as e:
         if str(e).startswith(field):
