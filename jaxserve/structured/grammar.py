@@ -108,6 +108,25 @@ class _Pieces:
         self.eos_token_id = eos[0] if eos else tokenizer.eos_token_id
         self.bos_token_id = tokenizer.bos_token_id
         self.special_token_ids = list(tokenizer.all_special_ids)
+        special = set(self.special_token_ids)
+        self._ids: dict[bytes, int] = {}  # bytes -> the first plain token of them
+        for i, b in enumerate(self.tokens):
+            if b and i not in special:
+                self._ids.setdefault(b, i)
 
     def __call__(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        """Tokens of `text` in the middle of a text: llguidance re-tokenizes the bytes
+        a grammar forces, so the dummy-prefix space SentencePiece puts before a text's
+        first piece must not be there."""
+        if not isinstance(text, str):
+            raise TypeError("takes str")  # llguidance probes for bytes support
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        if ids and b"".join(self.tokens[i] for i in ids) == b" " + text.encode():
+            rest = self.tokens[ids[0]][1:]  # the first piece without the dummy prefix
+            if not rest:
+                return ids[1:]
+            if rest in self._ids:
+                return [self._ids[rest], *ids[1:]]
+            if all(bytes([b]) in self._ids for b in rest):  # byte-fallback pieces
+                return [self._ids[bytes([b])] for b in rest] + ids[1:]
+        return ids

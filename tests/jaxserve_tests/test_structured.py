@@ -9,6 +9,7 @@ import jsonschema
 import numpy as np
 import pytest
 from hf_models import make_hf_model, save_tokenizer
+from test_tokenizer_sentencepiece import model_dir  # noqa: F401 (a fixture: SentencePiece)
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.sampling_params import StructuredOutputsParams as SO
@@ -331,3 +332,23 @@ def test_random_model_with_preemption_prefix_cache_and_chunked_prefill(padded_mo
         assert all(re.fullmatch(REGEX, c.text) for o in outs for c in o.outputs)
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.scheduler.prefix_hits > 0
+
+
+def test_a_sentencepiece_tokenizer_constrains_too(model_dir):  # noqa: F811
+    """A tokenizer.model-only directory: llguidance reads its pieces' bytes ("▁" is a
+    space, <0xNN> a byte)."""
+    tok = Tokenizer(model_dir)
+    compiler = GrammarCompiler(tok, tok.vocab_size, [tok.eos_token_id])
+    try:
+        template = compiler.compile(SO(regex=" ?the (quick|lazy) [a-z]+ 東京")).result(timeout=60)
+        matcher = compiler.matcher(template)
+        row = np.zeros(-(-tok.vocab_size // 32), np.uint32)
+        for t in tok.encode("the lazy dog 東京", add_special_tokens=False):
+            matcher.fill_bitmask(row)
+            assert t in _allowed(row), tok.decode([t])
+            assert matcher.accept(t)
+        matcher.fill_bitmask(row)
+        assert _allowed(row).tolist() == [tok.eos_token_id]
+        assert not matcher.accept(tok.encode(" fox", add_special_tokens=False)[0])
+    finally:
+        compiler.close()
