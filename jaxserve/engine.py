@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import random
 import time
@@ -349,7 +350,8 @@ class LLMEngine:
         ]
         batch = runner.build(work)
         rows = [self._sample_row(s.seq) for s in plan.scheduled]
-        sampling = runner.build_sampling(rows, runner.seq_bucket(len(rows)))
+        # Built (grammar bitmasks filled) while the forward pass runs on the device.
+        sampling = functools.partial(runner.build_sampling, rows, runner.seq_bucket(len(rows)))
         pending = runner.dispatch(batch, sampling)
         t1 = time.perf_counter()
         # While the device runs: the bookkeeping that does not need the sampled tokens.
