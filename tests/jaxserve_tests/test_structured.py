@@ -288,6 +288,73 @@ def test_demo_abort_while_the_grammar_compiles(demo):
     assert not engine.has_unfinished()
 
 
+PLAIN4 = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def _slow_compiles(monkeypatch, engine, release, error=None):
+    """Makes the engine's grammar compiles wait for `release` (then raise `error`)."""
+    compiler = engine._grammar_compiler()
+    compile_now = compiler._compile
+
+    def slow(spec):
+        assert release.wait(60)
+        if error is not None:
+            raise error
+        return compile_now(spec)
+
+    monkeypatch.setattr(compiler, "_compile", slow)
+
+
+def test_demo_a_compiling_grammar_does_not_hold_up_other_requests(demo, monkeypatch):
+    import threading
+
+    engine, release = demo.engine, threading.Event()
+    _slow_compiles(monkeypatch, engine, release)
+    schema = {
+        "type": "object",
+        "properties": {"slow_case": {"enum": ["a", "b"]}},
+        "required": ["slow_case"],
+    }
+    engine.add_request("slow", [1, 2, 3], _params(0, SO(json=schema)))
+    engine.add_request("plain", [1, 2, 3], PLAIN4)
+    done = {}
+    for _ in range(50):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if "plain" in done:
+            break
+    assert "plain" in done and "slow" not in done  # served while the grammar compiled
+    release.set()
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    c = done["slow"].outputs[0]
+    assert c.finish_reason == "stop" and json.loads(c.text)["slow_case"] in ("a", "b")
+
+
+def test_demo_a_grammar_that_fails_to_compile_aborts_only_its_request(demo, monkeypatch):
+    import threading
+
+    engine, release = demo.engine, threading.Event()
+    _slow_compiles(monkeypatch, engine, release, ValueError("structured_outputs.regex: boom"))
+    engine.add_request("fails", [1, 2, 3], _params(0, SO(regex="x{1,3}failing-case")))
+    engine.add_request("plain", [1, 2, 3], PLAIN4)
+    release.set()
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done["fails"].outputs[0].finish_reason == "abort"
+    assert done["plain"].outputs[0].finish_reason == "length"
+    assert not engine.requests
+    # The failure is cached: the same spec is refused at once, naming the field.
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
+        engine.add_request("again", [1, 2, 3], _params(0, SO(regex="x{1,3}failing-case")))
+
+
 # ------------------------------------------------------ a random-weight model
 
 
