@@ -123,7 +123,14 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         grammar = to_grammar(spec)
-        matcher = llguidance.LLMatcher(self._tokenizer.result(), grammar, log_level=0)
+        try:
+            tokenizer = self._tokenizer.result()
+        except Exception as e:  # e.g. a tokenizer with more tokens than the model has ids
+            raise ValueError(
+                f"structured_outputs.{spec.kind}: this model's tokenizer cannot drive a "
+                f"grammar: {e}"
+            ) from e
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{spec.kind} is invalid: {matcher.get_error()}")
         return matcher

@@ -419,3 +419,13 @@ def test_a_sentencepiece_tokenizer_constrains_too(model_dir):  # noqa: F811
         assert not matcher.accept(tok.encode(" fox", add_special_tokens=False)[0])
     finally:
         compiler.close()
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_a_clear_error(demo_tokenizer):
+    tok = demo_tokenizer
+    compiler = GrammarCompiler(tok, tok.vocab_size - 96, [tok.eos_token_id])
+    try:
+        with pytest.raises(ValueError, match=r"structured_outputs\.regex: this model's tokenizer"):
+            compiler.compile(SO(regex="a+")).result(timeout=60)
+    finally:
+        compiler.close()
