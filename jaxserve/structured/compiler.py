@@ -107,7 +107,8 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputsParams) -> concurrent.futures.Future:
         """The spec's compiled template (a Future, done at once on a cache hit); a
-        failed compile's Future raises ValueError naming the field."""
+        failed compile's Future raises ValueError naming the field (only ValueError:
+        the engine hands it to the request's caller)."""
         key = spec_key(spec)
         with self._lock:
             future = self._cache.get(key)
@@ -130,7 +131,10 @@ class GrammarCompiler:
                 f"structured_outputs.{spec.kind}: this model's tokenizer cannot drive a "
                 f"grammar: {e}"
             ) from e
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        try:
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        except Exception as e:  # documented never to raise; a caller gets a ValueError
+            raise ValueError(f"structured_outputs.{spec.kind} failed to compile: {e}") from e
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{spec.kind} is invalid: {matcher.get_error()}")
         return matcher
