@@ -8,7 +8,9 @@ and report every request that made progress.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import logging
 import random
 import time
@@ -21,12 +23,13 @@ from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.kv import PagePool
 from jaxserve.metrics import EngineStats, StatsSnapshot
 from jaxserve.outputs import CompletionOutput, ModelInfo, RequestOutput
-from jaxserve.request import Sequence
+from jaxserve.request import Sequence, Status
 from jaxserve.runner.input_batch import SampleRow, SeqWork
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.spec import NgramProposer
+from jaxserve.structured import GrammarCompiler, GrammarMatcher
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -47,6 +50,8 @@ class _Request:
     prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(
         default_factory=lambda: [None]  # the first prompt token has no prediction
     )
+    grammar: concurrent.futures.Future | None = None  # structured output: its compile
+    matchers: list[GrammarMatcher] | None = None  # one per sample, once compiled
 
     @property
     def finished(self) -> bool:
@@ -91,6 +96,8 @@ class LLMEngine:
         elif spec is not None:
             raise ValueError(f"speculative_config.method {spec.method!r} is not served yet")
         self.requests: dict[str, _Request] = {}
+        self._grammars: GrammarCompiler | None = None  # built at the first structured request
+        self._compiling: list[_Request] = []  # waiting for their grammar, not yet scheduled
         self.eos_token_ids = set(config.model.eos_token_ids)
         if not self.eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids = {tokenizer.eos_token_id}
@@ -192,10 +199,12 @@ class LLMEngine:
                 "none (skip_tokenizer_init); use stop_token_ids"
             )
         if params.structured_outputs is not None:
-            raise ValueError(
-                f"structured_outputs ({params.structured_outputs.kind}): this engine does "
-                "not constrain output yet"
-            )
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"structured_outputs.{params.structured_outputs.kind}: structured output "
+                    "needs a tokenizer, and this engine has none (skip_tokenizer_init)"
+                )
+            GrammarCompiler.check(params.structured_outputs)  # ~1 ms; the compile is later
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(
                 f"logit_bias names token {max(params.logit_bias)}, outside the "
@@ -223,6 +232,11 @@ class LLMEngine:
             for t in prompt_token_ids
         ]
         max_tokens = self.validate(ids, params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self._grammar_compiler().compile(params.structured_outputs)
+            if grammar.done() and grammar.exception() is not None:
+                raise grammar.exception()  # a cached failure: a ValueError naming the field
         seqs, leader = [], None
         for i in range(params.n):
             base = params.seed if params.seed is not None else self._rng.getrandbits(32)
@@ -258,16 +272,24 @@ class LLMEngine:
             [[] for _ in seqs],
             [0.0] * len(seqs),
             time.monotonic(),
+            grammar=grammar,
         )
-        for seq in seqs:
-            self.scheduler.add(seq)
         self._stats.on_add()
+        if grammar is not None:
+            self._compiling.append(self.requests[request_id])  # scheduled once compiled
+        else:
+            for seq in seqs:
+                self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its pages; False if it is unknown or already done."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        if req in self._compiling:  # never reached the scheduler
+            self._compiling.remove(req)
+            for seq in req.seqs:
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
         for seq in req.seqs:
             self.scheduler.finish(seq, "abort")
         self._stats.on_finish(aborted=True)
@@ -278,7 +300,7 @@ class LLMEngine:
             self.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     # ------------------------------------------------------------- the one loop
 
@@ -326,9 +348,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output for every request that made progress."""
         t0 = time.perf_counter()
+        failed = self._admit_compiled() if self._compiling else []
         plan = self.scheduler.schedule()
         if not plan.scheduled:
-            return []
+            self._wait_for_grammars()
+            return failed
         runner = self.runner
         work, rows = [], []
         for s in plan.scheduled:
@@ -338,7 +362,8 @@ class LLMEngine:
             )
             rows.extend(self._sample_row(s.seq, s.draft, j) for j in range(num_samples))
         batch = runner.build(work)
-        sampling = runner.build_sampling(rows, runner.row_bucket(len(rows)))
+        # Built (grammar bitmasks filled) while the forward pass runs on the device.
+        sampling = functools.partial(runner.build_sampling, rows, runner.row_bucket(len(rows)))
         pending = runner.dispatch(batch, sampling)
         t1 = time.perf_counter()
         # While the device runs: the bookkeeping that does not need the sampled tokens
@@ -374,6 +399,8 @@ class LLMEngine:
                 if seq.params.logprobs is not None:
                     self._record_logprobs(req, seq, out, i, token)
                 reason = self._check_stop(req, seq, token)
+                if req.matchers is not None and reason is None:
+                    reason = self._advance_grammar(req.matchers[seq.index], seq, token)
                 if reason is not None:
                     break
             if item.draft:
@@ -406,11 +433,14 @@ class LLMEngine:
         )
         if self._stats.log_due(time.monotonic()):
             self._stats.log(self.stats())
-        return outputs
+        return failed + outputs
 
     def _propose(self, seq: Sequence) -> list[int]:
         """Draft tokens for the sequence's next step: no more than it may still emit,
-        less the one token the step samples anyway."""
+        less the one token the step samples anyway. None for structured output (the
+        grammar's bitmask is filled for the next token only)."""
+        if self.requests[seq.request_id].matchers is not None:
+            return []
         room = min(seq.max_tokens - len(seq.output_ids), self.config.max_model_len - seq.num_tokens)
         return self.proposer.propose(seq.token_ids, limit=room - 1)
 
@@ -450,6 +480,9 @@ class LLMEngine:
         if len(seq.output_ids) + j < seq.params.min_tokens:
             eos = () if seq.params.ignore_eos else self.eos_token_ids
             blocked = tuple(set(eos) | set(seq.params.stop_token_ids))
+        req = self.requests[seq.request_id]
+        # A constrained sequence never speculates (`_propose`): only its row 0 exists.
+        grammar = req.matchers[seq.index] if req.matchers is not None else None
         token_ids = seq.token_ids + list(draft[:j]) if j else seq.token_ids
         return SampleRow(
             seq.params,
@@ -457,8 +490,65 @@ class LLMEngine:
             seq.num_prompt_tokens,
             seq.seed,
             blocked,
-            draft[j] if j < len(draft) else -1,
+            draft=draft[j] if j < len(draft) else -1,
+            grammar=grammar,
         )
+
+    # ------------------------------------------------------- structured output
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                self.tokenizer, self.config.model.vocab_size, self.eos_token_ids
+            )
+        return self._grammars
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedules the requests whose grammar has compiled (a matcher per sample);
+        finishes those whose compile failed ("abort"), returning their outputs."""
+        failed = []
+        for req in [r for r in self._compiling if r.grammar.done()]:
+            self._compiling.remove(req)
+            error = req.grammar.exception()
+            if error is None:
+                compiled = req.grammar.result()
+                req.matchers = [self._grammars.matcher(compiled) for _ in req.seqs]
+                for seq in req.seqs:
+                    self.scheduler.add(seq)
+                continue
+            logger.error("request %s: its grammar failed to compile: %s", req.request_id, error)
+            for seq in req.seqs:
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            failed.append(self._output(req, {}))
+            del self.requests[req.request_id]
+            self._stats.on_finish(aborted=True)
+        return failed
+
+    def _wait_for_grammars(self) -> None:
+        """With nothing to run but requests whose grammar compiles, waits a little for
+        one (instead of spinning on the cores the compile needs)."""
+        if self._compiling:
+            concurrent.futures.wait(
+                [r.grammar for r in self._compiling],
+                timeout=0.05,
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
+
+    @staticmethod
+    def _advance_grammar(matcher: GrammarMatcher, seq: Sequence, token: int) -> str | None:
+        """Moves a constrained sequence's grammar past its sampled token: "stop" once the
+        grammar is complete."""
+        if not matcher.accept(token):
+            # The bitmask allowed only what the grammar allows, so this is a bug (or
+            # min_tokens blocked the only token the grammar allowed).
+            logger.error(
+                "request %s: sampled token %d that its grammar rejects: %s",
+                seq.request_id,
+                token,
+                matcher.error,
+            )
+            return "abort"
+        return "stop" if matcher.terminated else None
 
     def _record_logprobs(self, req: _Request, seq: Sequence, out, i: int, token: int) -> None:
         k = seq.params.logprobs

@@ -127,6 +127,10 @@ class _TokenizersBackend:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (the grammar engine builds its vocabulary from it)."""
+        return self._tok.to_str()
+
 
 class _SentencePieceBackend:
     """`tokenizer.model` with the `sentencepiece` library, as transformers' LlamaTokenizer.
@@ -216,6 +220,21 @@ class _SentencePieceBackend:
         parts.append(self._decode_run(run, after_added=bool(parts)))
         return "".join(parts)
 
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes as they read inside a text (the grammar engine matches on them):
+        "▁" is a space, a byte piece <0xNN> its byte, an added token its text."""
+        out = []
+        for i in range(self.vocab_size):
+            if i in self._added:
+                out.append(self._added[i].encode())
+            elif i >= self._num_pieces or self._sp.is_control(i) or self._sp.is_unknown(i):
+                out.append(b"")
+            elif self._sp.is_byte(i):
+                out.append(bytes([int(self._sp.id_to_piece(i)[3:-1], 16)]))
+            else:
+                out.append(self._sp.id_to_piece(i).replace("\u2581", " ").encode())
+        return out
+
     def _decode_run(self, run: list[int], after_added: bool) -> str:
         if not after_added:
             return self._sp.decode(run)
@@ -267,6 +286,11 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._backend.vocab_size
+
+    @property
+    def backend(self) -> _Backend:
+        """The loaded tokenizer file (structured output reads its vocabulary)."""
+        return self._backend
 
     def token_id(self, token: str) -> int | None:
         return self._backend.token_id(token)

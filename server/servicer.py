@@ -15,7 +15,7 @@ import grpc
 from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.inputs import ParsedPrompt, parse_prompt
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.tokenizer import Tokenizer
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
@@ -57,7 +57,19 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         min_tokens=msg.min_tokens,
         logit_bias=dict(msg.logit_bias) or None,
     )
+    if msg.HasField("structured_outputs"):
+        kw["structured_outputs"] = _structured_outputs(msg.structured_outputs)
     return SamplingParams(**kw)
+
+
+def _structured_outputs(msg: pb.StructuredOutputs) -> StructuredOutputsParams:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ValueError(
+            "structured_outputs must set one of json, json_object, regex, choice, grammar"
+        )
+    value = getattr(msg, kind)
+    return StructuredOutputsParams(**{kind: list(value.choices) if kind == "choice" else value})
 
 
 def _logprobs_proto(entries: list[dict[int, float]], chosen: list[int]) -> list[pb.TokenLogprobs]:

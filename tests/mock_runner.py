@@ -83,6 +83,8 @@ class MockRunner:
         return pending
 
     def dispatch(self, batch, sampling):
+        if callable(sampling):  # as ModelRunner: built once the forward is dispatched
+            sampling = sampling()
         self.steps += 1
         page_size = self.config.cache.page_size
         token_ids = np.zeros(len(self._rows), np.int32)

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.structured import GrammarMatcher
 
 NULL_PAGE = 0
 MAX_TOP_LOGPROBS = 20  # the sampler always computes this many; requests take what they asked
@@ -193,7 +197,7 @@ class SamplingMetadata:
     bias_ids: np.ndarray  # [B, NB] i32: logit_bias token ids (NB = max_logit_bias)
     bias_values: np.ndarray  # [B, NB] f32: added to those logits
     allowed: np.ndarray  # [B, ceil(V / 32)] u32 bitmask: bit v of a row clear = v blocked
-    masked: np.ndarray  # [B] bool: the row blocks some token (min_tokens; later grammars)
+    masked: np.ndarray  # [B] bool: the row blocks some token (min_tokens, a grammar)
     history: np.ndarray  # [B, L] i32: prompt + output ids for penalties, -1 = none
     num_prompt: np.ndarray  # i32: how many of `history` are prompt tokens
     draft: np.ndarray  # i32: the proposed token each row verifies; -1 = none
@@ -210,6 +214,7 @@ class SampleRow:
     seed: int
     blocked_ids: Sequence[int] = ()  # EOS / stop ids while under min_tokens
     draft: int = -1  # a proposed token this row verifies (speculative decoding)
+    grammar: GrammarMatcher | None = None  # structured output: fills the row's bitmask
 
 
 def _wants_history(p: SamplingParams) -> bool:
@@ -237,7 +242,8 @@ def build_sampling(
 
     Blocked tokens (EOS and stop ids under min_tokens) go into a fixed-shape
     bitmask of the whole vocabulary, so a request may block any number of them
-    without a cap or another program; the sparse bias holds only `logit_bias`.
+    without a cap or another program; the sparse bias holds only `logit_bias`. A
+    row with a grammar has the grammar fill its words first (in place, no copy).
     """
     b = seq_bucket
     if with_history is None:
@@ -271,6 +277,9 @@ def build_sampling(
             raise ValueError(f"logit_bias has {len(bias)} entries; the cap is {max_bias}")
         bias_ids[i, : len(bias)] = list(bias)
         bias_values[i, : len(bias)] = list(bias.values())
+        if row.grammar is not None:  # the grammar's allowed tokens, then min_tokens' blocks
+            row.grammar.fill_bitmask(allowed[i])
+            masked[i] = True
         blocked = np.asarray([t for t in row.blocked_ids if 0 <= t < vocab_size], np.int64)
         if blocked.size:
             # Clear bit (t % 32) of word (t // 32); ufunc.at handles repeated words.

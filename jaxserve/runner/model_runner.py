@@ -6,6 +6,7 @@ import concurrent.futures
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -195,15 +196,21 @@ class ModelRunner:
         """Runs one step; returns the selected rows' logits (float32, on device)."""
         return logits_step(self.model_def, self.weights, self._forward(batch)[0])
 
-    def dispatch(self, batch: HostBatch, sampling: SamplingMetadata):
+    def dispatch(
+        self, batch: HostBatch, sampling: SamplingMetadata | Callable[[], SamplingMetadata]
+    ):
         """Starts one serving step on the device and returns at once (JAX dispatch is
         asynchronous): the host can do other work before `fetch` waits for it.
 
         The step also computes each token row's prompt logprobs (logprob of its
-        target, top ids, top logprobs) where `batch.prompt_targets` asks.
+        target, top ids, top logprobs) where `batch.prompt_targets` asks. `sampling`
+        may be a function that builds it: it is called once the forward pass is
+        dispatched, so that the host fills grammar bitmasks while the device runs.
         """
         before = self.compiles.count
         selected, prompt_lp = self._forward(batch)
+        if callable(sampling):
+            sampling = sampling()
         out = sample_step(self.model_def, self.weights, selected, sampling)
         if not (batch.prompt_targets >= 0).any():
             prompt_lp = None  # computed as zeros; not worth the transfer

@@ -68,6 +68,8 @@ def test_the_layer_check_sees_an_upward_import(tmp_path):
 def test_device_side_list_names_real_modules():
     assert set(DEVICE_SIDE) <= set(JAXSERVE_MODULES)
     assert "jaxserve.scheduler" in HOST_MODULES and "jaxserve.request" in HOST_MODULES
+    # Structured output's grammar layer is host logic (the bitmask is the sampler's input).
+    assert {"jaxserve.structured", "jaxserve.structured.compiler"} <= set(HOST_MODULES)
 
 
 def _imported_after(statement: str) -> set[str]:
@@ -80,8 +82,8 @@ def _imported_after(statement: str) -> set[str]:
 
 def test_runtime_never_imports_torch_or_transformers():
     mods = _imported_after(
-        "import jaxserve, jaxserve.engine, server.cli.generate, server.app, models, "
-        "pallas_kernels\nmodels.supported_architectures()"
+        "import jaxserve, jaxserve.engine, jaxserve.structured, server.cli.generate, server.app, "
+        "models, pallas_kernels\nmodels.supported_architectures()"
     )
     assert not mods & {"torch", "transformers"}
 

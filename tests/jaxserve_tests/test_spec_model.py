@@ -249,3 +249,21 @@ def test_engine_output_distribution_is_unchanged_by_speculation(
     assert (p > 1e-3) != broken, (plain, spec, p)
     if broken:
         jax.clear_caches()
+
+
+def test_constrained_requests_do_not_speculate_beside_ones_that_do(tiny_model_dir, reference):
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    llm = make_llm(tiny_model_dir, **ngram(3))
+    choice = SamplingParams(
+        temperature=0.0,
+        max_tokens=24,
+        structured_outputs=StructuredOutputsParams(choice=["alpha beta", "gamma"]),
+    )
+    prompts = repetitive_prompts()
+    outs = llm.generate(
+        prompts + prompts[:2], [GREEDY] * len(prompts) + [choice] * 2, use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in outs[: len(prompts)]] == reference
+    assert all(o.outputs[0].text in ("alpha beta", "gamma") for o in outs[len(prompts) :])
+    assert llm.engine.stats().spec_decode_num_accepted_tokens > 0

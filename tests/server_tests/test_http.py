@@ -272,17 +272,19 @@ BAD = [
     ({"prompt": PROMPT, "logit_bias": {"5": "high"}}, "logit_bias[5]"),
     ({"prompt": [5, 320]}, "prompt"),
     ({"prompt": PROMPT, "suffix": "x"}, "suffix"),
-    ({"prompt": PROMPT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": PROMPT, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}}},
+     "response_format"),
     ({"prompt": PROMPT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"prompt": PROMPT, "response_format": {"type": "yaml"}}, "response_format.type"),
-    ({"prompt": PROMPT, "guided_regex": "[a-z]+"}, "guided_regex"),
-    ({"prompt": PROMPT, "structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+    ({"prompt": PROMPT, "guided_regex": "[a-z"}, "guided_regex"),
+    ({"prompt": PROMPT, "structured_outputs": {"choice": []}}, "structured_outputs"),
     ({"prompt": "a", "structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
     ({"messages": []}, "messages"),
     ({"messages": HI, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": HI, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": HI, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
-    ({"messages": [{"role": "user"}], "guided_json": {"type": "object"}}, "guided_json"),
+    ({"messages": HI, "guided_json": "{not json"}, "guided_json"),
     ({"messages": [{"content": "hi"}]}, "messages[0].role"),
 ]  # fmt: skip
 
@@ -455,3 +457,35 @@ def test_output_constraints_map_to_structured_outputs_params(fields, want):
     ):
         params, _ = request.sampling_params()
         assert params.structured_outputs == want
+
+
+def test_structured_output_over_http(client):
+    """The OpenAI client's response_format and vLLM's fields constrain the output."""
+    out = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=40,
+        temperature=0,
+        extra_body={"guided_choice": ["yes", "no", "maybe"]},
+    )
+    assert out.choices[0].text in ("yes", "no", "maybe")
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=HI,
+        max_completion_tokens=60,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {
+                "name": "n",
+                "schema": {
+                    "type": "object",
+                    "properties": {"n": {"type": "integer"}},
+                    "required": ["n"],
+                },
+            },
+        },
+    )
+    c = out.choices[0]
+    assert c.finish_reason == "stop"
+    assert isinstance(json.loads(c.message.content)["n"], int)

@@ -227,6 +227,16 @@ BAD = [
     (request(logit_bias={999: 1.0}), "logit_bias names token 999"),
     (request(logit_bias={5: 500.0}), r"logit_bias\[5\] must be in"),
     (pb.GenerateRequest(messages=pb.ChatMessages()), "messages must not be empty"),
+    (request(structured_outputs=pb.StructuredOutputs()), "structured_outputs must set one of"),
+    (request(structured_outputs=pb.StructuredOutputs(regex="a(b")), r"structured_outputs\.regex"),
+    (
+        request(structured_outputs=pb.StructuredOutputs(json='{"type": "nope"}')),
+        r"structured_outputs\.json",
+    ),
+    (
+        request(structured_outputs=pb.StructuredOutputs(choice=pb.Choices())),
+        r"structured_outputs\.choice",
+    ),
 ]
 
 
@@ -241,6 +251,35 @@ def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(served, req,
         s.Complete(req)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert s.Complete(request(max_tokens=2)).usage.completion_tokens == 2
+
+
+def test_structured_output_over_grpc(served):
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    so = pb.StructuredOutputs(json=json.dumps(schema))
+    s = stub(served.target)
+    done = s.Complete(request(max_tokens=40, temperature=1.0, n=2, seed=3, structured_outputs=so))
+    streamed = "".join(
+        m.text
+        for m in s.Generate(request(max_tokens=40, structured_outputs=so))
+        if m.index == 0 and not m.HasField("usage")
+    )
+    for text, reason in [(c.text, c.finish_reason) for c in done.completions] + [
+        (streamed, "stop")
+    ]:
+        assert reason == "stop"
+        value = json.loads(text)
+        assert set(value) == {"n"} and 0 <= value["n"] <= 99
+    choice = pb.StructuredOutputs(choice=pb.Choices(choices=["red", "green"]))
+    out = s.Complete(request(max_tokens=10, temperature=1.0, structured_outputs=choice))
+    assert out.completions[0].text in ("red", "green")
+    wait_idle(served.engine)
 
 
 def test_malformed_and_oversized_messages_are_refused(served):
