@@ -24,6 +24,7 @@ from jaxserve.kv import PagePool
 from jaxserve.metrics import EngineStats, StatsSnapshot
 from jaxserve.outputs import CompletionOutput, ModelInfo, RequestOutput
 from jaxserve.request import Sequence, Status
+from jaxserve.runner.draft import DraftRunner
 from jaxserve.runner.input_batch import SampleRow, SeqWork
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
@@ -58,6 +59,17 @@ class _Request:
         return all(s.finished for s in self.seqs)
 
 
+class _Lookahead:
+    """The draft model's stand-in before scheduling: how many tokens to make room
+    for (placeholders; `DraftRunner` proposes the real ones after scheduling)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def propose(self, token_ids, limit: int | None = None) -> list[int]:
+        return [-1] * min(self.k, self.k if limit is None else limit)
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -86,15 +98,21 @@ class LLMEngine:
             seed=config.seed,
             spec_max_batch=spec.disable_by_batch_size if spec else 0,
         )
-        self.proposer = None
+        self.proposer = self.drafter = None
         if spec is not None and spec.method == "ngram":
             self.proposer = NgramProposer(
                 min_n=spec.prompt_lookup_min,
                 max_n=spec.prompt_lookup_max,
                 k=spec.num_speculative_tokens,
             )
-        elif spec is not None:
-            raise ValueError(f"speculative_config.method {spec.method!r} is not served yet")
+        elif spec is not None:  # draft_model: proposals are made after scheduling
+            self.proposer = _Lookahead(spec.num_speculative_tokens)
+            self.drafter = DraftRunner(
+                config,
+                num_pages=self.runner.num_pages,
+                shapes=self.runner.shapes,
+                compiles=self.runner.compiles,
+            )
         self.requests: dict[str, _Request] = {}
         self._grammars: GrammarCompiler | None = None  # built at the first structured request
         self._compiling: list[_Request] = []  # waiting for their grammar, not yet scheduled
@@ -117,7 +135,9 @@ class LLMEngine:
             "on" if config.scheduler.enable_prefix_caching else "off",
         )
         if config.warmup:
-            self.runner.warmup()
+            self.runner.warmup(self.drafter.lower_all if self.drafter else None)
+            if self.drafter:
+                self.drafter.warmed_up = True
 
     # ------------------------------------------------------- what front ends read
 
@@ -353,6 +373,8 @@ class LLMEngine:
         if not plan.scheduled:
             self._wait_for_grammars()
             return failed
+        if self.drafter is not None:
+            self._fill_drafts(plan)
         runner = self.runner
         work, rows = [], []
         for s in plan.scheduled:
@@ -434,6 +456,17 @@ class LLMEngine:
         if self._stats.log_due(time.monotonic()):
             self._stats.log(self.stats())
         return failed + outputs
+
+    def _fill_drafts(self, plan) -> None:
+        """The draft model proposes the tokens the scheduler made room for."""
+        drafting = [i for i, s in enumerate(plan.scheduled) if s.draft]
+        if not drafting:
+            return
+        proposals = self.drafter.propose(
+            [(plan.scheduled[i].seq, len(plan.scheduled[i].draft)) for i in drafting]
+        )
+        for i, tokens in zip(drafting, proposals, strict=True):
+            plan.scheduled[i] = dataclasses.replace(plan.scheduled[i], draft=tuple(tokens))
 
     def _propose(self, seq: Sequence) -> list[int]:
         """Draft tokens for the sequence's next step: no more than it may still emit,

@@ -76,6 +76,9 @@ class LLM:
         """Arguments as vLLM's; `engine_args` are further `jaxserve.config.ENGINE_ARGS`
         (num_kv_pages, kv_cache_memory_fraction, tensor_parallel_size, ...)."""
         model_dir = resolve_model_dir(model)
+        spec = engine_args.get("speculative_config")
+        if isinstance(spec, dict) and spec.get("model") is not None:  # a draft model's name
+            engine_args["speculative_config"] = {**spec, "model": resolve_model_dir(spec["model"])}
         self.config = engine_config(
             model_dir,
             ModelConfig.from_pretrained(model_dir),

@@ -44,6 +44,7 @@ class Sequence:
     num_preemptions: int = 0
     # Speculative decoding: tokens proposed to follow token_ids, verified next step.
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    draft_computed: int = 0  # the draft model's tokens whose K/V are in the pages
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -197,7 +197,7 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.free(seq.pages)
         seq.pages, seq.page_uids = [], []
-        seq.num_computed = 0
+        seq.num_computed = seq.draft_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
@@ -215,6 +215,7 @@ class Scheduler:
             keep = -(-seq.num_tokens // page)
             self.pool.free(seq.pages[keep:])
             del seq.pages[keep:]
+            seq.draft_computed = min(seq.draft_computed, seq.num_computed)
         for j in range(len(seq.page_uids), seq.num_computed // page):
             parent = seq.page_uids[-1] if seq.page_uids else ROOT_UID
             tokens = seq.token_ids[j * page : (j + 1) * page]

@@ -232,14 +232,15 @@ class ModelRunner:
     def execute_and_sample(self, batch: HostBatch, sampling: SamplingMetadata):
         return self.fetch(self.dispatch(batch, sampling))
 
-    def warmup(self) -> None:
+    def warmup(self, extra: Callable[[Callable], list] | None = None) -> None:
         """Compiles every program a serving step can need, ahead of time and without
         running them: the forward pass for each token bucket, and sampling for each
-        sequence bucket (with and without the penalty history). The batches are
-        abstract (shapes only), so warm-up computes nothing; the programs land in
-        the jit caches (and the persistent compilation cache) that steps then use.
-        Tracing is Python and goes one program at a time; XLA compiles (or loads
-        from the persistent cache) on a few threads."""
+        row bucket (with and without the penalty history), plus the programs
+        `extra(abstract)` lowers (the draft model's). The batches are abstract
+        (shapes only), so warm-up computes nothing; the programs land in the jit
+        caches (and the persistent compilation cache) that steps then use. Tracing
+        is Python and goes one program at a time; XLA compiles (or loads from the
+        persistent cache) on a few threads."""
         t0, before, hits = time.perf_counter(), self.compiles.count, self.compiles.cache_hits
         num_sampling = 2 * len(self.row_buckets)
         total = len(self.token_buckets) + num_sampling
@@ -255,6 +256,13 @@ class ModelRunner:
                 sampling = _abstract_tree(self.build_sampling([], b, with_history=history))
                 lowered.append(sample_step.lower(self.model_def, self.weights, selected, sampling))
                 bar.update(1)
+        num_extra = 0
+        if extra is not None:
+            more = extra(_abstract_tree)
+            num_extra, total = len(more), total + len(more)
+            lowered += more
+            bar.total = 2 * total
+            bar.update(num_extra)
         threads = min(4, os.cpu_count() or 1)
         with bar, concurrent.futures.ThreadPoolExecutor(threads) as pool:
             for _ in pool.map(lambda program: program.compile(), lowered):
@@ -262,11 +270,12 @@ class ModelRunner:
         self.warmed_up = True
         self.warmup_seconds = time.perf_counter() - t0
         logger.info(
-            "warm-up: %d step programs (%d forward, %d sampling) ready in %.1fs: %d built, "
-            "%d of them loaded from the persistent compilation cache",
+            "warm-up: %d step programs (%d forward, %d sampling, %d draft model) ready in "
+            "%.1fs: %d built, %d of them loaded from the persistent compilation cache",
             total,
             len(self.token_buckets),
             num_sampling,
+            num_extra,
             self.warmup_seconds,
             self.compiles.count - before,
             self.compiles.cache_hits - hits,

@@ -1,0 +1,230 @@
+"""The draft model of speculative decoding: a small model proposes k tokens.
+
+The draft shares the target's page tables: its own KV arrays (one per draft
+layer) have the target's page count and page size, so a sequence's pages hold
+the target's K/V in the target's arrays and the draft's in the draft's, and no
+second allocator exists. Its bookkeeping is one number per sequence,
+`Sequence.draft_computed`: the tokens whose draft K/V are in the pages.
+
+Each step, before the target verifies, the draft catches up on the tokens it
+has not seen (a prompt the first time, the last accepted draft after a fully
+accepted run; `forward` with the draft's weights, in chunks of the step budget),
+then proposes in one program: k single-token steps in a `lax.fori_loop`, each
+feeding the token the previous one chose (greedy: the proposals are
+deterministic, so the sampler's rejection rule for one-hot proposals keeps the
+output distribution exact). After verification `draft_computed` moves back to
+the tokens the target accepted; what the draft wrote past them is overwritten
+the next time those positions are fed. A wrong draft K/V (a page cached by a
+sequence that did not speculate) can only cost acceptance, never correctness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxserve.checkpoint import load_model
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.request import Sequence
+from jaxserve.runner.input_batch import SeqWork, StepShapes, build_batch, pick_bucket
+from jaxserve.runner.step import ModelDef, StepInput, forward
+from pallas_kernels import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ProposeInput:
+    """The proposing sequences, packed first: [S] unless noted."""
+
+    last_token: jax.Array  # i32: each sequence's last known token
+    position: jax.Array  # i32: its position
+    steps: jax.Array  # i32: tokens to propose (0 for padding rows)
+    page_indices: jax.Array  # [S, M] i32
+    num_seqs: jax.Array  # [1] i32
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=2)
+def propose_step(
+    model_def: ModelDef,
+    weights: list[jax.Array],
+    kv_caches: list[jax.Array],
+    inp: ProposeInput,
+    k: int,
+) -> tuple[jax.Array, list[jax.Array]]:
+    """k greedy single-token steps of the draft -> proposals [S, k], updated caches.
+
+    Step j feeds each sequence's token at position `position + j` (its last known
+    token, then its own proposals) and writes its K/V there; rows past a
+    sequence's `steps` write to the null page (slot 0) and are ignored.
+    """
+    model = model_def.merge(weights)
+    s, m = inp.page_indices.shape
+    page = kv_caches[0].shape[1]
+    rows = jnp.arange(s)
+    cu_q_lens = jnp.minimum(jnp.arange(s + 1), inp.num_seqs[0]).astype(jnp.int32)
+
+    def one(j, carry):
+        tokens, caches, out = carry
+        live = (j < inp.steps) & (rows < inp.num_seqs[0])
+        # A row past its steps re-reads its last known position and writes nowhere.
+        pos = jnp.where(live, inp.position + j, inp.position)
+        page_of = inp.page_indices[rows, jnp.minimum(pos // page, m - 1)]
+        md = AttentionMetadata(
+            slot_mapping=jnp.where(live, page_of * page + pos % page, 0).astype(jnp.int32),
+            kv_lens=jnp.where(rows < inp.num_seqs[0], pos + 1, 0).astype(jnp.int32),
+            page_indices=inp.page_indices,
+            cu_q_lens=cu_q_lens,
+            num_seqs=inp.num_seqs,
+        )
+        hidden, caches = model(caches, tokens, pos, md)
+        nxt = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)
+        return nxt, caches, out.at[:, j].set(nxt)
+
+    out = jnp.zeros((s, k), jnp.int32)
+    _, kv_caches, out = lax.fori_loop(0, k, one, (inp.last_token, kv_caches, out))
+    return out, kv_caches
+
+
+class DraftRunner:
+    """Owns the draft model's weights and KV arrays; proposes tokens for sequences."""
+
+    def __init__(self, config: EngineConfig, *, num_pages: int, shapes: StepShapes, compiles):
+        spec = config.speculative
+        self.config, self.k, self.shapes, self.compiles = (
+            config,
+            spec.num_speculative_tokens,
+            shapes,
+            compiles,
+        )
+        draft_config = ModelConfig.from_pretrained(spec.model)
+        if draft_config.vocab_size != config.model.vocab_size:
+            raise ValueError(
+                f"speculative_config.model {spec.model!r} has a vocabulary of "
+                f"{draft_config.vocab_size} tokens, the target {config.model.vocab_size}: a "
+                "draft model must share the target's tokenizer"
+            )
+        t0 = time.perf_counter()
+        model = load_model(
+            spec.model,
+            draft_config,
+            dtype=config.dtype,
+            attention_backend=config.attention_backend,
+        )
+        self.model_def, self.weights = ModelDef.split(model)
+        shape = (
+            num_pages,
+            config.cache.page_size,
+            2 * draft_config.num_kv_heads,
+            draft_config.head_dim,
+        )
+        dtype = jnp.dtype(config.kv_dtype)
+        self.kv_caches = [jnp.zeros(shape, dtype) for _ in range(draft_config.num_layers)]
+        logger.info(
+            "draft model %s (%s, %d layers) loaded in %.1fs; its KV: %.1f MiB on the "
+            "target's page tables",
+            spec.model,
+            draft_config.architecture,
+            draft_config.num_layers,
+            time.perf_counter() - t0,
+            sum(x.nbytes for x in self.kv_caches) / 2**20,
+        )
+        self.warmed_up = False
+
+    # ------------------------------------------------------------- proposing
+
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """For each (decoding sequence, n), n proposed tokens to follow its tokens.
+
+        Pages must cover the sequence's tokens plus n (the scheduler grew them)."""
+        before = self.compiles.count
+        self._catch_up([seq for seq, _ in wanted])
+        s = self.shapes.max_seqs
+        m = self.config.pages_per_seq
+        last = np.zeros(s, np.int32)
+        position = np.zeros(s, np.int32)
+        steps = np.zeros(s, np.int32)
+        page_indices = np.zeros((s, m), np.int32)
+        for i, (seq, n) in enumerate(wanted):
+            last[i], position[i], steps[i] = seq.token_ids[-1], seq.num_tokens - 1, n
+            page_indices[i, : len(seq.pages)] = seq.pages
+        inp = ProposeInput(last, position, steps, page_indices, np.array([len(wanted)], np.int32))
+        out, self.kv_caches = propose_step(
+            self.model_def, self.weights, self.kv_caches, inp, self.k
+        )
+        self._check_compiles(before)
+        out = np.asarray(out)
+        for seq, n in wanted:
+            seq.draft_computed = seq.num_tokens - 1 + n
+        return [out[i, :n].tolist() for i, (_, n) in enumerate(wanted)]
+
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """Feeds the draft every token but the last that it has not seen, in chunks
+        of at most the step budget."""
+        budget = self.config.scheduler.max_num_batched_tokens
+        todo = [seq for seq in seqs if seq.draft_computed < seq.num_tokens - 1]
+        while todo:
+            work, left = [], budget
+            for seq in todo:
+                if left == 0:
+                    break
+                n = min(seq.num_tokens - 1 - seq.draft_computed, left)
+                start = seq.draft_computed
+                work.append(SeqWork(seq.token_ids[start : start + n], start, seq.pages))
+                seq.draft_computed += n
+                left -= n
+            batch = build_batch(
+                work,
+                page_size=self.config.cache.page_size,
+                pages_per_seq=self.config.pages_per_seq,
+                token_bucket=pick_bucket(budget - left, self.shapes.token_buckets, what="tokens"),
+                seq_bucket=self.shapes.max_seqs,
+                num_rows=self.shapes.max_rows,
+            )
+            _, _, self.kv_caches = forward(
+                self.model_def, self.weights, self.kv_caches, StepInput.from_host(batch)
+            )
+            todo = [seq for seq in todo if seq.draft_computed < seq.num_tokens - 1]
+
+    def _check_compiles(self, before: int) -> None:
+        if self.warmed_up and self.config.compile_guard and self.compiles.count != before:
+            raise RuntimeError("a draft-model step compiled after warm-up")
+
+    # ---------------------------------------------------------------- warm-up
+
+    def lower_all(self, abstract) -> list:
+        """The draft's programs, lowered from abstract shapes (`abstract(tree)` turns
+        numpy arrays into ShapeDtypeStructs): a forward per token bucket, the proposer."""
+        lowered = []
+        for t in self.shapes.token_buckets:
+            batch = build_batch(
+                [],
+                page_size=self.config.cache.page_size,
+                pages_per_seq=self.config.pages_per_seq,
+                token_bucket=t,
+                seq_bucket=self.shapes.max_seqs,
+                num_rows=self.shapes.max_rows,
+            )
+            lowered.append(
+                forward.lower(
+                    self.model_def,
+                    self.weights,
+                    self.kv_caches,
+                    abstract(StepInput.from_host(batch)),
+                )
+            )
+        s, m = self.shapes.max_seqs, self.config.pages_per_seq
+        zeros = np.zeros(s, np.int32)
+        inp = ProposeInput(zeros, zeros, zeros, np.zeros((s, m), np.int32), np.zeros(1, np.int32))
+        lowered.append(
+            propose_step.lower(self.model_def, self.weights, self.kv_caches, abstract(inp), self.k)
+        )
+        return lowered
