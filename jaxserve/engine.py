@@ -408,30 +408,7 @@ class LLMEngine:
                 continue
             seq = item.seq
             req = self.requests[seq.request_id]
-            # The accepted drafts, then the token of the first row that rejected (or of
-            # the last row, the bonus after a fully accepted run).
-            emitted = first
-            while emitted < row - 1 and out.accepted[emitted]:
-                emitted += 1
-            appended, reason = [], None
-            for i in range(first, emitted + 1):
-                token = int(out.token_ids[i])
-                seq.append(token)
-                appended.append(token)
-                if seq.params.logprobs is not None:
-                    self._record_logprobs(req, seq, out, i, token)
-                reason = self._check_stop(req, seq, token)
-                if req.matchers is not None and reason is None:
-                    reason = self._advance_grammar(req.matchers[seq.index], seq, token)
-                if reason is not None:
-                    break
-            if item.draft:
-                accepted = min(len(appended), emitted - first)
-                self.scheduler.on_computed(item, accepted)
-                self._stats.on_spec(len(item.draft), accepted)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            new_tokens[seq] = appended
+            new_tokens[seq] = self._emit(req, item, out, first, row)
             touched[seq.request_id] = req
         if self.proposer is not None:
             # Proposals for the next step, unless the batch is too large to speculate
@@ -456,6 +433,36 @@ class LLMEngine:
         if self._stats.log_due(time.monotonic()):
             self._stats.log(self.stats())
         return failed + outputs
+
+    def _emit(self, req: _Request, item, out, first: int, end: int) -> list[int]:
+        """Appends what the sampler rows [first, end) of a sequence give: its accepted
+        drafts, then the token of the first row that rejected (or of the last row,
+        the bonus after a fully accepted run), up to a stop condition. Finishes the
+        sequence if one is met; returns the tokens appended."""
+        seq = item.seq
+        last = first
+        while last < end - 1 and out.accepted[last]:
+            last += 1
+        appended, reason = [], None
+        for i in range(first, last + 1):
+            token = int(out.token_ids[i])
+            seq.append(token)
+            appended.append(token)
+            if seq.params.logprobs is not None:
+                self._record_logprobs(req, seq, out, i, token)
+            reason = self._check_stop(req, seq, token)
+            if req.matchers is not None and reason is None:
+                reason = self._advance_grammar(req.matchers[seq.index], seq, token)
+            if reason is not None:
+                break
+        if item.draft:
+            # The drafts whose K/V stay: accepted, and not past a stop.
+            accepted = min(len(appended), last - first)
+            self.scheduler.on_computed(item, accepted)
+            self._stats.on_spec(len(item.draft), accepted)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return appended
 
     def _fill_drafts(self, plan) -> None:
         """The draft model proposes the tokens the scheduler made room for."""
