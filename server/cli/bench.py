@@ -165,7 +165,8 @@ def _run_offline(llm: LLM, reqs) -> dict:
 
     def record(out) -> None:
         now, i = time.perf_counter(), int(out.request_id)
-        token_times[i].append(now)
+        # One time per token: a step may bring several (accepted speculative drafts).
+        token_times[i].extend([now] * max(1, len(out.outputs[0].delta_token_ids)))
         first.setdefault(i, now)
         if out.finished:
             ends[i] = now
