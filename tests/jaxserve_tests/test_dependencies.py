@@ -30,6 +30,7 @@ DEVICE_SIDE = {
     "jaxserve.engine",
     "jaxserve.llm",
     "jaxserve.parallel",
+    "jaxserve.runner.draft",
     "jaxserve.runner.model_runner",
     "jaxserve.runner.sampler",
     "jaxserve.runner.step",
@@ -70,6 +71,8 @@ def test_device_side_list_names_real_modules():
     assert "jaxserve.scheduler" in HOST_MODULES and "jaxserve.request" in HOST_MODULES
     # Structured output's grammar layer is host logic (the bitmask is the sampler's input).
     assert {"jaxserve.structured", "jaxserve.structured.compiler"} <= set(HOST_MODULES)
+    # So are speculative decoding's proposers (the draft model's runner is device side).
+    assert {"jaxserve.spec", "jaxserve.spec.ngram"} <= set(HOST_MODULES)
 
 
 def _imported_after(statement: str) -> set[str]:
