@@ -8,25 +8,9 @@ from flax import nnx
 
 from models import llama
 from models.config import ModelConfig
-from models.layers import RMSNorm, SparseMoeBlock
+from models.layers import RMSNorm
+from models.moe import moe_block
 from models.registry import register
-
-
-def moe_block(config: ModelConfig, names, *, dtype, rngs: nnx.Rngs) -> SparseMoeBlock:
-    m = config.moe
-    if m is None:
-        raise ValueError(f"{config.architecture} config has no experts (num_experts)")
-    return SparseMoeBlock(
-        config.hidden_size,
-        num_experts=m.num_experts,
-        top_k=m.top_k,
-        hidden=m.intermediate_size,
-        norm_topk_prob=m.norm_topk_prob,
-        expert_names=names,
-        act=config.hidden_act,
-        dtype=dtype,
-        rngs=rngs,
-    )
 
 
 class MixtralDecoderLayer(nnx.Module):

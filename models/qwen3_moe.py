@@ -10,7 +10,7 @@ from flax import nnx
 from models import llama, qwen3
 from models.config import ModelConfig
 from models.layers import RMSNorm
-from models.mixtral import moe_block
+from models.moe import moe_block
 from models.registry import register
 
 
