@@ -22,6 +22,15 @@ per token with the router's weights. Two grouped matmuls, the same contract:
 "dense" (`moe_dense`, every expert on every token) is the reference the tests
 hold both to, and the benchmark's baseline. "auto" picks "tiles" on the CPU and
 "ragged_dot" elsewhere, when the layer is traced.
+
+Expert parallelism: `jaxserve.parallel` shards the stacked experts over the
+mesh's 'model' axis (E / n experts a device). When the step is traced under that
+mesh (`jax.set_mesh`), the grouped computation runs in a `shard_map` over
+'model': every device routes and sorts all tokens (they are replicated there, as
+after any tensor-parallel layer), runs only its own experts' groups, and one
+psum of the [T, D] outputs adds the devices' parts. Without a mesh in context
+XLA's partitioner handles the sharded weights by itself (same results, no EP
+schedule).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
 from models.layers import ACTIVATIONS, INIT, dot_f32, linear
@@ -58,8 +68,24 @@ def route(
 # ----------------------------------------------------------------------------
 
 
-def gmm_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+# `first_group`: rhs holds groups first_group .. first_group + rhs.shape[0] - 1 of the
+# E in group_sizes (one device's experts); rows of the other groups come out zero.
+
+
+def gmm_ragged_dot(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, first_group=0
+) -> jax.Array:
+    num_local = rhs.shape[0]
+    if num_local == group_sizes.shape[0]:
+        return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    # Rows before and after this device's groups: two extra groups with zero matrices.
+    local = lax.dynamic_slice_in_dim(group_sizes, first_group, num_local)
+    before = jnp.sum(jnp.where(jnp.arange(group_sizes.shape[0]) < first_group, group_sizes, 0))
+    after = lhs.shape[0] - before - jnp.sum(local)
+    sizes = jnp.concatenate([before[None], local, after[None]]).astype(jnp.int32)
+    zero = jnp.zeros((1, *rhs.shape[1:]), rhs.dtype)
+    rhs = jnp.concatenate([zero, rhs, zero])
+    return lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
 
 
 def tile_rows(num_rows: int, num_groups: int) -> int:
@@ -69,7 +95,7 @@ def tile_rows(num_rows: int, num_groups: int) -> int:
     return min(128, max(8, 1 << (per_group - 1).bit_length()))
 
 
-def gmm_tiles(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def gmm_tiles(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, first_group=0) -> jax.Array:
     """The grouped matmul as a loop over tiles of m rows, each within one group.
 
     Group e's rows are cut into ceil(size_e / m) tiles; tile b of the loop finds its
@@ -79,16 +105,19 @@ def gmm_tiles(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Arr
     A / m + E, and empty groups have none.
     """
     num_rows, _ = lhs.shape
-    num_groups, _, n = rhs.shape
-    m = tile_rows(num_rows, num_groups)
+    num_local, _, n = rhs.shape
+    m = tile_rows(num_rows, group_sizes.shape[0])
     ends = jnp.cumsum(group_sizes)  # [E]
     starts = ends - group_sizes
-    tiles = (group_sizes + m - 1) // m  # [E]
-    tile_ends = jnp.cumsum(tiles)  # [E]
+    ends, starts, sizes = (
+        lax.dynamic_slice_in_dim(a, first_group, num_local) for a in (ends, starts, group_sizes)
+    )  # [E_local]: this device's groups
+    tiles = (sizes + m - 1) // m  # [E_local]
+    tile_ends = jnp.cumsum(tiles)  # [E_local]
     lhs = jnp.pad(lhs, ((0, m), (0, 0)))  # a tile starting at row A - 1 stays in bounds
 
     def body(b, out):
-        e = jnp.searchsorted(tile_ends, b, side="right").astype(jnp.int32)
+        e = jnp.sum(tile_ends <= b, dtype=jnp.int32)  # its group (searchsorted, for few E)
         row0 = starts[e] + (b - (tile_ends[e] - tiles[e])) * m
         rows = lax.dynamic_slice_in_dim(lhs, row0, m)  # [m, K]
         w = lax.dynamic_index_in_dim(rhs, e, keepdims=False)  # [K, N]: only this expert
@@ -113,20 +142,37 @@ def moe_grouped(
     w_down: jax.Array,  # [E, I, D]
     act,
     gmm=gmm_ragged_dot,
+    expert_axis: str | None = None,
 ) -> jax.Array:  # [T, D] in x's dtype
     """The experts' gated MLPs, each run only on the tokens routed to it (see the
-    module docstring); `gmm` is the grouped matmul."""
+    module docstring); `gmm` is the grouped matmul.
+
+    With `expert_axis` (inside a shard_map over that mesh axis) the weights are this
+    device's E / n experts: it computes their assignments only and the psum over
+    the axis adds the other devices' parts.
+    """
     t, d = x.shape
     k = expert_ids.shape[1]
-    num_experts = w_gate.shape[0]
+    num_local = w_gate.shape[0]
+    num_experts, first = num_local, 0
+    if expert_axis is not None:
+        num_experts = num_local * lax.axis_size(expert_axis)
+        first = lax.axis_index(expert_axis) * num_local
     flat = expert_ids.reshape(-1)  # [A]
     order = jnp.argsort(flat, stable=True)  # [A]: assignments grouped by expert
     rows = x[order // k]  # [A, D]
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
-    h = act(gmm(rows, w_gate, group_sizes)) * gmm(rows, w_up, group_sizes)  # [A, I] f32
-    y = gmm(h.astype(x.dtype), w_down, group_sizes)  # [A, D] f32
+
+    def grouped(lhs, w):
+        return gmm(lhs, w, group_sizes, first)
+
+    h = act(grouped(rows, w_gate)) * grouped(rows, w_up)  # [A, I] f32
+    y = grouped(h.astype(x.dtype), w_down)  # [A, D] f32
     y = y[jnp.argsort(order)].reshape(t, k, d)  # back in token order
-    return jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32)).astype(x.dtype)
+    out = jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32))  # [T, D] f32
+    if expert_axis is not None:
+        out = lax.psum(out, expert_axis)
+    return out.astype(x.dtype)
 
 
 def moe_dense(
@@ -151,6 +197,9 @@ def moe_dense(
     combine = combine.at[jnp.arange(t)[:, None], expert_ids].add(weights.astype(jnp.float32))
     return jnp.einsum("ted,te->td", y, combine).astype(x.dtype)
 
+
+# The mesh axis `jaxserve.parallel` shards the experts over (its rule for "expert").
+EXPERT_AXIS = "model"
 
 MOE_IMPLS = {
     "ragged_dot": functools.partial(moe_grouped, gmm=gmm_ragged_dot),
@@ -196,7 +245,22 @@ class Experts(nnx.Module):
 
     def __call__(self, x, expert_ids, weights, impl: str = "auto"):
         w_gate, w_up, w_down = (getattr(self, n)[...] for n in self.names)
-        return MOE_IMPLS[resolve_impl(impl)](x, expert_ids, weights, w_gate, w_up, w_down, self.act)
+        impl = resolve_impl(impl)
+        fn = functools.partial(MOE_IMPLS[impl], act=self.act)
+        mesh = jax.sharding.get_abstract_mesh()
+        n = 1 if mesh.empty or EXPERT_AXIS not in mesh.axis_names else mesh.shape[EXPERT_AXIS]
+        if impl != "dense" and n > 1 and w_gate.shape[0] % n == 0:
+            fn = jax.shard_map(
+                functools.partial(fn, expert_axis=EXPERT_AXIS),
+                mesh=mesh,
+                in_specs=(P(), P(), P(), P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS)),
+                out_specs=P(),
+                axis_names={EXPERT_AXIS},
+                # The loops' carries start replicated and become per-device: skip the
+                # varying-type check rather than cast every carry.
+                check_vma=False,
+            )
+        return fn(x, expert_ids, weights, w_gate, w_up, w_down)
 
 
 class SparseMoeBlock(nnx.Module):
@@ -223,7 +287,8 @@ class SparseMoeBlock(nnx.Module):
             raise ValueError(f"moe impl must be 'auto' or one of {sorted(MOE_IMPLS)}, got {impl!r}")
         self.top_k, self.norm_topk_prob, self.impl = top_k, norm_topk_prob, impl
         kw = dict(dtype=dtype, rngs=rngs)
-        self.gate = linear(dim, num_experts, ("embed", "expert"), bias=False, **kw)
+        # The router is small and every device routes every token: replicated.
+        self.gate = linear(dim, num_experts, ("embed", "router"), bias=False, **kw)
         self.experts = Experts(
             num_experts, dim, hidden, names=expert_names, act=act, dtype=dtype, rngs=rngs
         )
