@@ -189,10 +189,12 @@ def moe_dense(
     in float32 (XLA:CPU has no bf16 x bf16 -> f32 kernel for some of these dots)."""
     t = x.shape[0]
     num_experts = w_gate.shape[0]
-    x32 = x.astype(jnp.float32)
+    # Batched over experts (E is a batch dimension of every dot): XLA:CPU runs that as E
+    # matmuls on the weights as stored, where "td,edi->tei" would transpose them first.
+    xe = jnp.broadcast_to(x.astype(jnp.float32), (num_experts, *x.shape))  # [E, T, D]
     w_gate, w_up, w_down = (w.astype(jnp.float32) for w in (w_gate, w_up, w_down))
-    h = act(jnp.einsum("td,edi->tei", x32, w_gate)) * jnp.einsum("td,edi->tei", x32, w_up)
-    y = jnp.einsum("tei,eid->ted", h, w_down)  # [T, E, D]
+    h = act(jnp.einsum("etd,edi->eti", xe, w_gate)) * jnp.einsum("etd,edi->eti", xe, w_up)
+    y = jnp.einsum("eti,eid->ted", h, w_down)  # [T, E, D]
     combine = jnp.zeros((t, num_experts), jnp.float32)
     combine = combine.at[jnp.arange(t)[:, None], expert_ids].add(weights.astype(jnp.float32))
     return jnp.einsum("ted,te->td", y, combine).astype(x.dtype)
