@@ -85,3 +85,28 @@ def test_the_gemma2_step_lowers_with_the_pallas_backend(backend, platform):
     text = lower(step, args, platform).mlir_module()
     marker = "tpu_custom_call" if platform == "tpu" else "triton"
     assert marker in text
+
+
+def test_reference_decode_reads_no_page_before_the_window():
+    """Decode rows of a sliding-window layer start at the first block any of them sees:
+    pages wholly before every row's window are poisoned with NaN and must not be read
+    (a masked NaN still poisons the softmax-weighted sum)."""
+    from test_reference import dense_reference, make_case
+
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_jit
+
+    q_lens, kv_lens, window, page = [1, 1], [40, 50], 8, 4
+    q, kv, kvl, pi, cu, ns, dense_kv = make_case(
+        q_lens, kv_lens, num_heads=4, num_kv_heads=2, head_dim=8, page_size=page,
+        pages_per_seq=16, num_pages=48,
+    )  # fmt: skip
+    kv = np.asarray(kv).copy()
+    first_seen = min(n - window for n in kv_lens)  # 32: positions 0..31 are never seen
+    kv[np.asarray(pi)[:, : first_seen // page]] = np.nan
+    got = np.asarray(
+        ragged_paged_attention_jit(
+            q, kv, kvl, pi, cu, ns, sm_scale=0.3, sliding_window=window, pages_per_block=1
+        )
+    )
+    want = dense_reference(q, dense_kv, q_lens, kv_lens, sm_scale=0.3, sliding_window=window)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
