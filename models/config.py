@@ -93,7 +93,8 @@ class MoeConfig:
     The router's softmax runs over all experts, the top k are kept, and with
     `norm_topk_prob` their weights are renormalised to sum to one (Mixtral always;
     Qwen3-MoE per its config). `sparse_layers` says which layers have the MoE MLP
-    (the others a dense MLP of `ModelConfig.intermediate_size`).
+    (the others a dense MLP of `ModelConfig.intermediate_size`). Qwen2-MoE adds a
+    shared expert, run on every token, of `shared_expert_intermediate_size`.
     """
 
     num_experts: int
@@ -101,6 +102,7 @@ class MoeConfig:
     intermediate_size: int
     norm_topk_prob: bool = True
     sparse_layers: tuple[bool, ...] = ()
+    shared_expert_intermediate_size: int | None = None
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "intermediate_size"):
@@ -354,6 +356,7 @@ def _moe(hf: dict[str, Any], num_layers: int) -> MoeConfig | None:
             intermediate_size=hf["moe_intermediate_size"],
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or None,
         )
     if num_experts:
         return MoeConfig(

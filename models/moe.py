@@ -301,13 +301,19 @@ class SparseMoeBlock(nnx.Module):
 
 
 def moe_block(
-    config: ModelConfig, expert_names: tuple[str, str, str], *, dtype, rngs: nnx.Rngs
+    config: ModelConfig,
+    expert_names: tuple[str, str, str],
+    *,
+    dtype,
+    rngs: nnx.Rngs,
+    cls=SparseMoeBlock,
 ) -> SparseMoeBlock:
-    """The config's MoE MLP, its experts named as in the family's checkpoints."""
+    """The config's MoE MLP, its experts named as in the family's checkpoints; `cls`
+    builds it (a SparseMoeBlock subclass, or a function with its arguments)."""
     m = config.moe
     if m is None:
         raise ValueError(f"{config.architecture} config declares no experts")
-    return SparseMoeBlock(
+    return cls(
         config.hidden_size,
         num_experts=m.num_experts,
         top_k=m.top_k,

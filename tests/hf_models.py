@@ -173,6 +173,19 @@ CASES: dict[str, tuple[str, dict]] = {
             _tied_router=True,
         ),
     ),
+    # Qwen2-MoE: top-2 of 8 experts plus a gated shared expert; layer 0 dense
+    # (decoder_sparse_step 2), q/k/v biases.
+    "qwen2_moe_shared_expert": (
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            decoder_sparse_step=2,
+            num_hidden_layers=2,
+        ),
+    ),
     "qwen3_head_dim_mismatch": (
         "Qwen3ForCausalLM",
         dict(
@@ -204,6 +217,7 @@ def make_hf_model(path, arch: str, overrides: dict, *, seed: int = 0, dtype=torc
         "Gemma3ForConditionalGeneration": transformers.Gemma3Config,
         "MixtralForCausalLM": transformers.MixtralConfig,
         "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+        "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
     }[arch]
     if arch == "Gemma3ForConditionalGeneration":  # a tiny vision tower beside the text model
         vision = dict(

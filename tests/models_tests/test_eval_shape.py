@@ -203,6 +203,27 @@ REAL_CONFIGS = {
         ),
         30.5e9,
     ),
+    "Qwen1.5-MoE-A2.7B": (
+        dict(
+            architectures=["Qwen2MoeForCausalLM"],
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=5632,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            max_position_embeddings=8192,
+            num_experts=60,
+            num_experts_per_tok=4,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+        ),
+        14.3e9,
+    ),
 }
 
 

@@ -141,3 +141,17 @@ def test_moe_config_errors():
         ModelConfig.from_hf(
             dict(BASE, architectures=["Gemma2ForCausalLM"], attn_logit_softcapping=0.0)
         )
+
+
+def test_qwen2_moe_shared_expert():
+    c = ModelConfig.from_hf(
+        dict(
+            BASE,
+            architectures=["Qwen2MoeForCausalLM"],
+            num_experts=60,
+            num_experts_per_tok=4,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+        )
+    )
+    assert c.moe.shared_expert_intermediate_size == 5632 and c.moe.sparse_layers == (True,) * 6

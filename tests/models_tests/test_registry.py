@@ -18,6 +18,7 @@ def test_supported_architectures():
         "Gemma3ForConditionalGeneration",
         "MixtralForCausalLM",
         "Qwen3MoeForCausalLM",
+        "Qwen2MoeForCausalLM",
     } <= set(supported_architectures())
     assert get_model_class("MistralForCausalLM") is LlamaForCausalLM
 
