@@ -115,12 +115,16 @@ def gmm_tiles(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, first_grou
     tiles = (sizes + m - 1) // m  # [E_local]
     tile_ends = jnp.cumsum(tiles)  # [E_local]
     lhs = jnp.pad(lhs, ((0, m), (0, 0)))  # a tile starting at row A - 1 stays in bounds
+    k = rhs.shape[1]
+    # Matrices stacked as rows: a contiguous dynamic slice reads one expert's matrix
+    # (~25% faster on XLA:CPU than indexing the 3-D array, which copies it out).
+    rhs = rhs.reshape(num_local * k, n)
 
     def body(b, out):
         e = jnp.sum(tile_ends <= b, dtype=jnp.int32)  # its group (searchsorted, for few E)
         row0 = starts[e] + (b - (tile_ends[e] - tiles[e])) * m
         rows = lax.dynamic_slice_in_dim(lhs, row0, m)  # [m, K]
-        w = lax.dynamic_index_in_dim(rhs, e, keepdims=False)  # [K, N]: only this expert
+        w = lax.dynamic_slice_in_dim(rhs, e * k, k)  # [K, N]: only this expert
         res = dot_f32(rows, w, (((1,), (0,)), ((), ())))  # [m, N]
         valid = (row0 + jnp.arange(m)) < ends[e]
         old = lax.dynamic_slice_in_dim(out, row0, m)
