@@ -1,5 +1,5 @@
-"""The mixture-of-experts MLP shared by Mixtral and Qwen3-MoE: router, stacked experts,
-and the grouped expert computation beside its dense reference.
+"""The mixture-of-experts MLP shared by Mixtral, Qwen3-MoE and Qwen2-MoE: router,
+stacked experts, and the grouped expert computation beside its dense reference.
 
 Glossary (with `pallas_kernels`' T tokens, D model dim): E experts, k experts per
 token, I an expert's hidden size, A = T * k token-expert assignments, m rows in
