@@ -117,3 +117,24 @@ def test_route_breaks_ties_by_the_lower_expert():
     ids, weights = route(jnp.zeros((3, NUM_EXPERTS)), 2, norm_topk_prob=True)
     np.testing.assert_array_equal(np.asarray(ids), [[0, 1]] * 3)
     np.testing.assert_allclose(np.asarray(weights), 0.5)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("impl", ["ragged_dot", "tiles"])
+def test_grouped_moe_lowers_for_accelerators(platform, impl):
+    """On TPU and GPU `ragged_dot` stays XLA's native ragged dot (on the CPU JAX expands
+    it into a masked dense dot, which is why "auto" picks "tiles" there)."""
+    from jax import export
+
+    sds = jax.ShapeDtypeStruct
+    args = (
+        sds((16, DIM), jnp.bfloat16),
+        sds((16, 2), jnp.int32),
+        sds((16, 2), jnp.float32),
+        sds((NUM_EXPERTS, DIM, HIDDEN), jnp.bfloat16),
+        sds((NUM_EXPERTS, DIM, HIDDEN), jnp.bfloat16),
+        sds((NUM_EXPERTS, HIDDEN, DIM), jnp.bfloat16),
+    )
+    fn = jax.jit(functools.partial(MOE_IMPLS[impl], act=SILU))
+    text = export.export(fn, platforms=[platform])(*args).mlir_module()
+    assert ("chlo.ragged_dot" in text) == (impl == "ragged_dot")
