@@ -2,12 +2,17 @@
 
   python benchmarks/make_model.py --shape=qwen05 --out=/tmp/qwen05
   python benchmarks/make_model.py --shape=llama60m --out=/tmp/llama60m
+  python benchmarks/make_model.py --shape=moe1b --out=/tmp/moe1b
 
 - `qwen05`: Qwen2.5-0.5B's shape, a `Qwen2ForCausalLM`: 494M parameters, 24
   layers, hidden 896, 14 query and 2 KV heads, vocabulary 151,936, tied
   embeddings, rope theta 1e6.
 - `llama60m`: a 60M-parameter `LlamaForCausalLM` (8 layers, hidden 512, 8 heads,
   vocabulary 32,000), the small model of the start-up workload.
+- `moe1b`: IBM Granite-3.0-1B-A400M's shape as a `Qwen3MoeForCausalLM`: 1.33B
+  parameters (~0.4B active), 24 layers, hidden 1024, 16 query and 8 KV heads of
+  64, 32 experts of hidden 512 with top-8 routing (renormalised), vocabulary
+  49,155, tied embeddings (Qwen3-MoE adds q/k norms: 2 x 64 weights a layer).
 
 Made with `save_pretrained`, seeded. The tokenizer files are the embedded demo
 model's (benchmarks feed token ids, so only their shape matters). Needs the test
@@ -26,6 +31,27 @@ from jaxserve.assets import EMBEDDED_MODELS
 
 
 def _config(shape: str) -> transformers.PretrainedConfig:
+    if shape == "moe1b":
+        cfg = transformers.Qwen3MoeConfig(
+            vocab_size=49155,
+            hidden_size=1024,
+            intermediate_size=512,
+            moe_intermediate_size=512,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=64,
+            num_experts=32,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
+        return cfg
     if shape == "qwen05":
         cfg = transformers.Qwen2Config(
             vocab_size=151936,
@@ -60,7 +86,7 @@ def _config(shape: str) -> transformers.PretrainedConfig:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--shape", choices=("qwen05", "llama60m"), default="qwen05")
+    p.add_argument("--shape", choices=("qwen05", "llama60m", "moe1b"), default="qwen05")
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()

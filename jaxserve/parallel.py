@@ -18,11 +18,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # Tensor parallelism in the Megatron style: attention heads, the MLP's hidden
 # dimension and the vocabulary split over 'model'; the model dimension stays whole.
+# An MoE layer's stacked experts split over 'model' by expert (expert parallelism);
+# where 'model' does not divide the expert count, by their hidden dimension instead.
 DEFAULT_RULES: Mapping[str, str | None] = {
     "vocab": "model",
     "q_heads": "model",
     "kv_heads": "model",
     "mlp": "model",
+    "expert": "model",
     "embed": None,
     "norm": None,
 }
@@ -46,8 +49,8 @@ def _spec(shape, logical, mesh: Mesh, rules: Mapping[str, str | None]) -> Partit
     axes = []
     for dim, name in zip(shape, logical or (None,) * len(shape), strict=True):
         axis = rules.get(name) if name is not None else None
-        if axis is not None and dim % mesh.shape[axis]:
-            axis = None
+        if axis is not None and (dim % mesh.shape[axis] or axis in axes):
+            axis = None  # not divisible, or an earlier dimension took the mesh axis
         axes.append(axis)
     return PartitionSpec(*axes)
 

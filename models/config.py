@@ -87,8 +87,38 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """A sparse mixture-of-experts MLP: each token runs `top_k` of `num_experts` experts.
+
+    The router's softmax runs over all experts, the top k are kept, and with
+    `norm_topk_prob` their weights are renormalised to sum to one (Mixtral always;
+    Qwen3-MoE per its config). `sparse_layers` says which layers have the MoE MLP
+    (the others a dense MLP of `ModelConfig.intermediate_size`). Qwen2-MoE adds a
+    shared expert, run on every token, of `shared_expert_intermediate_size`.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool = True
+    sparse_layers: tuple[bool, ...] = ()
+    shared_expert_intermediate_size: int | None = None
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"moe {name} must be a positive integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.top_k}) exceeds num_experts ({self.num_experts})"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a decoder-only model of the Llama family."""
+    """The architecture of a decoder-only model: the Llama family and its relatives
+    (Gemma 2/3's soft-capping, attention scale and local rope; MoE MLPs)."""
 
     architecture: str
     vocab_size: int
@@ -110,6 +140,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str = "float32"
+    # Attention scores are q.k * query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim.
+    query_pre_attn_scalar: float | None = None
+    # scores -> cap * tanh(scores / cap) (Gemma 2); None: no capping.
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # The rope of sliding-window layers where it differs from `rope` (Gemma 3).
+    local_rope: RopeConfig | None = None
+    moe: MoeConfig | None = None
 
     def __post_init__(self):
         for name in (
@@ -142,6 +180,26 @@ class ModelConfig:
         for w in self.sliding_windows:
             if w is not None and w <= 0:
                 raise ValueError(f"sliding_window must be positive, got {w}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive or None, got {value!r}")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
+            raise ValueError(
+                f"moe.sparse_layers has {len(self.moe.sparse_layers)} entries for "
+                f"{self.num_layers} layers"
+            )
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax (and the soft-cap)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def rope_for_layer(self, layer: int) -> RopeConfig:
+        """Sliding-window layers take `local_rope` where the model has one."""
+        if self.local_rope is not None and self.sliding_windows[layer] is not None:
+            return self.local_rope
+        return self.rope
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -149,10 +207,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Parses a Hugging Face `config.json` dict of a Llama-family model."""
+        """Parses a Hugging Face `config.json` dict of a supported model."""
         archs = hf.get("architectures") or []
         if len(archs) != 1:
             raise ValueError(f"config.json must name exactly one architecture, got {archs!r}")
+        hf = _with_defaults(archs[0], hf)
         required = (
             "vocab_size",
             "hidden_size",
@@ -167,6 +226,7 @@ class ModelConfig:
         num_layers = hf["num_hidden_layers"]
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope, local_rope = _ropes(hf)
         return cls(
             architecture=archs[0],
             vocab_size=hf["vocab_size"],
@@ -178,8 +238,10 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope=RopeConfig.from_hf(hf),
-            hidden_act=hf.get("hidden_act", "silu"),
+            rope=rope,
+            local_rope=local_rope,
+            # Gemma's configs name it hidden_activation (and HF's Gemma reads only that).
+            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act", "silu"),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", False),
             mlp_bias=hf.get("mlp_bias", False),
@@ -189,6 +251,10 @@ class ModelConfig:
             checkpoint_dtype=normalize_dtype(
                 hf.get("dtype") or hf.get("torch_dtype") or "float32", field="torch_dtype"
             ),
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+            attn_logit_softcap=hf.get("attn_logit_softcapping"),
+            final_logit_softcap=hf.get("final_logit_softcapping"),
+            moe=_moe(hf, num_layers),
         )
 
     @classmethod
@@ -209,11 +275,107 @@ class ModelConfig:
         return cls.from_hf(hf)
 
 
+# HF config-class defaults that a config.json may omit, by architecture: Gemma 3's
+# multimodal checkpoints list only the text fields that differ from these.
+_GEMMA2_DEFAULTS = dict(
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    query_pre_attn_scalar=256,
+    attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0,
+    sliding_window=4096,
+    sliding_window_pattern=2,  # local, global, local, ...
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+)
+_GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262_208,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=131_072,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+    sliding_window_pattern=6,  # five local layers, then a global one
+    tie_word_embeddings=True,
+    rope_theta=1_000_000.0,
+    rope_local_base_freq=10_000.0,
+    bos_token_id=2,
+    eos_token_id=1,
+)
+_DEFAULTS = {
+    "Gemma2ForCausalLM": _GEMMA2_DEFAULTS,
+    "Gemma3ForCausalLM": _GEMMA3_TEXT_DEFAULTS,
+}
+
+
+def _with_defaults(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """`hf` with its architecture's HF defaults filled in; Gemma 3's multimodal config
+    contributes its `text_config` (its vision tower is not served)."""
+    if arch == "Gemma3ForConditionalGeneration":
+        text = hf.get("text_config") or {}
+        keys = ("eos_token_id", "bos_token_id", "dtype", "torch_dtype")
+        top = {k: hf[k] for k in keys if k in hf}
+        return {**_GEMMA3_TEXT_DEFAULTS, **text, **top, "architectures": [arch]}
+    return {**_DEFAULTS.get(arch, {}), **hf}
+
+
+def _ropes(hf: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
+    """The global rope and, where it differs, the sliding layers' (Gemma 3).
+
+    transformers 5 writes Gemma 3's as `rope_parameters` keyed by layer type; older
+    configs write `rope_theta` + `rope_scaling` (global) and `rope_local_base_freq`.
+    """
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        rope = RopeConfig.from_hf({"rope_parameters": params.get("full_attention") or {}})
+        local = params.get("sliding_attention")
+        return rope, (RopeConfig.from_hf({"rope_parameters": local}) if local else None)
+    rope = RopeConfig.from_hf(hf)
+    if hf.get("rope_local_base_freq") is not None:
+        return rope, RopeConfig(theta=float(hf["rope_local_base_freq"]))
+    return rope, None
+
+
+def _moe(hf: dict[str, Any], num_layers: int) -> MoeConfig | None:
+    """Mixtral's experts (of `intermediate_size`, always renormalised) or Qwen3-MoE's (of
+    `moe_intermediate_size`; `decoder_sparse_step` and `mlp_only_layers` pick the sparse
+    layers). transformers 5 writes the count as `num_local_experts` for both; Qwen's
+    older configs as `num_experts`."""
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts")
+    if num_experts and hf.get("moe_intermediate_size"):
+        step = hf.get("decoder_sparse_step") or 1
+        dense = set(hf.get("mlp_only_layers") or ())
+        return MoeConfig(
+            num_experts=num_experts,
+            top_k=hf.get("num_experts_per_tok", 1),
+            intermediate_size=hf["moe_intermediate_size"],
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or None,
+        )
+    if num_experts:
+        return MoeConfig(
+            num_experts=num_experts,
+            top_k=hf.get("num_experts_per_tok", 2),
+            intermediate_size=hf["intermediate_size"],
+            norm_topk_prob=True,
+            sparse_layers=(True,) * num_layers,
+        )
+    return None
+
+
 def _sliding_windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
     """Which layers use a sliding window, from whichever fields the config declares.
 
     transformers 5 writes `layer_types`; older Qwen2/Qwen3 configs write
     `use_sliding_window` + `max_window_layers` (layers at or past it slide);
+    older Gemma configs a `sliding_window_pattern` (layer i is global when
+    i + 1 is a multiple of it; the default filled in per architecture);
     Mistral writes only `sliding_window` (all layers slide when it is set).
     """
     window = hf.get("sliding_window")
@@ -221,6 +383,9 @@ def _sliding_windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, .
         return (None,) * num_layers
     if "layer_types" in hf and hf["layer_types"] is not None:
         return tuple(window if t == "sliding_attention" else None for t in hf["layer_types"])
+    if hf.get("sliding_window_pattern"):
+        pattern = hf["sliding_window_pattern"]
+        return tuple(window if (i + 1) % pattern else None for i in range(num_layers))
     if "use_sliding_window" in hf:
         if not hf["use_sliding_window"]:
             return (None,) * num_layers

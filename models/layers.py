@@ -1,9 +1,11 @@
-"""Building blocks shared by the Llama family: RMSNorm, rotary embeddings, linears.
+"""Building blocks shared by the model families: RMSNorm (Llama's and Gemma's),
+rotary embeddings, linears, soft-capping (the MoE MLP is in `models.moe`).
 
 Parameters carry logical axis names (the `out_sharding` metadata; eager
 sharding off); the engine maps them to mesh axes (`jaxserve.parallel`), so a
 model never names a mesh:
-  vocab, embed (model dim D), q_heads (N * H), kv_heads (K * H), mlp, norm.
+  vocab, embed (model dim D), q_heads (N * H), kv_heads (K * H), mlp, norm,
+  expert (E, the stacked experts of an MoE layer).
 """
 
 from __future__ import annotations
@@ -166,3 +168,24 @@ def apply_rope(
     sin = (jnp.sin(freqs) * scale)[:, None, :].astype(x.dtype)
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class GemmaRMSNorm(nnx.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from one, `x * (1 + w)`, and
+    the scaling is done in float32 before the cast back (unlike Llama's)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.eps = eps
+        self.weight = nnx.Param(
+            jnp.zeros((dim,), dtype), out_sharding=("norm",), eager_sharding=False
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap): bounds logits smoothly to (-cap, cap) (Gemma 2); None: x."""
+    return x if cap is None else cap * jnp.tanh(x / cap)

@@ -1,4 +1,5 @@
-"""The Llama family on a paged KV cache: Llama 2/3 and Mistral (Qwen2/Qwen3 subclass it).
+"""The Llama family on a paged KV cache: Llama 2/3 and Mistral (Qwen2/Qwen3, Gemma 2/3,
+Mixtral and Qwen3-MoE subclass it).
 
 Module and parameter names follow Hugging Face's (`model.layers.0.self_attn.q_proj`),
 so `checkpoint_key` maps a parameter path to its tensor name without tables.
@@ -21,6 +22,7 @@ from models.layers import (
     dot_f32,
     linear,
     rope_frequencies,
+    soft_cap,
 )
 from models.registry import register
 from pallas_kernels import AttentionMetadata, get_backend
@@ -30,15 +32,20 @@ class Attention(nnx.Module):
     # Subclasses switch on architecture features the HF config does not declare.
     qkv_bias: bool | None = None  # None: follow config.attention_bias
     qk_norm: bool = False
+    norm_cls = RMSNorm  # of the q/k norms
 
     def __init__(
         self, config: ModelConfig, layer: int, *, dtype, attention_backend: str, rngs: nnx.Rngs
     ):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        # Static per layer, so each layer's attention call is specialised to its own
+        # window (Gemma's local and global layers alternate), scale and soft-cap.
         self.sliding_window = c.sliding_windows[layer]
+        self.sm_scale = c.attention_scale
+        self.soft_cap = c.attn_logit_softcap
         self.backend = get_backend(attention_backend)
-        inv_freq, self.rope_scale = rope_frequencies(c.rope, c.head_dim)
+        inv_freq, self.rope_scale = rope_frequencies(c.rope_for_layer(layer), c.head_dim)
         self.inv_freq = tuple(inv_freq.tolist())  # hashable: part of the static graph
         qkv_bias = c.attention_bias if self.qkv_bias is None else self.qkv_bias
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -50,8 +57,8 @@ class Attention(nnx.Module):
             q_dim, c.hidden_size, ("q_heads", "embed"), bias=c.attention_bias, **kw
         )
         if self.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, dtype=dtype)
+            self.q_norm = self.norm_cls(c.head_dim, eps=c.rms_norm_eps, dtype=dtype)
+            self.k_norm = self.norm_cls(c.head_dim, eps=c.rms_norm_eps, dtype=dtype)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
@@ -65,18 +72,28 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, self.inv_freq, self.rope_scale)
         k = apply_rope(k, positions, self.inv_freq, self.rope_scale)
         out, kv_cache = self.backend(
-            q, k, v, kv_cache, md, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window
+            q,
+            k,
+            v,
+            kv_cache,
+            md,
+            sm_scale=self.sm_scale,
+            sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap,
         )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), kv_cache
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(
+        self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, intermediate_size: int | None = None
+    ):
         c = config
+        i = intermediate_size or c.intermediate_size
         kw = dict(bias=c.mlp_bias, dtype=dtype, rngs=rngs)
-        self.gate_proj = linear(c.hidden_size, c.intermediate_size, ("embed", "mlp"), **kw)
-        self.up_proj = linear(c.hidden_size, c.intermediate_size, ("embed", "mlp"), **kw)
-        self.down_proj = linear(c.intermediate_size, c.hidden_size, ("mlp", "embed"), **kw)
+        self.gate_proj = linear(c.hidden_size, i, ("embed", "mlp"), **kw)
+        self.up_proj = linear(c.hidden_size, i, ("embed", "mlp"), **kw)
+        self.down_proj = linear(i, c.hidden_size, ("mlp", "embed"), **kw)
         self.act = ACTIVATIONS[c.hidden_act]
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -104,6 +121,9 @@ class DecoderLayer(nnx.Module):
 
 
 class Decoder(nnx.Module):
+    norm_cls = RMSNorm
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(D)
+
     def __init__(
         self, config: ModelConfig, layer_cls, *, dtype, attention_backend: str, rngs: nnx.Rngs
     ):
@@ -121,10 +141,12 @@ class Decoder(nnx.Module):
                 for i in range(config.num_layers)
             ]
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.norm = self.norm_cls(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
     def __call__(self, kv_caches, input_ids, positions, md):
         x = self.embed_tokens(input_ids)  # [T, D]
+        if self.embed_scale:  # as HF: the scale rounded to the weights' dtype first
+            x = x * jnp.asarray(x.shape[-1] ** 0.5, x.dtype)
         new_caches = []
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, kv_cache = layer(x, positions, kv_cache, md)
@@ -135,6 +157,7 @@ class Decoder(nnx.Module):
 @register("LlamaForCausalLM", "MistralForCausalLM")
 class LlamaForCausalLM(nnx.Module):
     layer_cls = DecoderLayer
+    decoder_cls = Decoder
 
     def __init__(
         self,
@@ -145,7 +168,7 @@ class LlamaForCausalLM(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.config = config
-        self.model = Decoder(
+        self.model = self.decoder_cls(
             config, self.layer_cls, dtype=dtype, attention_backend=attention_backend, rngs=rngs
         )
         if not config.tie_word_embeddings:
@@ -172,12 +195,19 @@ class LlamaForCausalLM(nnx.Module):
             w, dims = self.model.embed_tokens.embedding[...], (((1,), (1,)), ((), ()))
         else:  # [D, V]
             w, dims = self.lm_head.kernel[...], (((1,), (0,)), ((), ()))
-        return dot_f32(hidden.astype(w.dtype), w, dims)
+        logits = dot_f32(hidden.astype(w.dtype), w, dims)
+        return soft_cap(logits, self.config.final_logit_softcap)
 
     @classmethod
     def checkpoint_key(cls, path: tuple) -> tuple[str, bool]:
-        """HF tensor name for a parameter path, and whether HF stores it transposed."""
+        """HF tensor name for a parameter path, and whether HF stores it transposed.
+
+        Stacked experts ([E, in, out], under an `experts` module) are stored one tensor
+        per expert: the name has a `{}` where the expert's index goes.
+        """
         *prefix, leaf = (str(p) for p in path)
+        if prefix and prefix[-1] == "experts":
+            return ".".join([*prefix, "{}", leaf, "weight"]), True
         if leaf == "kernel":  # nnx.Linear is [in, out]; torch's Linear.weight is [out, in].
             return ".".join([*prefix, "weight"]), True
         if leaf == "embedding":

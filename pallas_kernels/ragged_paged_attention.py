@@ -131,13 +131,17 @@ def ragged_paged_attention(
     is_decode = q_lens == 1
     dec_kv_len = jnp.where(is_decode, kv_lens, 0)
     dec_q = queries[jnp.minimum(cu_q_lens[:-1], num_tokens - 1)][:, None]  # [B, 1, N, H]
+    dec_lo = 0
+    if sliding_window is not None:  # start at the first block any decode row's window sees
+        first_seen = jnp.maximum(dec_kv_len - sliding_window, 0)
+        dec_lo = jnp.min(jnp.where(is_decode, first_seen, jnp.iinfo(jnp.int32).max))
     dec_out = attend(
         dec_q,
         page_indices,
         dec_kv_len,
         q_pos=(dec_kv_len - 1)[:, None],
         row_valid=is_decode[:, None],
-        kv_range=(0, jnp.max(dec_kv_len)),
+        kv_range=(dec_lo, jnp.max(dec_kv_len)),
         block_tokens=64,
     )[:, 0]  # [B, N, H]
     token = jnp.arange(num_tokens, dtype=jnp.int32)

@@ -85,6 +85,107 @@ CASES: dict[str, tuple[str, dict]] = {
             rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
         ),
     ),
+    # Gemma 2: local, global, local layers; the window (6) shorter than the prompts;
+    # soft-caps small enough to bite; query_pre_attn_scalar != head_dim; head_dim
+    # unrelated to hidden_size / num_heads.
+    "gemma2_window_softcap": (
+        "Gemma2ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            hidden_size=96,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=24,
+            query_pre_attn_scalar=20,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            attn_logit_softcapping=1.5,
+            final_logit_softcapping=4.0,
+        ),
+    ),
+    # Gemma 3: q/k norms; local rope base 100, global base 5000 with linear scaling (as
+    # the 12B); two local layers then a global one; no soft-caps (its default).
+    "gemma3_local_global_rope": (
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            hidden_size=80,
+            num_attention_heads=5,
+            num_key_value_heads=1,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=5,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters=dict(
+                sliding_attention=dict(rope_type="default", rope_theta=100.0),
+                full_attention=dict(rope_type="linear", factor=4.0, rope_theta=5000.0),
+            ),
+        ),
+    ),
+    # The text model of a multimodal Gemma 3 checkpoint (tensors under language_model.);
+    # transformers' Gemma 3 ignores attn_logit_softcapping, and so must we.
+    "gemma3_multimodal_text": (
+        "Gemma3ForConditionalGeneration",
+        dict(
+            num_hidden_layers=2,
+            head_dim=16,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            attn_logit_softcapping=2.0,
+        ),
+    ),
+    # Mixtral: top-2 of 8 experts, softmax then top-k (renormalised); a single KV head.
+    "mixtral_top2_of_8": (
+        "MixtralForCausalLM",
+        dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=40,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+        ),
+    ),
+    # Qwen3-MoE: top-3 of 16 experts without renormalising (most experts get no token
+    # in a decode step), the middle layer dense (mlp_only_layers), q/k norms.
+    "qwen3_moe_top3_of_16": (
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            num_experts=16,
+            num_experts_per_tok=3,
+            moe_intermediate_size=24,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            head_dim=24,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # Qwen3-MoE whose router is zero and whose experts are all equal: every token's
+    # scores tie, and we route every token to experts 0 and 1 (lax.top_k breaks ties
+    # by the lower index; torch picks others, which compute the same).
+    "qwen3_moe_all_tokens_one_expert": (
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            _tied_router=True,
+        ),
+    ),
+    # Qwen2-MoE: top-2 of 8 experts plus a gated shared expert; layer 0 dense
+    # (decoder_sparse_step 2), q/k/v biases.
+    "qwen2_moe_shared_expert": (
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            decoder_sparse_step=2,
+            num_hidden_layers=2,
+        ),
+    ),
     "qwen3_head_dim_mismatch": (
         "Qwen3ForCausalLM",
         dict(
@@ -99,23 +200,59 @@ CASES: dict[str, tuple[str, dict]] = {
 
 
 def make_hf_model(path, arch: str, overrides: dict, *, seed: int = 0, dtype=torch.float32):
-    """Builds a random `arch` model, perturbs norms and biases, saves it HF-style."""
+    """Builds a random `arch` model, perturbs norms and biases, saves it HF-style.
+
+    `overrides` are config fields, and `_tied_router=True` (MoE): a zero router and
+    all experts equal to expert 0, so that every token's expert scores tie.
+    """
+    overrides = dict(overrides)
+    tied_router = overrides.pop("_tied_router", False)
     cfg_cls = {
         "LlamaForCausalLM": transformers.LlamaConfig,
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "Gemma2ForCausalLM": transformers.Gemma2Config,
+        "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+        "Gemma3ForConditionalGeneration": transformers.Gemma3Config,
+        "MixtralForCausalLM": transformers.MixtralConfig,
+        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+        "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
     }[arch]
-    config = cfg_cls(**{**BASE, **overrides})
+    if arch == "Gemma3ForConditionalGeneration":  # a tiny vision tower beside the text model
+        vision = dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        )
+        config = cfg_cls(
+            text_config={**BASE, **overrides}, vision_config=vision, mm_tokens_per_image=4
+        )
+    else:
+        config = cfg_cls(**{**BASE, **overrides})
     config.architectures = [arch]
     torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config).eval()
+    gemma = arch.startswith("Gemma")
+    # Eager attention: Gemma 3's default (sdpa) silently drops the attention soft-cap.
+    kw = dict(attn_implementation="eager") if gemma else {}
+    model = getattr(transformers, arch)._from_config(config, **kw).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:  # HF inits these to ones; make them matter.
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            if "vision_tower" in name:
+                continue
+            if "norm" in name:  # HF inits these to ones (Gemma: zeros); make them matter.
+                p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+        if tied_router:
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.zero_()
+                elif ".experts." in name:  # fused [E, ...] in transformers 5
+                    p.copy_(p[:1].expand_as(p))
     model = model.to(dtype)
     model.save_pretrained(path, safe_serialization=True)
     return model

@@ -4,7 +4,9 @@ The model is built abstractly (`nnx.eval_shape`: no weights allocated), then eac
 parameter is read from the safetensors files by the name the model class gives
 (`checkpoint_key`), checked for shape, cast to the serving dtype and placed with
 its sharding. Single files and sharded checkpoints (`model.safetensors.index.json`)
-are both read; bf16, fp16 and fp32 tensors are all accepted.
+are both read; bf16, fp16 and fp32 tensors are all accepted. A name with `{}`
+(an MoE layer's stacked experts) is one tensor per index of the parameter's
+first axis, stacked on reading and split on saving.
 """
 
 from __future__ import annotations
@@ -94,19 +96,24 @@ def load_model(
                 handles[file] = stack.enter_context(safe_open(file, framework="flax"))
             return handles[file].get_tensor(name)
 
-        def load(tree_path, leaf, sharding=None):
-            name, transpose = cls.checkpoint_key(_path_of(tree_path))
+        def read_one(name: str, transpose: bool) -> jax.Array:
             if name not in files:
                 raise ValueError(f"checkpoint in {model_dir!r} has no tensor {name!r}")
+            used.add(name)
             x = read(name)
-            if transpose:
-                x = x.T
+            return x.T if transpose else x
+
+        def load(tree_path, leaf, sharding=None):
+            name, transpose = cls.checkpoint_key(_path_of(tree_path))
+            if "{}" in name:  # stacked: one tensor per index of the first axis
+                x = jnp.stack([read_one(name.format(i), transpose) for i in range(leaf.shape[0])])
+            else:
+                x = read_one(name, transpose)
             if x.shape != leaf.shape:
                 raise ValueError(
                     f"tensor {name!r} has shape {x.shape}, the model expects {leaf.shape} "
                     "(does config.json match the weights?)"
                 )
-            used.add(name)
             x = x.astype(leaf.dtype)
             return jax.device_put(x, sharding) if sharding is not None else x
 
@@ -140,8 +147,10 @@ def save_weights(model: nnx.Module, model_dir: str, *, dtype: str | None = None)
     tensors = {}
     for tree_path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
         name, transpose = cls.checkpoint_key(_path_of(tree_path))
-        x = x.T if transpose else x
-        tensors[name] = jnp.asarray(x, dtype) if dtype else jnp.asarray(x)
+        parts = [(name.format(i), x[i]) for i in range(x.shape[0])] if "{}" in name else [(name, x)]
+        for part_name, part in parts:
+            part = part.T if transpose else part
+            tensors[part_name] = jnp.asarray(part, dtype) if dtype else jnp.asarray(part)
     os.makedirs(model_dir, exist_ok=True)
     path = os.path.join(model_dir, "model.safetensors")
     save_file(tensors, path, metadata={"format": "pt"})

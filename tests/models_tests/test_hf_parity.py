@@ -32,7 +32,7 @@ def _top5(logits: np.ndarray) -> set[int]:
 def test_prompt_logits_match_transformers(case, hf_model_dir):
     path, hf = hf_model_dir(case)
     runner = ModelRunner(engine_config(path, page_size=PAGE))
-    prompts = _prompts(hf.config.vocab_size)
+    prompts = _prompts(hf.config.get_text_config().vocab_size)
     # All prompts in one ragged step, each on its own scrambled pages.
     rs = np.random.RandomState(1)
     free = rs.permutation(np.arange(1, runner.num_pages)).tolist()
@@ -68,7 +68,7 @@ def check_outputs_close(ours, theirs, our_logits_fn, their_logits_fn, prompt) ->
 def test_greedy_generation_matches_transformers(case, hf_model_dir):
     path, hf = hf_model_dir(case)
     engine = LLMEngine(engine_config(path, page_size=PAGE))
-    prompts = _prompts(hf.config.vocab_size, seed=2)
+    prompts = _prompts(hf.config.get_text_config().vocab_size, seed=2)
     max_tokens = 32
     outputs = greedy(engine, prompts, max_tokens)
     for prompt, ours in zip(prompts, outputs, strict=True):

@@ -19,12 +19,14 @@ def _dense_attention(
     queries, keys, values, kv_cache, md, *, sm_scale, sliding_window=None, soft_cap=None
 ):
     """Plain causal attention over this step's own tokens: one whole sequence, no pages."""
-    del md, soft_cap
+    del md
     t, n, _ = queries.shape
     k_heads = keys.shape[1]
     k = jnp.repeat(keys, n // k_heads, axis=1)
     v = jnp.repeat(values, n // k_heads, axis=1)
     s = jnp.einsum("qnh,knh->nqk", queries, k) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
     pos = jnp.arange(t)
     mask = pos[None, :] <= pos[:, None]
     if sliding_window is not None:
@@ -45,7 +47,16 @@ def dense_backend(monkeypatch):
     return "dense"
 
 
-@pytest.mark.parametrize("case", ["mistral_sliding_window", "qwen2_14_to_2", "llama2_mha"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "mistral_sliding_window",
+        "qwen2_14_to_2",
+        "llama2_mha",
+        "gemma2_window_softcap",  # local and global layers, soft-caps
+        "qwen3_moe_top3_of_16",  # experts: each chunk routes differently
+    ],
+)
 @pytest.mark.parametrize("chunk", [1, 7, 16])
 def test_chunked_prefill_on_scrambled_pages_equals_dense(case, chunk, hf_model_dir, dense_backend):
     path, _ = hf_model_dir(case)

@@ -13,8 +13,43 @@ def test_supported_architectures():
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Gemma3ForConditionalGeneration",
+        "MixtralForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Qwen2MoeForCausalLM",
     } <= set(supported_architectures())
     assert get_model_class("MistralForCausalLM") is LlamaForCausalLM
+
+
+@pytest.mark.parametrize(
+    "arch,path,want",
+    [
+        (
+            "Gemma2ForCausalLM",
+            ("model", "layers", 3, "pre_feedforward_layernorm", "weight"),
+            ("model.layers.3.pre_feedforward_layernorm.weight", False),
+        ),
+        (
+            "Gemma3ForConditionalGeneration",
+            ("model", "layers", 0, "self_attn", "q_norm", "weight"),
+            ("language_model.model.layers.0.self_attn.q_norm.weight", False),
+        ),
+        (
+            "MixtralForCausalLM",
+            ("model", "layers", 1, "block_sparse_moe", "experts", "w3"),
+            ("model.layers.1.block_sparse_moe.experts.{}.w3.weight", True),
+        ),
+        (
+            "Qwen3MoeForCausalLM",
+            ("model", "layers", 2, "mlp", "gate", "kernel"),
+            ("model.layers.2.mlp.gate.weight", True),
+        ),
+    ],
+)
+def test_checkpoint_names_of_the_new_families(arch, path, want):
+    assert get_model_class(arch).checkpoint_key(path) == want
 
 
 def test_unknown_architecture_lists_the_supported_ones():

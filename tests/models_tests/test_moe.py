@@ -1,0 +1,140 @@
+"""The grouped MoE (both grouped matmuls) against the dense all-experts reference, a plain
+numpy definition, and the router."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.layers import ACTIVATIONS
+from models.moe import GROUPED_MATMULS, MOE_IMPLS, moe_dense, route, tile_rows
+
+NUM_EXPERTS, DIM, HIDDEN = 6, 24, 40  # odd sizes
+SILU = ACTIVATIONS["silu"]
+
+
+def _weights(seed=0, dtype=np.float32):
+    rs = np.random.RandomState(seed)
+    e, d, i = NUM_EXPERTS, DIM, HIDDEN
+    return tuple(
+        (0.2 * rs.randn(*shape)).astype(dtype) for shape in ((e, d, i), (e, d, i), (e, i, d))
+    )
+
+
+def _numpy_moe(x, ids, weights, w_gate, w_up, w_down):
+    """Token by token, expert by expert: the plain definition."""
+    out = np.zeros_like(x, dtype=np.float64)
+    for t in range(x.shape[0]):
+        for e, w in zip(ids[t], weights[t], strict=True):
+            h = np.asarray(SILU(x[t] @ w_gate[e])) * (x[t] @ w_up[e])
+            out[t] += w * (h @ w_down[e])
+    return out
+
+
+def _check(ids, weights, x, tol=1e-5):
+    ws = _weights()
+    want = _numpy_moe(x, np.asarray(ids), np.asarray(weights), *ws)
+    for name, impl in MOE_IMPLS.items():
+        got = jax.jit(impl, static_argnums=6)(x, ids, weights, *ws, SILU)
+        np.testing.assert_allclose(np.asarray(got), want, atol=tol, rtol=tol, err_msg=name)
+
+
+@pytest.mark.parametrize("t,k", [(1, 1), (1, 2), (13, 2), (40, 3), (300, 2)])
+def test_random_routing(t, k):
+    rs = np.random.RandomState(t * 10 + k)
+    x = rs.randn(t, DIM).astype(np.float32)
+    ids = np.stack([rs.choice(NUM_EXPERTS, k, replace=False) for _ in range(t)]).astype(np.int32)
+    _check(ids, rs.rand(t, k).astype(np.float32), x)
+
+
+def test_all_tokens_pick_the_same_expert():
+    rs = np.random.RandomState(1)
+    x = rs.randn(17, DIM).astype(np.float32)
+    ids = np.full((17, 1), 4, np.int32)  # one group of 17 rows (several tiles), five empty
+    _check(ids, np.ones((17, 1), np.float32), x)
+
+
+def test_some_experts_get_no_tokens():
+    rs = np.random.RandomState(2)
+    x = rs.randn(9, DIM).astype(np.float32)
+    first = rs.choice([1, 5], size=9)
+    ids = np.stack([first, np.where(first == 1, 5, 1)], axis=1).astype(np.int32)  # 0, 2-4: none
+    _check(ids, rs.rand(9, 2).astype(np.float32), x)
+
+
+@pytest.mark.parametrize("gmm", sorted(GROUPED_MATMULS))
+@pytest.mark.parametrize("sizes", [[0, 0, 21, 0], [1, 0, 0, 0], [3, 9, 0, 17], [0, 0, 0, 0]])
+def test_grouped_matmul_equals_per_group_dots(gmm, sizes):
+    rs = np.random.RandomState(5)
+    lhs = rs.randn(sum(sizes) or 1, 12).astype(np.float32)  # 0 rows: one row, no group
+    rhs = rs.randn(len(sizes), 12, 7).astype(np.float32)
+    got = np.asarray(jax.jit(GROUPED_MATMULS[gmm])(lhs, rhs, np.asarray(sizes, np.int32)))
+    bounds = np.cumsum([0, *sizes])
+    for e in range(len(sizes)):
+        lo, hi = bounds[e], bounds[e + 1]
+        np.testing.assert_allclose(got[lo:hi], lhs[lo:hi] @ rhs[e], atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(got[bounds[-1] :], 0.0)  # rows in no group
+
+
+def test_tile_size_follows_rows_per_expert():
+    assert tile_rows(2, 8) == 8  # a decode: the minimum
+    assert tile_rows(4096, 128) == 32
+    assert tile_rows(1 << 16, 8) == 128  # the maximum
+
+
+def test_bfloat16_weights_accumulate_in_float32():
+    rs = np.random.RandomState(3)
+    x = rs.randn(8, DIM).astype(jnp.bfloat16)
+    ids = np.stack([rs.choice(NUM_EXPERTS, 2, replace=False) for _ in range(8)]).astype(np.int32)
+    w = rs.rand(8, 2).astype(np.float32)
+    ws = _weights(dtype=jnp.bfloat16)
+    tiles = jax.jit(functools.partial(MOE_IMPLS["tiles"], act=SILU))(x, ids, w, *ws)
+    dense = jax.jit(functools.partial(moe_dense, act=SILU))(x, ids, w, *ws)
+    assert tiles.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        np.asarray(tiles, np.float32), np.asarray(dense, np.float32), atol=3e-2, rtol=3e-2
+    )
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_is_softmax_then_top_k(norm):
+    rs = np.random.RandomState(4)
+    logits = rs.randn(7, NUM_EXPERTS).astype(np.float32)
+    ids, weights = route(jnp.asarray(logits), 3, norm_topk_prob=norm)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want_ids = np.argsort(-probs, axis=-1)[:, :3]
+    want = np.take_along_axis(probs, want_ids, -1)
+    if norm:
+        want /= want.sum(-1, keepdims=True)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-6)
+
+
+def test_route_breaks_ties_by_the_lower_expert():
+    ids, weights = route(jnp.zeros((3, NUM_EXPERTS)), 2, norm_topk_prob=True)
+    np.testing.assert_array_equal(np.asarray(ids), [[0, 1]] * 3)
+    np.testing.assert_allclose(np.asarray(weights), 0.5)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("impl", ["ragged_dot", "tiles"])
+def test_grouped_moe_lowers_for_accelerators(platform, impl):
+    """On TPU and GPU `ragged_dot` stays XLA's native ragged dot (on the CPU JAX expands
+    it into a masked dense dot, which is why "auto" picks "tiles" there)."""
+    from jax import export
+
+    sds = jax.ShapeDtypeStruct
+    args = (
+        sds((16, DIM), jnp.bfloat16),
+        sds((16, 2), jnp.int32),
+        sds((16, 2), jnp.float32),
+        sds((NUM_EXPERTS, DIM, HIDDEN), jnp.bfloat16),
+        sds((NUM_EXPERTS, DIM, HIDDEN), jnp.bfloat16),
+        sds((NUM_EXPERTS, HIDDEN, DIM), jnp.bfloat16),
+    )
+    fn = jax.jit(functools.partial(MOE_IMPLS[impl], act=SILU))
+    text = export.export(fn, platforms=[platform])(*args).mlir_module()
+    assert ("chlo.ragged_dot" in text) == (impl == "ragged_dot")
