@@ -24,6 +24,7 @@ from jaxserve import parallel
 from jaxserve.parallel import make_mesh
 from jaxserve.runner.input_batch import SeqWork
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.step import StepInput, forward
 from models.moe import Experts, route
 
 
@@ -74,10 +75,14 @@ def check_model(model_dir: str, mesh) -> None:
     spec = next(iter(experts.values()))[...].sharding.spec
     print("experts sharded as", spec)
     assert spec[0] == "model", spec
-    np.testing.assert_allclose(logits(runner), want, atol=2e-5, rtol=1e-5)
-    runner = ModelRunner(config, mesh=mesh)
-    with jax.set_mesh(mesh):
-        got = logits(runner)
+    # The runner traces its steps under its mesh: the experts run expert-parallel.
+    batch = runner.build(work, all_logits=True)
+    with runner._on_mesh():  # the context every step of the runner is traced in
+        text = forward.lower(
+            runner.model_def, runner.weights, runner.kv_caches, StepInput.from_host(batch)
+        ).as_text()
+    assert "manual_computation" in text or "shard_map" in text, "no expert-parallel region"
+    got = logits(runner)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     print("model: expert + tensor parallel logits equal, max diff", np.abs(got - want).max())
 

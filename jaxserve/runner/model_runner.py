@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import time
@@ -92,6 +93,7 @@ class ModelRunner:
                 "pass a jax.sharding.Mesh as mesh= to shard the model's weights"
             )
         self.config = config
+        self.mesh = mesh
         t0 = time.perf_counter()
         if jax.default_backend() == "cpu" and not _fast_on_this_cpu(config.dtype):
             logger.warning(
@@ -186,15 +188,23 @@ class ModelRunner:
 
     # ------------------------------------------------------------------- steps
 
+    def _on_mesh(self):
+        """The mesh as the tracing context of the steps, so layers that schedule their
+        own collectives (expert parallelism's shard_map) see it; no mesh: nothing."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
     def _forward(self, batch: HostBatch):
-        selected, prompt_lp, self.kv_caches = forward(
-            self.model_def, self.weights, self.kv_caches, StepInput.from_host(batch)
-        )
+        with self._on_mesh():
+            selected, prompt_lp, self.kv_caches = forward(
+                self.model_def, self.weights, self.kv_caches, StepInput.from_host(batch)
+            )
         return selected, prompt_lp
 
     def execute(self, batch: HostBatch) -> jax.Array:
         """Runs one step; returns the selected rows' logits (float32, on device)."""
-        return logits_step(self.model_def, self.weights, self._forward(batch)[0])
+        selected = self._forward(batch)[0]
+        with self._on_mesh():
+            return logits_step(self.model_def, self.weights, selected)
 
     def dispatch(
         self, batch: HostBatch, sampling: SamplingMetadata | Callable[[], SamplingMetadata]
@@ -211,7 +221,8 @@ class ModelRunner:
         selected, prompt_lp = self._forward(batch)
         if callable(sampling):
             sampling = sampling()
-        out = sample_step(self.model_def, self.weights, selected, sampling)
+        with self._on_mesh():
+            out = sample_step(self.model_def, self.weights, selected, sampling)
         if not (batch.prompt_targets >= 0).any():
             prompt_lp = None  # computed as zeros; not worth the transfer
         if self.warmed_up and self.compiles.count != before and self.config.compile_guard:
@@ -246,16 +257,19 @@ class ModelRunner:
         total = len(self.token_buckets) + num_sampling
         bar = tqdm(total=2 * total, desc=f"warm-up: tracing, then compiling {total} programs")
         lowered = []
-        for t in self.token_buckets:
-            batch = _abstract_tree(StepInput.from_host(self.build([], token_bucket=t)))
-            lowered.append(forward.lower(self.model_def, self.weights, self.kv_caches, batch))
-            bar.update(1)
-        selected = lowered[0].out_info[0]  # [R, D] whatever the token bucket
-        for b in self.row_buckets:
-            for history in (False, True):
-                sampling = _abstract_tree(self.build_sampling([], b, with_history=history))
-                lowered.append(sample_step.lower(self.model_def, self.weights, selected, sampling))
+        with self._on_mesh():  # traced in the context the steps run in
+            for t in self.token_buckets:
+                batch = _abstract_tree(StepInput.from_host(self.build([], token_bucket=t)))
+                lowered.append(forward.lower(self.model_def, self.weights, self.kv_caches, batch))
                 bar.update(1)
+            selected = lowered[0].out_info[0]  # [R, D] whatever the token bucket
+            for b in self.row_buckets:
+                for history in (False, True):
+                    sampling = _abstract_tree(self.build_sampling([], b, with_history=history))
+                    lowered.append(
+                        sample_step.lower(self.model_def, self.weights, selected, sampling)
+                    )
+                    bar.update(1)
         num_extra = 0
         if extra is not None:
             more = extra(_abstract_tree)
