@@ -20,9 +20,11 @@ Speculative decoding: a row with a `draft` token verifies it against the row's
 processed distribution p (the same processing as a normal draw). Proposals are
 deterministic (q one-hot), so the standard rejection rule reads: accept the draft
 with probability p(draft); on rejection, draw from p with the draft removed,
-renormalized (normalize(max(0, p - q))). The emitted token is then distributed
-exactly as p. Greedy rows accept when the argmax equals the draft. A row without
-a draft draws as usual (the bonus token after a fully accepted run).
+renormalized (normalize(max(0, p - q))). `verify` realises it with the row's own
+draw: the emitted token is always distributed exactly as p, and is the token the
+row would emit without speculation. Greedy rows accept when the argmax equals
+the draft. A row without a draft draws as usual (the bonus token after a fully
+accepted run).
 """
 
 from __future__ import annotations
@@ -84,9 +86,8 @@ def _top_k_top_p(logits, md: SamplingMetadata):
 
 
 def _draw(x, md: SamplingMetadata):
-    """Temperature, min-p, top-k/top-p, then a Gumbel-max draw from each row's own key;
-    a row with a draft accepts it with probability p(draft) instead, and on rejection
-    draws with the draft excluded. Returns (tokens, accepted)."""
+    """Temperature, min-p, top-k/top-p, then a Gumbel-max draw from each row's own
+    key, which also decides a row's draft (`verify`). Returns (tokens, accepted)."""
     v = x.shape[1]
     greedy = md.temperature <= 0.0
     x = x / jnp.where(greedy, 1.0, md.temperature)[:, None]
@@ -95,33 +96,28 @@ def _draw(x, md: SamplingMetadata):
     needs_sort = jnp.any(((md.top_k > 0) & (md.top_k < v)) | (md.top_p < 1.0))
     x = lax.cond(needs_sort, _top_k_top_p, lambda x, md: x, x, md)
 
-    def randomness(seed, position):
+    def gumbel(seed, position):
         key = jax.random.fold_in(jax.random.key(seed), position)
-        uniform = jax.random.uniform(jax.random.fold_in(key, _ACCEPT_STREAM), ())
-        return jax.random.gumbel(key, (v,), jnp.float32), uniform
+        return jax.random.gumbel(key, (v,), jnp.float32)
 
-    noise, uniform = jax.vmap(randomness)(md.seed, md.position)
-    return verify(x, md.draft, noise, uniform)
+    return verify(x, md.draft, jax.vmap(gumbel)(md.seed, md.position))
 
 
-_ACCEPT_STREAM = 0x5EED  # the acceptance draw's key: fold_in(the row's key, this)
+def verify(x, draft, noise):
+    """The rejection rule for deterministic proposals (q one-hot), on processed logits
+    x [B, V] (-inf where excluded) and each row's Gumbel noise [B, V].
 
-
-def verify(x, draft, noise, uniform):
-    """The rejection rule for deterministic proposals, on processed logits x [B, V]
-    (-inf where excluded), Gumbel noise [B, V] and a uniform [B] per row.
-
-    Rows without a draft (-1) take the Gumbel-max draw: a sample of p = softmax(x).
-    A drafted row accepts its draft when uniform < p(draft); otherwise it draws from
-    p with the draft removed. Returns (tokens [B] i32, accepted [B] bool).
+    The row's token is its Gumbel-max draw t = argmax(x + noise), a sample of
+    p = softmax(x), and its draft is accepted when t equals it. That is the standard
+    rule read for a one-hot q: the draft is accepted with probability p(draft), and
+    on rejection t is distributed as p with the draft removed, renormalized
+    (normalize(max(0, p - q))). As it couples the verdict to the draw a row makes
+    anyway, a seeded request emits the same tokens whether or not its step
+    speculated (speculation depends on the batch). Returns (tokens [B] i32,
+    accepted [B] bool); rows without a draft (-1) are never accepted.
     """
-    has_draft = draft >= 0
-    safe = jnp.maximum(draft, 0)[:, None]
-    p_draft = jnp.take_along_axis(jax.nn.softmax(x, axis=-1), safe, axis=-1)[:, 0]
-    accepted = has_draft & (uniform < p_draft)
-    is_draft = has_draft[:, None] & (jnp.arange(x.shape[1])[None, :] == draft[:, None])
-    recovered = jnp.argmax(jnp.where(is_draft, -jnp.inf, x) + noise, axis=-1)
-    return jnp.where(accepted, draft, recovered).astype(jnp.int32), accepted
+    tokens = jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
+    return tokens, (draft >= 0) & (tokens == draft)
 
 
 def _penalized(md: SamplingMetadata) -> jax.Array:

@@ -83,14 +83,15 @@ def test_proposals_equal_the_draft_models_own_greedy_continuation(monkeypatch):
     assert len(checked) >= 6
 
 
-def test_seeded_sampling_is_the_same_alone_or_in_a_busy_batch():
-    llm = LLM(**BASE, **draft(3))
+def test_seeded_sampling_is_the_same_alone_busy_or_without_speculation():
+    llm = LLM(**BASE, **draft(3, disable_by_batch_size=2))
     sp = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=5, ignore_eos=True)
     alone = llm.generate(PROMPTS[:1], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.engine.stats().spec_decode_num_drafts > 0
     busy = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)] * 4
     outs = llm.generate(PROMPTS[:5], [sp, *busy], use_tqdm=False)
-    assert outs[0].outputs[0].token_ids == alone
-    assert llm.engine.stats().spec_decode_num_drafts > 0
+    plain = LLM(**BASE).generate(PROMPTS[:1], sp, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone == plain[0].outputs[0].token_ids
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
