@@ -9,12 +9,13 @@ running sequence is preempted: its pages are released (its full pages stay in
 the prefix cache) and it is recomputed later.
 
 Speculative decoding: a decoding sequence with proposed tokens
-(`Sequence.spec_token_ids`) takes them as extra query tokens within the budget,
-unless more than `spec_max_batch` sequences are running (a compute-bound step,
-where verifying costs more than it saves) or the pool is short of pages (drafts
-go before anyone is preempted). After the step, `on_computed` keeps only the
-accepted drafts' KV: `num_computed` stops at the first rejection and pages past
-the sequence's tokens go back to the pool, so an unverified token is never cached.
+(`Sequence.spec_token_ids`) takes them as extra query tokens, from the budget
+and the pages left once every running sequence has its real tokens, unless more
+than `spec_max_batch` sequences are running (a compute-bound step, where
+verifying costs more than it saves). Nobody is preempted for a draft. After the
+step, `on_computed` keeps only the accepted drafts' KV: `num_computed` stops at
+the first rejection and pages past the sequence's tokens go back to the pool, so
+an unverified token is never cached.
 """
 
 from __future__ import annotations
@@ -118,16 +119,10 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim)
 
-        speculate = len(self.running) <= self.spec_max_batch
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
-            draft: tuple[int, ...] = ()
-            if n == 1 and seq.num_computed == seq.num_tokens - 1 and speculate:
-                draft = tuple(seq.spec_token_ids[: budget - 1])
-                if draft and not self._grow(seq, seq.num_tokens + len(draft)):
-                    draft = ()  # short of pages: no drafts before anyone is preempted
             while not self._grow(seq, seq.num_computed + n):
                 victim = max(self.running[i:], key=Sequence.sort_key)
                 self._preempt(victim)
@@ -135,10 +130,12 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledSeq(seq, seq.num_computed, n + len(draft), draft))
-                budget -= n + len(draft)
+                scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+                budget -= n
                 i += 1
 
+        if len(self.running) <= self.spec_max_batch:
+            budget = self._add_drafts(scheduled, budget)
         if not preempted:
             budget = self._admit(budget, scheduled)
         return SchedulerOutput(scheduled, preempted)
@@ -183,6 +180,26 @@ class Scheduler:
             bisect.insort(self.waiting, seq, key=Sequence.sort_key)
         return budget
 
+    def _add_drafts(self, scheduled: list[ScheduledSeq], budget: int) -> int:
+        """Gives decoding sequences their proposed tokens from what the real tokens
+        left: the budget and the free pages (a sequence that cannot get pages for
+        all of its drafts takes those its pages already hold; nobody is preempted
+        for a draft). Returns the budget left."""
+        page = self.page_size
+        for j, item in enumerate(scheduled):
+            seq = item.seq
+            if budget <= 0:
+                break
+            if not seq.spec_token_ids or item.num_tokens != 1 or not item.samples:
+                continue
+            draft = seq.spec_token_ids[:budget]
+            if not self._grow(seq, seq.num_tokens + len(draft)):
+                draft = draft[: len(seq.pages) * page - seq.num_tokens]
+            if draft:
+                scheduled[j] = ScheduledSeq(seq, item.start, 1 + len(draft), tuple(draft))
+                budget -= len(draft)
+        return budget
+
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Gives `seq` pages for `num_tokens` tokens; False if the pool cannot."""
         need = -(-num_tokens // self.page_size) - len(seq.pages)
@@ -210,7 +227,7 @@ class Scheduler:
         seq = item.seq
         seq.num_computed = item.start + item.num_tokens - len(item.draft) + num_accepted
         page = self.page_size
-        if item.draft and not seq.finished:
+        if item.draft:
             # The rejected drafts' pages: those past the sequence's tokens.
             keep = -(-seq.num_tokens // page)
             self.pool.free(seq.pages[keep:])

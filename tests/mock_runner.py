@@ -41,6 +41,7 @@ class MockRunner:
             max_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs,
             lookahead=config.num_lookahead,
+            max_speculating=config.speculative.disable_by_batch_size if config.speculative else 0,
         )
         self.weight_bytes = 0
         self.warmup_seconds = 0.0

@@ -50,14 +50,22 @@ class StepShapes:
 
     @classmethod
     def make(
-        cls, *, min_token_bucket: int, max_tokens: int, max_num_seqs: int, lookahead: int = 0
+        cls,
+        *,
+        min_token_bucket: int,
+        max_tokens: int,
+        max_num_seqs: int,
+        lookahead: int = 0,
+        max_speculating: int = 0,
     ) -> StepShapes:
-        """Powers of two; with `lookahead` drafts per sequence, a sequence samples
-        1 + lookahead rows, and a lone speculating sequence's step (1 + lookahead
-        tokens and rows) gets buckets of its own size, not the next power of two."""
+        """Powers of two. With `lookahead` drafts per sequence for at most
+        `max_speculating` sequences (speculation is off above), a step samples at
+        most S + min(S, max_speculating) * lookahead rows, and a lone speculating
+        sequence's step (1 + lookahead tokens and rows) gets buckets of its own
+        size, not the next power of two."""
         tokens = pow2_buckets(min_token_bucket, max_tokens)
         max_seqs = pow2_buckets(1, max_num_seqs)[-1]
-        rows = pow2_buckets(1, max_seqs * (1 + lookahead))
+        rows = pow2_buckets(1, max_seqs + min(max_seqs, max_speculating) * lookahead)
         if lookahead:
             one = 1 + lookahead
             rows = tuple(sorted({*rows, one}))

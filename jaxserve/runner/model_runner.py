@@ -119,6 +119,7 @@ class ModelRunner:
             max_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs,
             lookahead=config.num_lookahead,
+            max_speculating=config.speculative.disable_by_batch_size if config.speculative else 0,
         )
         self.token_buckets, self.row_buckets = self.shapes.token_buckets, self.shapes.row_buckets
         self.history_len = config.pages_per_seq * config.cache.page_size

@@ -53,7 +53,10 @@ def test_step_shapes_give_a_lone_speculating_sequence_its_own_bucket():
     plain = StepShapes.make(min_token_bucket=1, max_tokens=64, max_num_seqs=12)
     assert plain.token_buckets == (1, 2, 4, 8, 16, 32, 64)
     assert plain.max_seqs == 16 and plain.row_buckets == (1, 2, 4, 8, 16)
-    spec = StepShapes.make(min_token_bucket=1, max_tokens=64, max_num_seqs=12, lookahead=4)
+    spec = StepShapes.make(
+        min_token_bucket=1, max_tokens=64, max_num_seqs=12, lookahead=4, max_speculating=8
+    )
     assert spec.token_buckets == (1, 2, 4, 5, 8, 16, 32, 64)
-    assert spec.row_buckets == (1, 2, 4, 5, 8, 16, 32, 64, 128)  # 16 sequences x 5 rows
-    assert spec.max_rows == 128 and spec.max_seqs == 16
+    # 16 sequences, 8 of them with 4 drafts: 48 rows at most
+    assert spec.row_buckets == (1, 2, 4, 5, 8, 16, 32, 64)
+    assert spec.max_rows == 64 and spec.max_seqs == 16
