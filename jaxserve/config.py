@@ -136,6 +136,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: str | None = None
     disable_by_batch_size: int = 8
+    # draft_model: the draft's architecture, read from `model` (sizes its KV pages).
+    draft: ModelConfig | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -165,6 +167,8 @@ class SpeculativeConfig:
                 "speculative_config.disable_by_batch_size must be a positive integer, "
                 f"got {self.disable_by_batch_size!r}"
             )
+        if self.model is not None and self.draft is None:
+            object.__setattr__(self, "draft", ModelConfig.from_pretrained(self.model))
 
     @classmethod
     def make(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
@@ -173,7 +177,7 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict, got {value!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"draft"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(
@@ -220,6 +224,13 @@ class EngineConfig:
             )
         if self.max_logit_bias <= 0:
             raise ValueError(f"max_logit_bias must be positive, got {self.max_logit_bias}")
+        draft = self.speculative.draft if self.speculative else None
+        if draft is not None and draft.vocab_size != self.model.vocab_size:
+            raise ValueError(
+                f"speculative_config.model {self.speculative.model!r} has a vocabulary of "
+                f"{draft.vocab_size} tokens, the target {self.model.vocab_size}: a draft "
+                "model must share the target's tokenizer"
+            )
 
     @property
     def num_lookahead(self) -> int:
@@ -236,9 +247,16 @@ class EngineConfig:
         return math.ceil(self.max_model_len / self.cache.page_size)
 
     def kv_bytes_per_page(self) -> int:
+        """Bytes one page holds over every layer: the target's, and a draft model's
+        (its KV arrays share the target's page tables, so each page has both)."""
         itemsize = 4 if self.kv_dtype == "float32" else 2
-        m = self.model
-        return m.num_layers * self.cache.page_size * 2 * m.num_kv_heads * m.head_dim * itemsize
+        models = [self.model]
+        if self.speculative is not None and self.speculative.draft is not None:
+            models.append(self.speculative.draft)
+        return sum(
+            m.num_layers * self.cache.page_size * 2 * m.num_kv_heads * m.head_dim * itemsize
+            for m in models
+        )
 
     def num_kv_pages(self, device_memory: tuple[int, int] | None = None) -> int:
         """The pool size in pages, null page included.

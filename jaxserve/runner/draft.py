@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 from jaxserve.checkpoint import load_model
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig
 from jaxserve.request import Sequence
 from jaxserve.runner.input_batch import SeqWork, StepShapes, build_batch, pick_bucket
 from jaxserve.runner.step import ModelDef, StepInput, forward
@@ -105,13 +105,7 @@ class DraftRunner:
             shapes,
             compiles,
         )
-        draft_config = ModelConfig.from_pretrained(spec.model)
-        if draft_config.vocab_size != config.model.vocab_size:
-            raise ValueError(
-                f"speculative_config.model {spec.model!r} has a vocabulary of "
-                f"{draft_config.vocab_size} tokens, the target {config.model.vocab_size}: a "
-                "draft model must share the target's tokenizer"
-            )
+        draft_config = spec.draft  # its vocabulary checked against the target's there
         t0 = time.perf_counter()
         model = load_model(
             spec.model,

@@ -122,3 +122,22 @@ def test_no_compilation_after_warm_up_with_a_draft_model():
     llm.generate([long_prompt], GREEDY, use_tqdm=False)
     assert llm.engine.stats().spec_decode_num_drafts > 0
     assert llm.engine.runner.compiles.count == compiled
+
+
+def test_the_kv_budget_pays_for_the_drafts_pages_too():
+    from jaxserve.config import ModelConfig, engine_config
+
+    target, tiny = resolve_model_dir("demo-model"), resolve_model_dir("demo-model-tiny")
+    plain = engine_config(
+        target, ModelConfig.from_pretrained(target), kv_cache_memory_bytes=1 << 24
+    )
+    spec = engine_config(
+        target,
+        ModelConfig.from_pretrained(target),
+        kv_cache_memory_bytes=1 << 24,
+        speculative_config=dict(method="draft_model", model=tiny, num_speculative_tokens=2),
+    )
+    d = ModelConfig.from_pretrained(tiny)
+    draft_bytes = d.num_layers * 16 * 2 * d.num_kv_heads * d.head_dim * 4
+    assert spec.kv_bytes_per_page() == plain.kv_bytes_per_page() + draft_bytes
+    assert spec.num_kv_pages() < plain.num_kv_pages()
