@@ -14,8 +14,12 @@ feeding the token the previous one chose (greedy: the proposals are
 deterministic, so the sampler's rejection rule for one-hot proposals keeps the
 output distribution exact). After verification `draft_computed` moves back to
 the tokens the target accepted; what the draft wrote past them is overwritten
-the next time those positions are fed. A wrong draft K/V (a page cached by a
-sequence that did not speculate) can only cost acceptance, never correctness.
+the next time those positions are fed. A sequence starts (and restarts after a
+preemption) with `draft_computed` 0, so the draft recomputes even a prefix the
+target found cached (writing the same values into the shared pages): the
+catch-up is a prefill of the draft model, not yet counted against the step's
+token budget. Whatever the draft's K/V, verification keeps outputs exact; only
+acceptance depends on it.
 """
 
 from __future__ import annotations
