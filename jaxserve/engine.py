@@ -35,6 +35,8 @@ from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+COMPILATION_CACHE_BYTES = 4 << 30  # the persistent compilation cache's bound
+
 
 @dataclasses.dataclass(eq=False)
 class _Request:
@@ -86,6 +88,11 @@ class LLMEngine:
 
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            # Processes share the cache (servers, CLI runs, tests). Unbounded, JAX
+            # writes entries unlocked and another process can read one half-written,
+            # which crashed a reader (a segfault deserializing it). Bounded, it
+            # evicts the least recently used and locks (filelock) every read and write.
+            jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
         self.runner = runner if runner is not None else ModelRunner(config, mesh)
         self.pool = PagePool(
             self.runner.num_pages, enable_prefix_caching=config.scheduler.enable_prefix_caching
