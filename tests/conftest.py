@@ -33,3 +33,23 @@ def tiny_model_dir(tmp_path_factory):
     model = make_hf_model(path, "LlamaForCausalLM", dict(vocab_size=320))
     save_tokenizer(path, vocab_size=model.config.vocab_size)
     return str(path)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_persistent_compilation_cache():
+    """In-process tests do not use JAX's persistent compilation cache.
+
+    Some tests compile in two threads at once (an in-process server's engine thread,
+    warm-up off, beside an offline `LLM` in the test's own thread); with the cache on,
+    the process died twice in a full run (a segfault in XLA serializing an executable
+    into the cache, once reading one back). A server compiles everything before it
+    serves, so it never does both at once. `test_compilation_cache.py` tests the cache
+    in subprocesses.
+    """
+    from jaxserve.llm import LLM
+
+    defaults = LLM.__init__.__kwdefaults__
+    saved = defaults["compilation_cache_dir"]
+    defaults["compilation_cache_dir"] = None
+    yield
+    defaults["compilation_cache_dir"] = saved
