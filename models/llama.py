@@ -112,7 +112,11 @@ class DecoderLayer(nnx.Module):
             config, layer, dtype=dtype, attention_backend=attention_backend, rngs=rngs
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
-        self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+        self.mlp = self.make_mlp(config, layer, dtype=dtype, rngs=rngs)
+
+    def make_mlp(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        """The layer's feed-forward block (mixture-of-experts families override it)."""
+        return MLP(config, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, kv_cache, md):
         h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)

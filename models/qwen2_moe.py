@@ -14,7 +14,7 @@ from flax import nnx
 
 from models import llama, qwen2
 from models.config import ModelConfig
-from models.layers import RMSNorm, linear
+from models.layers import linear
 from models.moe import SparseMoeBlock, moe_block
 from models.registry import register
 
@@ -33,31 +33,16 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         return super().__call__(x) + shared
 
 
-class Qwen2MoeDecoderLayer(nnx.Module):
-    def __init__(
-        self, config: ModelConfig, layer: int, *, dtype, attention_backend: str, rngs: nnx.Rngs
-    ):
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
-        self.self_attn = qwen2.Qwen2Attention(
-            config, layer, dtype=dtype, attention_backend=attention_backend, rngs=rngs
-        )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
+class Qwen2MoeDecoderLayer(qwen2.Qwen2DecoderLayer):
+    def make_mlp(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         moe = config.moe
-        if moe is not None and moe.sparse_layers[layer]:
-            names = ("gate_proj", "up_proj", "down_proj")
-            if moe.shared_expert_intermediate_size:
-                block = lambda dim, **kw: SharedExpertMoeBlock(dim, config=config, **kw)
-                self.mlp = moe_block(config, names, dtype=dtype, rngs=rngs, cls=block)
-            else:
-                self.mlp = moe_block(config, names, dtype=dtype, rngs=rngs)
-        else:
-            self.mlp = llama.MLP(config, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x, positions, kv_cache, md):
-        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        if moe is None or not moe.sparse_layers[layer]:
+            return super().make_mlp(config, layer, dtype=dtype, rngs=rngs)
+        names = ("gate_proj", "up_proj", "down_proj")
+        if moe.shared_expert_intermediate_size:
+            block = lambda dim, **kw: SharedExpertMoeBlock(dim, config=config, **kw)
+            return moe_block(config, names, dtype=dtype, rngs=rngs, cls=block)
+        return moe_block(config, names, dtype=dtype, rngs=rngs)
 
 
 @register("Qwen2MoeForCausalLM")

@@ -9,31 +9,16 @@ from flax import nnx
 
 from models import llama, qwen3
 from models.config import ModelConfig
-from models.layers import RMSNorm
 from models.moe import moe_block
 from models.registry import register
 
 
-class Qwen3MoeDecoderLayer(nnx.Module):
-    def __init__(
-        self, config: ModelConfig, layer: int, *, dtype, attention_backend: str, rngs: nnx.Rngs
-    ):
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
-        self.self_attn = qwen3.Qwen3Attention(
-            config, layer, dtype=dtype, attention_backend=attention_backend, rngs=rngs
-        )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
+class Qwen3MoeDecoderLayer(qwen3.Qwen3DecoderLayer):
+    def make_mlp(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         if config.moe is not None and config.moe.sparse_layers[layer]:
             names = ("gate_proj", "up_proj", "down_proj")
-            self.mlp = moe_block(config, names, dtype=dtype, rngs=rngs)
-        else:
-            self.mlp = llama.MLP(config, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x, positions, kv_cache, md):
-        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+            return moe_block(config, names, dtype=dtype, rngs=rngs)
+        return super().make_mlp(config, layer, dtype=dtype, rngs=rngs)
 
 
 @register("Qwen3MoeForCausalLM")
