@@ -3,12 +3,10 @@ sliding window with full attention, all soft-capped and scaled by query_pre_attn
 gives the reference backend's logits with each kernel (interpret mode), and its step
 lowers for TPU and CUDA with each layer's variant."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_utils import engine_config
-from test_kernels import lower
+from test_kernels import lower_engine_step
 
 from jaxserve.runner.input_batch import SeqWork
 from jaxserve.runner.model_runner import ModelRunner
@@ -35,12 +33,11 @@ def test_gemma2_layers_through_the_kernels_equal_the_reference(backend, hf_model
     np.testing.assert_allclose(_logits(path, backend), want, atol=5e-5, rtol=5e-5)
 
 
-def _gemma2_step_args(backend, head_dim):
-    from jaxserve.checkpoint import abstract_model
+@pytest.mark.parametrize("backend,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
+def test_the_gemma2_step_lowers_with_the_pallas_backend(backend, platform):
     from jaxserve.config import ModelConfig
-    from jaxserve.runner.input_batch import build_batch
-    from jaxserve.runner.step import ModelDef, StepInput
 
+    head_dim = 256  # Gemma's
     config = ModelConfig.from_hf(
         dict(
             architectures=["Gemma2ForCausalLM"],
@@ -56,35 +53,7 @@ def _gemma2_step_args(backend, head_dim):
         )
     )
     assert config.sliding_windows == (32, None) and config.attn_logit_softcap == 50.0
-    model_def, weights = ModelDef.split(
-        abstract_model(config, dtype="bfloat16", attention_backend=backend)
-    )
-    kv = [jax.ShapeDtypeStruct((32, 16, 4, head_dim), jnp.bfloat16)] * 2
-    batch = StepInput.from_host(
-        build_batch(
-            [SeqWork(list(range(20)), 0, [1, 2]), SeqWork([5], 40, [3, 4, 5])],
-            page_size=16,
-            pages_per_seq=8,
-            token_bucket=32,
-            seq_bucket=4,
-        )
-    )
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-    return model_def, (weights, kv, batch)
-
-
-@pytest.mark.parametrize("backend,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
-def test_the_gemma2_step_lowers_with_the_pallas_backend(backend, platform):
-    from jaxserve.runner.step import forward
-
-    model_def, args = _gemma2_step_args(backend, head_dim=256)  # Gemma's head_dim
-
-    def step(weights, kv, batch):
-        return forward(model_def, weights, kv, batch)
-
-    text = lower(step, args, platform).mlir_module()
-    marker = "tpu_custom_call" if platform == "tpu" else "triton"
-    assert marker in text
+    lower_engine_step(config, backend, platform)
 
 
 def test_reference_decode_reads_no_page_before_the_window():

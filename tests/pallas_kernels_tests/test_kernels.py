@@ -170,30 +170,19 @@ def test_gpu_kernels_lower(head_dim, dtype):
     assert lower(gpu.write_kv, write_args, "cuda").mlir_module()
 
 
-@pytest.mark.parametrize("backend,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
-def test_the_engine_step_lowers_with_the_pallas_backend(backend, platform):
+def lower_engine_step(config, backend: str, platform: str) -> str:
+    """The engine's forward step for `config` (abstract bf16 weights, a prefill and a
+    decode in one batch) lowered for `platform`; asserts the Pallas kernel is in it
+    and returns the MLIR text."""
     from jaxserve.checkpoint import abstract_model
-    from jaxserve.config import ModelConfig
     from jaxserve.runner.input_batch import SeqWork, build_batch
     from jaxserve.runner.step import ModelDef, StepInput, forward
 
-    config = ModelConfig.from_hf(
-        dict(
-            architectures=["Qwen2ForCausalLM"],
-            vocab_size=1024,
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            max_position_embeddings=512,
-        )
-    )
     model_def, weights = ModelDef.split(
         abstract_model(config, dtype="bfloat16", attention_backend=backend)
     )
-    kv = [jax.ShapeDtypeStruct((32, 16, 4, 64), jnp.bfloat16)] * 2
+    kv_shape = (32, 16, 2 * config.num_kv_heads, config.head_dim)
+    kv = [jax.ShapeDtypeStruct(kv_shape, jnp.bfloat16)] * config.num_layers
     batch = StepInput.from_host(
         build_batch(
             [SeqWork(list(range(20)), 0, [1, 2]), SeqWork([5], 40, [3, 4, 5])],
@@ -210,6 +199,27 @@ def test_the_engine_step_lowers_with_the_pallas_backend(backend, platform):
 
     text = lower(step, (weights, kv, batch), platform).mlir_module()
     assert ("tpu_custom_call" in text) if platform == "tpu" else ("triton" in text)
+    return text
+
+
+@pytest.mark.parametrize("backend,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
+def test_the_engine_step_lowers_with_the_pallas_backend(backend, platform):
+    from jaxserve.config import ModelConfig
+
+    config = ModelConfig.from_hf(
+        dict(
+            architectures=["Qwen2ForCausalLM"],
+            vocab_size=1024,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=512,
+        )
+    )
+    lower_engine_step(config, backend, platform)
 
 
 def test_backend_selection():
