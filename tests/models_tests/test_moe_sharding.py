@@ -1,12 +1,7 @@
 """Expert-parallel (and expert + tensor parallel) MoE equals one device (8 fake CPU devices)."""
 
-import os
-import subprocess
-import sys
-
 import pytest
-
-HERE = os.path.dirname(os.path.dirname(__file__))
+from test_sharding import run_on_8_devices
 
 
 @pytest.mark.sharded
@@ -19,18 +14,8 @@ HERE = os.path.dirname(os.path.dirname(__file__))
 )
 def test_expert_parallel_equals_one_device(case, data, model, hf_model_dir):
     path, _ = hf_model_dir(case)
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "moe_sharded_check.py"), path, str(data), str(model)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "layer E=8 tiles: expert parallel True, equal" in proc.stdout
-    assert "layer E=6 ragged_dot: expert parallel False, equal" in proc.stdout
-    assert "experts sharded as P('model', None, None)" in proc.stdout
-    assert "model: expert + tensor parallel logits equal" in proc.stdout
+    stdout = run_on_8_devices("moe_sharded_check.py", path, data, model)
+    assert "layer E=8 tiles: expert parallel True, equal" in stdout
+    assert "layer E=6 ragged_dot: expert parallel False, equal" in stdout
+    assert "experts sharded as P('model', None, None)" in stdout
+    assert "model: expert + tensor parallel logits equal" in stdout

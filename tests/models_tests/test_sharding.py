@@ -9,6 +9,23 @@ import pytest
 HERE = os.path.dirname(os.path.dirname(__file__))
 
 
+def run_on_8_devices(script: str, *args) -> str:
+    """Runs tests/`script` with `args` in a subprocess with 8 fake CPU devices (the
+    device count is fixed when JAX starts); asserts it succeeded, returns its stdout."""
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
+    )
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, script), *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 @pytest.mark.sharded
 @pytest.mark.parametrize(
     "case,data,model,kv_sharded",
@@ -19,16 +36,6 @@ HERE = os.path.dirname(os.path.dirname(__file__))
 )
 def test_sharded_logits_equal_unsharded(case, data, model, kv_sharded, hf_model_dir):
     path, _ = hf_model_dir(case)
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "sharded_check.py"), path, str(data), str(model)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"kv sharded over model: {kv_sharded}" in proc.stdout
-    assert "max diff" in proc.stdout
+    stdout = run_on_8_devices("sharded_check.py", path, data, model)
+    assert f"kv sharded over model: {kv_sharded}" in stdout
+    assert "max diff" in stdout
