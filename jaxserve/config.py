@@ -74,12 +74,20 @@ class CacheConfig:
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """The step budget: at most `max_num_batched_tokens` tokens of at most
-    `max_num_seqs` sequences per step, and whether full pages are shared by prefix."""
+    `max_num_seqs` sequences per step, and whether full pages are shared by prefix.
+
+    `async_scheduling` (vLLM's): the next step is planned and dispatched before the
+    previous one's tokens are back on the host, so host work (scheduling, input
+    building, detokenizing, stop checks, streaming) overlaps the device step. Outputs
+    are identical to synchronous steps; steps with structured output, penalties or
+    speculative decoding run synchronously (they need the previous tokens).
+    """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     debug_preemption_rate: float = 0.0  # test mode: preempt at random steps
+    async_scheduling: bool = False
 
     def __post_init__(self):
         if self.max_num_seqs <= 0:
@@ -93,6 +101,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"debug_preemption_rate must be in [0, 1], got {self.debug_preemption_rate}"
             )
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +303,7 @@ _NESTED_ARGS: dict[str, tuple[str, str]] = {
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "enable_prefix_caching": ("scheduler", "enable_prefix_caching"),
     "debug_preemption_rate": ("scheduler", "debug_preemption_rate"),
+    "async_scheduling": ("scheduler", "async_scheduling"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "data_parallel_size": ("parallel", "data_parallel_size"),
 }

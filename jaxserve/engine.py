@@ -25,10 +25,10 @@ from jaxserve.metrics import EngineStats, StatsSnapshot
 from jaxserve.outputs import CompletionOutput, ModelInfo, RequestOutput
 from jaxserve.request import Sequence, Status
 from jaxserve.runner.draft import DraftRunner
-from jaxserve.runner.input_batch import SampleRow, SeqWork
-from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.input_batch import SampleRow, SeqWork, wants_history
+from jaxserve.runner.model_runner import ModelRunner, PendingStep
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler
+from jaxserve.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.spec import NgramProposer
 from jaxserve.structured import GrammarCompiler, GrammarMatcher
 from jaxserve.tokenizer import Tokenizer
@@ -55,10 +55,28 @@ class _Request:
     )
     grammar: concurrent.futures.Future | None = None  # structured output: its compile
     matchers: list[GrammarMatcher] | None = None  # one per sample, once compiled
+    # Its steps need the previous step's tokens on the host (asynchronous scheduling
+    # runs synchronous steps while such a request is live).
+    sync_only: bool = False
 
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
+
+
+@dataclasses.dataclass(eq=False)
+class _Step:
+    """A dispatched step: its plan, its results on the device, and the sampler rows of
+    the sequences it samples a token for (from row `first`, 1 + drafts rows)."""
+
+    plan: SchedulerOutput
+    pending: PendingStep
+    sampled: list[tuple[ScheduledSeq, int]]  # (item, first row)
+
+    @functools.cached_property
+    def rows(self) -> dict[Sequence, int]:
+        """Each sampling sequence's row: where the next step reads its token."""
+        return {item.seq: first for item, first in self.sampled}
 
 
 class _Lookahead:
@@ -128,6 +146,15 @@ class LLMEngine:
             self.eos_token_ids = {tokenizer.eos_token_id}
         self._rng = random.Random(config.seed)
         self._arrivals = 0
+        self._async = config.scheduler.async_scheduling
+        if self._async and spec is not None:
+            logger.warning(
+                "async_scheduling with speculative decoding: every step is synchronous "
+                "(proposals need the previous step's tokens on the host)"
+            )
+            self._async = False
+        self._inflight: _Step | None = None  # dispatched, its tokens not applied yet
+        self._num_sync_only = 0  # live requests whose steps must be synchronous
         self._stats = EngineStats(
             page_size=config.cache.page_size, interval_s=config.stats_interval_s
         )
@@ -300,7 +327,11 @@ class LLMEngine:
             [0.0] * len(seqs),
             time.monotonic(),
             grammar=grammar,
+            # Structured output fills the next token's bitmask from the grammar's state
+            # after the last token; penalties count the tokens so far.
+            sync_only=grammar is not None or wants_history(params),
         )
+        self._num_sync_only += self.requests[request_id].sync_only
         self._stats.on_add()
         if grammar is not None:
             self._compiling.append(self.requests[request_id])  # scheduled once compiled
@@ -310,7 +341,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its pages; False if it is unknown or already done."""
-        req = self.requests.pop(request_id, None)
+        req = self._forget(request_id)
         if req is None:
             return False
         if req in self._compiling:  # never reached the scheduler
@@ -322,12 +353,20 @@ class LLMEngine:
         self._stats.on_finish(aborted=True)
         return True
 
+    def _forget(self, request_id: str) -> _Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and req.sync_only:
+            self._num_sync_only -= 1
+        return req
+
     def abort_all(self) -> None:
         for request_id in list(self.requests):
             self.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling)
+        return (
+            self.scheduler.has_unfinished() or bool(self._compiling) or self._inflight is not None
+        )
 
     # ------------------------------------------------------------- the one loop
 
@@ -373,50 +412,106 @@ class LLMEngine:
     # ---------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
-        """Runs one step; returns an output for every request that made progress."""
+        """Runs one step; returns an output for every request that made progress.
+
+        With asynchronous scheduling, the step is dispatched before the previous one's
+        tokens are back, and the outputs returned are the previous step's.
+        """
         t0 = time.perf_counter()
         failed = self._admit_compiled() if self._compiling else []
+        if self._async and not self._num_sync_only:
+            return failed + self._step_async(t0)
+        outputs = self._apply(self._inflight, t0) if self._inflight is not None else []
+        self._inflight = None
+        return failed + outputs + self._step_sync(time.perf_counter())
+
+    def _step_sync(self, t0: float) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             self._wait_for_grammars()
-            return failed
+            return []
         if self.drafter is not None:
             self._fill_drafts(plan)
-        runner = self.runner
-        work, rows = [], []
+        return self._apply(self._dispatch(plan), t0)
+
+    def _step_async(self, t0: float) -> list[RequestOutput]:
+        """Dispatches the next step, then applies the one in flight while the device
+        runs it.
+
+        The scheduler plans as if each sampling sequence of the step in flight had its
+        token already (`Sequence.num_placeholders`); the runner reads those tokens on
+        the device. A sequence that the step in flight stops (or that is aborted) has
+        its next step's token discarded; its pages go back to the pool at once, which
+        is safe because every later step, the only reader or writer of a page, runs
+        after the step in flight on the device (each takes the KV caches the one
+        before returned).
+        """
+        prev = self._inflight
+        plan = self.scheduler.schedule()
+        self._inflight = self._dispatch(plan, prev) if plan.scheduled else None
+        if prev is None:
+            if self._inflight is None:
+                self._wait_for_grammars()
+            return []
+        return self._apply(prev, t0)
+
+    def _dispatch(self, plan, prev: _Step | None = None) -> _Step:
+        """Starts the plan's step on the device and does the bookkeeping that needs no
+        sampled token (a sequence verifying drafts waits for the verdict). `prev` is
+        the step in flight, whose tokens the placeholders of this one read."""
+        work, rows, sampled = [], [], []
         for s in plan.scheduled:
             num_samples = 1 + len(s.draft)
+            prev_row = prev.rows[s.seq] if s.placeholder else -1
             work.append(
-                SeqWork(s.token_ids, s.start, s.seq.pages, self._prompt_targets(s), num_samples)
+                SeqWork(
+                    s.token_ids,
+                    s.start,
+                    s.seq.pages,
+                    self._prompt_targets(s),
+                    num_samples,
+                    prev_row=prev_row,
+                )
             )
+            if s.samples:
+                sampled.append((s, len(rows)))
             rows.extend(self._sample_row(s.seq, s.draft, j) for j in range(num_samples))
+        runner = self.runner
         batch = runner.build(work)
         # Built (grammar bitmasks filled) while the forward pass runs on the device.
         sampling = functools.partial(runner.build_sampling, rows, runner.row_bucket(len(rows)))
-        pending = runner.dispatch(batch, sampling)
-        t1 = time.perf_counter()
-        # While the device runs: the bookkeeping that does not need the sampled tokens
-        # (a sequence verifying drafts waits for the verdict).
+        pending = runner.dispatch(batch, sampling, prev.pending if prev is not None else None)
         for item in plan.scheduled:
             if not item.draft:
                 self.scheduler.on_computed(item)
-        out, prompt_lp = runner.fetch(pending)
-        t2 = time.perf_counter()
+        for item, _ in sampled:
+            item.seq.num_placeholders += 1
+        return _Step(plan, pending, sampled)
 
+    def _apply(self, step: _Step, t0: float) -> list[RequestOutput]:
+        """Waits for a dispatched step's tokens and does the host work: append them,
+        check stops, detokenize, cache the pages they fill, propose drafts."""
+        t1 = time.perf_counter()
+        out, prompt_lp = self.runner.fetch(step.pending)
+        t2 = time.perf_counter()
+        if prompt_lp is not None:
+            offset = 0
+            for item in step.plan.scheduled:
+                if not item.seq.finished:  # (an aborted request's entries are not wanted)
+                    self._record_prompt_logprobs(item, offset, prompt_lp)
+                offset += item.num_tokens
         touched: dict[str, _Request] = {}
         new_tokens: dict[Sequence, list[int]] = {}
-        offset = row = 0
-        for item in plan.scheduled:
-            if prompt_lp is not None:
-                self._record_prompt_logprobs(item, offset, prompt_lp)
-            offset += item.num_tokens
-            first, row = row, row + 1 + len(item.draft)
-            if not item.samples:
-                continue
+        for item, first in step.sampled:
             seq = item.seq
+            seq.num_placeholders -= 1
+            if seq.finished:  # stopped by the step before, or aborted: discard the token
+                continue
             req = self.requests[seq.request_id]
-            new_tokens[seq] = self._emit(req, item, out, first, row)
+            new_tokens[seq] = self._emit(req, item, out, first, first + 1 + len(item.draft))
             touched[seq.request_id] = req
+            if not seq.finished:  # a next step in flight may have computed the token:
+                self.scheduler.cache_pages(seq)  # the page it completes, if any
         if self.proposer is not None:
             # Proposals for the next step, unless the batch is too large to speculate
             # (stale ones would only be rejected: clear them).
@@ -427,11 +522,11 @@ class LLMEngine:
         outputs = [self._output(req, new_tokens) for req in touched.values()]
         for o in outputs:
             if o.finished:
-                del self.requests[o.request_id]
+                self._forget(o.request_id)
                 self._stats.on_finish()
         t3 = time.perf_counter()
         self._stats.on_step(
-            plan,
+            step.plan,
             sum(len(t) for t in new_tokens.values()),
             self.scheduler.running,
             host_s=(t1 - t0) + (t3 - t2),
@@ -439,7 +534,7 @@ class LLMEngine:
         )
         if self._stats.log_due(time.monotonic()):
             self._stats.log(self.stats())
-        return failed + outputs
+        return outputs
 
     def _emit(self, req: _Request, item, out, first: int, end: int) -> list[int]:
         """Appends what the sampler rows [first, end) of a sequence give: its accepted
@@ -524,13 +619,17 @@ class LLMEngine:
         """The sampler's row for the sequence's next token, or with drafts for the
         token after its first j drafts (row j verifies draft j, if there is one)."""
         blocked = ()
-        if len(seq.output_ids) + j < seq.params.min_tokens:
+        # Asynchronous scheduling: the tokens in flight count (a placeholder stands in).
+        ahead = seq.num_placeholders
+        if len(seq.output_ids) + ahead + j < seq.params.min_tokens:
             eos = () if seq.params.ignore_eos else self.eos_token_ids
             blocked = tuple(set(eos) | set(seq.params.stop_token_ids))
         req = self.requests[seq.request_id]
         # A constrained sequence never speculates (`_propose`): only its row 0 exists.
         grammar = req.matchers[seq.index] if req.matchers is not None else None
         token_ids = seq.token_ids + list(draft[:j]) if j else seq.token_ids
+        if ahead:
+            token_ids = token_ids + [-1] * ahead  # (their ids are never read: no penalties)
         return SampleRow(
             seq.params,
             token_ids,
@@ -567,7 +666,7 @@ class LLMEngine:
             for seq in req.seqs:
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
             failed.append(self._output(req, {}))
-            del self.requests[req.request_id]
+            self._forget(req.request_id)
             self._stats.on_finish(aborted=True)
         return failed
 

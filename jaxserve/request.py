@@ -40,6 +40,9 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     page_uids: list[int] = dataclasses.field(default_factory=list)  # of cached full pages
     num_computed: int = 0  # tokens whose K/V are in the cache
+    # Asynchronous scheduling: tokens a dispatched step samples for this sequence that
+    # are not back on the host yet (they follow token_ids; a next step may compute them).
+    num_placeholders: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     num_preemptions: int = 0
     # Speculative decoding: tokens proposed to follow token_ids, verified next step.

@@ -38,14 +38,26 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the end of the known tokens, so its logits predict."""
-        return self.start + self.num_tokens - len(self.draft) == self.seq.num_tokens
+        """Whether this chunk reaches the end of the tokens, so its logits predict (read
+        when the step is planned: the sequence's tokens change once it has run)."""
+        seq = self.seq
+        return (
+            self.start + self.num_tokens - len(self.draft) == seq.num_tokens + seq.num_placeholders
+        )
+
+    @property
+    def placeholder(self) -> bool:
+        """Whether the chunk's last token is one the previous step samples (asynchronous
+        scheduling): unknown on the host, the step reads it on the device."""
+        return self.start + self.num_tokens - len(self.draft) > self.seq.num_tokens
 
     @property
     def token_ids(self) -> list[int]:
-        """The tokens to compute: known ones, then the drafts."""
+        """The tokens to compute: known ones (0 standing in for a placeholder), then the
+        drafts."""
         real = self.num_tokens - len(self.draft)
-        return self.seq.token_ids[self.start : self.start + real] + list(self.draft)
+        known = self.seq.token_ids[self.start : self.start + real]
+        return known + [0] * (real - len(known)) + list(self.draft)
 
 
 @dataclasses.dataclass
@@ -122,7 +134,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            todo = seq.num_tokens + seq.num_placeholders - seq.num_computed
+            if todo <= 0 or len(seq.output_ids) + seq.num_placeholders >= seq.max_tokens:
+                # Asynchronous scheduling: the in-flight step samples its last token.
+                i += 1
+                continue
+            n = min(todo, budget)
             while not self._grow(seq, seq.num_computed + n):
                 victim = max(self.running[i:], key=Sequence.sort_key)
                 self._preempt(victim)
@@ -145,12 +162,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             leader = seq.leader
-            if (
+            if seq.num_placeholders or (
                 leader is not None
                 and leader.num_computed < leader.num_prompt_tokens
                 and (leader.status is not Status.FINISHED)
             ):
-                # An n > 1 sibling waits for the first sample to compute (and cache) the prompt.
+                # An n > 1 sibling waits for the first sample to compute (and cache) the
+                # prompt; a preempted sequence, for the token an in-flight step samples.
                 blocked.append(self.waiting.pop(0))
                 continue
             # Prompt logprobs need every prompt position's logits: no cached prefix.
@@ -233,7 +251,14 @@ class Scheduler:
             self.pool.free(seq.pages[keep:])
             del seq.pages[keep:]
             seq.draft_computed = min(seq.draft_computed, seq.num_computed)
-        for j in range(len(seq.page_uids), seq.num_computed // page):
+        self.cache_pages(seq)
+
+    def cache_pages(self, seq: Sequence) -> None:
+        """Caches the sequence's full pages whose tokens are computed and known (under
+        asynchronous scheduling a computed token may not be back on the host yet: its
+        page is cached once it is)."""
+        page = self.page_size
+        for j in range(len(seq.page_uids), min(seq.num_computed, seq.num_tokens) // page):
             parent = seq.page_uids[-1] if seq.page_uids else ROOT_UID
             tokens = seq.token_ids[j * page : (j + 1) * page]
             seq.page_uids.append(self.pool.cache_page(seq.pages[j], parent, tokens, seq.salt))

@@ -81,9 +81,11 @@ class MockRunner:
 
     @staticmethod
     def fetch(pending):
-        return pending
+        return pending.out, pending.prompt_lp
 
-    def dispatch(self, batch, sampling):
+    def dispatch(self, batch, sampling, prev=None):
+        """`prev`: the step before, not fetched (asynchronous scheduling): a work item's
+        `prev_row` names the row of its sampled tokens that is the item's last token."""
         if callable(sampling):  # as ModelRunner: built once the forward is dispatched
             sampling = sampling()
         self.steps += 1
@@ -92,7 +94,10 @@ class MockRunner:
         accepted = np.zeros(len(self._rows), np.bool_)
         rows = iter(enumerate(self._rows))
         for w in self._work:
-            for j, tok in enumerate(w.token_ids):
+            known = list(w.token_ids)
+            if w.prev_row >= 0:
+                known[-1] = int(prev.tokens[w.prev_row])
+            for j, tok in enumerate(known):
                 pos = w.start + j
                 self.slots[w.pages[pos // page_size] * page_size + pos % page_size] = tok
             # The sequence's full history, read back through its page table; the last
@@ -104,7 +109,12 @@ class MockRunner:
             for k in range(w.num_samples):
                 i, row = next(rows)
                 upto = end - w.num_samples + k + 1
-                assert history[:upto] == list(row.token_ids[:upto]), "KV holds wrong tokens"
+                # (-1: a token in flight, unknown to the host when it built the row)
+                expected = [
+                    h if t < 0 else t
+                    for h, t in zip(history[:upto], row.token_ids[:upto], strict=True)
+                ]
+                assert history[:upto] == expected, "KV holds wrong tokens"
                 token_ids[i] = sum(history[:upto]) % self.vocab
                 accepted[i] = row.draft == token_ids[i]
         zeros = np.zeros((len(token_ids), 20))
@@ -115,4 +125,4 @@ class MockRunner:
             top_logprobs=zeros,
             accepted=accepted,
         )
-        return out, None
+        return types.SimpleNamespace(out=out, prompt_lp=None, tokens=token_ids)

@@ -94,6 +94,9 @@ class SeqWork:
     # How many of the last tokens' hidden states go to sampling: 1, or 1 + k when the
     # last k tokens are drafts to verify (speculative decoding).
     num_samples: int = 1
+    # Asynchronous scheduling: the last token is not known on the host yet; it is the
+    # token the previous step sampled in this row (-1: every token is known).
+    prev_row: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +112,7 @@ class HostBatch:
     num_seqs: np.ndarray  # [1] int32
     logits_indices: np.ndarray  # [R] or [T] int32: the rows sampling reads
     prompt_targets: np.ndarray  # [T] int32: -1 where no prompt logprob is wanted
+    prev_rows: np.ndarray  # [T] int32: the previous step's sampled row to read, -1 none
 
 
 def build_batch(
@@ -140,6 +144,7 @@ def build_batch(
     cu_q_lens = np.zeros(seq_bucket + 1, np.int32)
     logits_indices = np.zeros(seq_bucket if num_rows is None else num_rows, np.int32)
     prompt_targets = np.full(token_bucket, -1, np.int32)
+    prev_rows = np.full(token_bucket, -1, np.int32)
 
     t = r = 0
     for b, w in enumerate(work):
@@ -157,6 +162,9 @@ def build_batch(
         input_ids[t : t + n] = w.token_ids
         if len(w.prompt_targets):
             prompt_targets[t : t + n] = w.prompt_targets
+        if w.prev_row >= 0:  # the step reads the token on the device
+            input_ids[t + n - 1] = 0
+            prev_rows[t + n - 1] = w.prev_row
         positions[t : t + n] = pos
         slot_mapping[t : t + n] = pages[pos // page_size] * page_size + pos % page_size
         kv_lens[b] = end
@@ -183,6 +191,7 @@ def build_batch(
         num_seqs=np.array([len(work)], np.int32),
         logits_indices=logits_indices,
         prompt_targets=prompt_targets,
+        prev_rows=prev_rows,
     )
 
 
@@ -225,7 +234,7 @@ class SampleRow:
     grammar: GrammarMatcher | None = None  # structured output: fills the row's bitmask
 
 
-def _wants_history(p: SamplingParams) -> bool:
+def wants_history(p: SamplingParams) -> bool:
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
 
@@ -255,7 +264,7 @@ def build_sampling(
     """
     b = seq_bucket
     if with_history is None:
-        with_history = any(_wants_history(row.params) for row in rows)
+        with_history = any(wants_history(row.params) for row in rows)
     temperature = np.zeros(b, np.float32)
     top_k = np.zeros(b, np.int32)
     top_p = np.ones(b, np.float32)
@@ -294,7 +303,7 @@ def build_sampling(
             bits = np.left_shift(np.uint32(1), (blocked % 32).astype(np.uint32))
             np.bitwise_and.at(allowed[i], blocked // 32, ~bits)
             masked[i] = True
-        if _wants_history(p):
+        if wants_history(p):
             history[i, : len(row.token_ids)] = row.token_ids
             num_prompt[i] = row.num_prompt
         draft[i] = row.draft

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -28,6 +29,7 @@ from jaxserve.runner.input_batch import (
     build_sampling,
     pick_bucket,
 )
+from jaxserve.runner.sampler import SamplerOutput
 from jaxserve.runner.step import ModelDef, StepInput, forward, logits_step, sample_step
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,15 @@ def _device_memory() -> tuple[int, int] | None:
     if not stats or "bytes_limit" not in stats:
         return None
     return stats["bytes_limit"], stats.get("bytes_in_use", 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingStep:
+    """A dispatched step whose results are still on the device."""
+
+    out: SamplerOutput
+    prompt_lp: tuple[jax.Array, jax.Array, jax.Array] | None  # None: no row asked
+    tokens: jax.Array  # [R] int32: the sampled ids padded, for the next step's inputs
 
 
 class ModelRunner:
@@ -194,10 +205,13 @@ class ModelRunner:
         own collectives (expert parallelism's shard_map) see it; no mesh: nothing."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-    def _forward(self, batch: HostBatch):
+    def _forward(self, batch: HostBatch, prev_tokens: jax.Array | None = None):
         with self._on_mesh():
             selected, prompt_lp, self.kv_caches = forward(
-                self.model_def, self.weights, self.kv_caches, StepInput.from_host(batch)
+                self.model_def,
+                self.weights,
+                self.kv_caches,
+                StepInput.from_host(batch, prev_tokens),
             )
         return selected, prompt_lp
 
@@ -208,10 +222,17 @@ class ModelRunner:
             return logits_step(self.model_def, self.weights, selected)
 
     def dispatch(
-        self, batch: HostBatch, sampling: SamplingMetadata | Callable[[], SamplingMetadata]
-    ):
+        self,
+        batch: HostBatch,
+        sampling: SamplingMetadata | Callable[[], SamplingMetadata],
+        prev: PendingStep | None = None,
+    ) -> PendingStep:
         """Starts one serving step on the device and returns at once (JAX dispatch is
         asynchronous): the host can do other work before `fetch` waits for it.
+
+        `prev` is the step dispatched before this one, not fetched yet (asynchronous
+        scheduling): token rows that `batch.prev_rows` names take its sampled ids on
+        the device.
 
         The step also computes each token row's prompt logprobs (logprob of its
         target, top ids, top logprobs) where `batch.prompt_targets` asks. `sampling`
@@ -219,11 +240,11 @@ class ModelRunner:
         dispatched, so that the host fills grammar bitmasks while the device runs.
         """
         before = self.compiles.count
-        selected, prompt_lp = self._forward(batch)
+        selected, prompt_lp = self._forward(batch, prev.tokens if prev is not None else None)
         if callable(sampling):
             sampling = sampling()
         with self._on_mesh():
-            out = sample_step(self.model_def, self.weights, selected, sampling)
+            out, tokens = sample_step(self.model_def, self.weights, selected, sampling)
         if not (batch.prompt_targets >= 0).any():
             prompt_lp = None  # computed as zeros; not worth the transfer
         if self.warmed_up and self.compiles.count != before and self.config.compile_guard:
@@ -231,15 +252,15 @@ class ModelRunner:
                 f"a step compiled after warm-up (token bucket {len(batch.input_ids)}, "
                 f"sampling bucket {len(sampling.temperature)}): a shape escaped the buckets"
             )
-        return out, prompt_lp
+        return PendingStep(out, prompt_lp, tokens)
 
     @staticmethod
-    def fetch(pending):
+    def fetch(pending: PendingStep):
         """Waits for a dispatched step; returns (SamplerOutput, prompt logprobs) as numpy.
 
         Only the sampled ids and logprobs cross back to the host.
         """
-        return jax.tree.map(np.asarray, pending)
+        return jax.tree.map(np.asarray, (pending.out, pending.prompt_lp))
 
     def execute_and_sample(self, batch: HostBatch, sampling: SamplingMetadata):
         return self.fetch(self.dispatch(batch, sampling))

@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.tree_util import PyTreeDef
@@ -43,9 +44,16 @@ class StepInput:
     attention: AttentionMetadata  # per-sequence arrays of the fixed size S
     logits_indices: jax.Array  # [R] int32: rows of the hidden states to sample from
     prompt_targets: jax.Array  # [T] int32: next prompt token per row for logprobs; -1 none
+    # Asynchronous scheduling: a token row whose id the host does not know yet reads it
+    # from the previous step's sampled ids, still on the device (no round trip).
+    prev_rows: jax.Array  # [T] int32: the row of `prev_tokens` to read; -1: input_ids
+    prev_tokens: jax.Array  # [R] int32: the previous step's sampled ids (`sample_step`)
 
     @classmethod
-    def from_host(cls, b: HostBatch) -> StepInput:
+    def from_host(cls, b: HostBatch, prev_tokens: jax.Array | None = None) -> StepInput:
+        """`prev_tokens`: the previous step's padded sampled ids (default: none)."""
+        if prev_tokens is None:
+            prev_tokens = np.zeros(len(b.logits_indices), np.int32)
         return cls(
             input_ids=b.input_ids,
             positions=b.positions,
@@ -58,6 +66,8 @@ class StepInput:
             ),
             logits_indices=b.logits_indices,
             prompt_targets=b.prompt_targets,
+            prev_rows=b.prev_rows,
+            prev_tokens=prev_tokens,
         )
 
 
@@ -113,7 +123,9 @@ def forward(
     serves every sequence count.
     """
     model = model_def.merge(weights)
-    hidden, kv_caches = model(kv_caches, batch.input_ids, batch.positions, batch.attention)
+    prev = batch.prev_tokens[jnp.maximum(batch.prev_rows, 0)]
+    input_ids = jnp.where(batch.prev_rows >= 0, prev, batch.input_ids)
+    hidden, kv_caches = model(kv_caches, input_ids, batch.positions, batch.attention)
     targets = batch.prompt_targets  # per token row: its next prompt token, -1 for none
     prompt_lp = lax.cond(
         jnp.any(targets >= 0),
@@ -133,8 +145,11 @@ def logits_step(model_def: ModelDef, weights: list[jax.Array], hidden: jax.Array
 @functools.partial(jax.jit, static_argnums=0)
 def sample_step(
     model_def: ModelDef, weights: list[jax.Array], selected: jax.Array, sampling: SamplingMetadata
-) -> SamplerOutput:
+) -> tuple[SamplerOutput, jax.Array]:
     """The first B rows of `selected` [R, D] (B from the sampling metadata) -> one
-    sampled token per row (logits never leave the device)."""
-    hidden = selected[: sampling.temperature.shape[0]]
-    return sample(model_def.merge(weights).compute_logits(hidden), sampling)
+    sampled token per row (logits never leave the device), and the sampled ids padded
+    to [R]: the next step's `prev_tokens` under asynchronous scheduling (one shape
+    whatever B, so it selects no forward program)."""
+    rows, b = selected.shape[0], sampling.temperature.shape[0]
+    out = sample(model_def.merge(weights).compute_logits(selected[:b]), sampling)
+    return out, jnp.pad(out.token_ids, (0, rows - b))

@@ -52,6 +52,12 @@ flags.DEFINE_string(
 )
 flags.DEFINE_integer("seed", 0, "Engine seed (for requests without their own seed).")
 flags.DEFINE_bool(
+    "async_scheduling",
+    False,
+    "Dispatch each step before the previous step's tokens are back on the host, so "
+    "host work overlaps the device (same outputs).",
+)
+flags.DEFINE_bool(
     "warmup", True, "Compile every step program at start-up (false: as shapes first occur)."
 )
 flags.DEFINE_string(
@@ -96,6 +102,7 @@ ENGINE_FLAGS = (
     "enable_prefix_caching",
     "attention_backend",
     "seed",
+    "async_scheduling",
     "warmup",
     "compilation_cache_dir",
     *SPECULATIVE_FLAGS,
