@@ -71,7 +71,7 @@ class MockRunner:
         return build_sampling(
             rows,
             seq_bucket=row_bucket,
-            history_len=1,
+            history_len=self.config.pages_per_seq * self.config.cache.page_size,
             max_bias=self.config.max_logit_bias,
             vocab_size=self.vocab,
         )

@@ -27,7 +27,19 @@ MODEL = ModelConfig.from_hf(
 )
 
 
+# Every test here runs with synchronous and with asynchronous scheduling (the
+# `scheduling` fixture below); other modules that build engines here get the default.
+ENGINE_DEFAULTS: dict = {}
+
+
+@pytest.fixture(autouse=True, params=["sync", "async"])
+def scheduling(request, monkeypatch):
+    monkeypatch.setitem(ENGINE_DEFAULTS, "async_scheduling", request.param == "async")
+    return request.param
+
+
 def make_engine(*, num_pages=64, page_size=4, max_num_seqs=8, budget=32, **kw) -> LLMEngine:
+    kw = {**ENGINE_DEFAULTS, **kw}
     config = engine_config(
         "mock",
         MODEL,
