@@ -25,7 +25,7 @@ from jaxserve.metrics import EngineStats, StatsSnapshot
 from jaxserve.outputs import CompletionOutput, ModelInfo, RequestOutput
 from jaxserve.request import Sequence, Status
 from jaxserve.runner.draft import DraftRunner
-from jaxserve.runner.input_batch import SampleRow, SeqWork, wants_history
+from jaxserve.runner.input_batch import SampleRow, SeqWork
 from jaxserve.runner.model_runner import ModelRunner, PendingStep
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -328,8 +328,8 @@ class LLMEngine:
             time.monotonic(),
             grammar=grammar,
             # Structured output fills the next token's bitmask from the grammar's state
-            # after the last token; penalties count the tokens so far.
-            sync_only=grammar is not None or wants_history(params),
+            # after the last token.
+            sync_only=grammar is not None,
         )
         self._num_sync_only += self.requests[request_id].sync_only
         self._stats.on_add()
@@ -475,7 +475,7 @@ class LLMEngine:
             )
             if s.samples:
                 sampled.append((s, len(rows)))
-            rows.extend(self._sample_row(s.seq, s.draft, j) for j in range(num_samples))
+            rows.extend(self._sample_row(s.seq, s.draft, j, prev_row) for j in range(num_samples))
         runner = self.runner
         batch = runner.build(work)
         # Built (grammar bitmasks filled) while the forward pass runs on the device.
@@ -615,9 +615,12 @@ class LLMEngine:
             entry[seq.prompt_token_ids[pos + 1]] = float(chosen[row])
             req.prompt_logprobs.append(entry)
 
-    def _sample_row(self, seq: Sequence, draft: tuple[int, ...] = (), j: int = 0) -> SampleRow:
+    def _sample_row(
+        self, seq: Sequence, draft: tuple[int, ...] = (), j: int = 0, prev_row: int = -1
+    ) -> SampleRow:
         """The sampler's row for the sequence's next token, or with drafts for the
-        token after its first j drafts (row j verifies draft j, if there is one)."""
+        token after its first j drafts (row j verifies draft j, if there is one).
+        `prev_row`: the previous step's sampler row of the token in flight, if any."""
         blocked = ()
         # Asynchronous scheduling: the tokens in flight count (a placeholder stands in).
         ahead = seq.num_placeholders
@@ -628,8 +631,8 @@ class LLMEngine:
         # A constrained sequence never speculates (`_propose`): only its row 0 exists.
         grammar = req.matchers[seq.index] if req.matchers is not None else None
         token_ids = seq.token_ids + list(draft[:j]) if j else seq.token_ids
-        if ahead:
-            token_ids = token_ids + [-1] * ahead  # (their ids are never read: no penalties)
+        if ahead:  # the penalties' history reads it on the device
+            token_ids = token_ids + [-2 - prev_row]
         return SampleRow(
             seq.params,
             token_ids,

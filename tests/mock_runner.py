@@ -109,11 +109,8 @@ class MockRunner:
             for k in range(w.num_samples):
                 i, row = next(rows)
                 upto = end - w.num_samples + k + 1
-                # (-1: a token in flight, unknown to the host when it built the row)
-                expected = [
-                    h if t < 0 else t
-                    for h, t in zip(history[:upto], row.token_ids[:upto], strict=True)
-                ]
+                # (-2 - r: a token in flight, the previous step's sampled row r)
+                expected = [t if t >= 0 else int(prev.tokens[-2 - t]) for t in row.token_ids]
                 assert history[:upto] == expected, "KV holds wrong tokens"
                 token_ids[i] = sum(history[:upto]) % self.vocab
                 accepted[i] = row.draft == token_ids[i]

@@ -215,7 +215,9 @@ class SamplingMetadata:
     bias_values: np.ndarray  # [B, NB] f32: added to those logits
     allowed: np.ndarray  # [B, ceil(V / 32)] u32 bitmask: bit v of a row clear = v blocked
     masked: np.ndarray  # [B] bool: the row blocks some token (min_tokens, a grammar)
-    history: np.ndarray  # [B, L] i32: prompt + output ids for penalties, -1 = none
+    # [B, L] i32: prompt + output ids for penalties, -1 = none; an id -2 - r (<= -2)
+    # is a token not yet on the host: row r of the previous step's sampled ids.
+    history: np.ndarray
     num_prompt: np.ndarray  # i32: how many of `history` are prompt tokens
     draft: np.ndarray  # i32: the proposed token each row verifies; -1 = none
     want_logprobs: np.ndarray  # [1] bool: any row asks for logprobs
@@ -226,7 +228,9 @@ class SampleRow:
     """What the sampler needs to know of one sequence at this step."""
 
     params: SamplingParams
-    token_ids: Sequence[int]  # prompt + outputs so far
+    # Prompt + outputs so far; under asynchronous scheduling a token still in flight
+    # is -2 - r, the previous step's sampled row r (`SamplingMetadata.history`).
+    token_ids: Sequence[int]
     num_prompt: int
     seed: int
     blocked_ids: Sequence[int] = ()  # EOS / stop ids while under min_tokens

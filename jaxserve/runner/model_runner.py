@@ -134,6 +134,8 @@ class ModelRunner:
         )
         self.token_buckets, self.row_buckets = self.shapes.token_buckets, self.shapes.row_buckets
         self.history_len = config.pages_per_seq * config.cache.page_size
+        # A step's `prev_tokens` when no step before it is in flight.
+        self._no_prev_tokens = np.zeros(self.shapes.max_rows, np.int32)
         self.compiles = CompileCounter()
         self.warmed_up = False
         self.warmup_seconds = 0.0
@@ -240,11 +242,12 @@ class ModelRunner:
         dispatched, so that the host fills grammar bitmasks while the device runs.
         """
         before = self.compiles.count
-        selected, prompt_lp = self._forward(batch, prev.tokens if prev is not None else None)
+        prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
+        selected, prompt_lp = self._forward(batch, prev_tokens)
         if callable(sampling):
             sampling = sampling()
         with self._on_mesh():
-            out, tokens = sample_step(self.model_def, self.weights, selected, sampling)
+            out, tokens = sample_step(self.model_def, self.weights, selected, sampling, prev_tokens)
         if not (batch.prompt_targets >= 0).any():
             prompt_lp = None  # computed as zeros; not worth the transfer
         if self.warmed_up and self.compiles.count != before and self.config.compile_guard:
@@ -285,11 +288,12 @@ class ModelRunner:
                 lowered.append(forward.lower(self.model_def, self.weights, self.kv_caches, batch))
                 bar.update(1)
             selected = lowered[0].out_info[0]  # [R, D] whatever the token bucket
+            no_prev = _abstract_tree(self._no_prev_tokens)
             for b in self.row_buckets:
                 for history in (False, True):
                     sampling = _abstract_tree(self.build_sampling([], b, with_history=history))
                     lowered.append(
-                        sample_step.lower(self.model_def, self.weights, selected, sampling)
+                        sample_step.lower(self.model_def, self.weights, selected, sampling, no_prev)
                     )
                     bar.update(1)
         num_extra = 0

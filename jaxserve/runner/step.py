@@ -144,12 +144,21 @@ def logits_step(model_def: ModelDef, weights: list[jax.Array], hidden: jax.Array
 
 @functools.partial(jax.jit, static_argnums=0)
 def sample_step(
-    model_def: ModelDef, weights: list[jax.Array], selected: jax.Array, sampling: SamplingMetadata
+    model_def: ModelDef,
+    weights: list[jax.Array],
+    selected: jax.Array,
+    sampling: SamplingMetadata,
+    prev_tokens: jax.Array,
 ) -> tuple[SamplerOutput, jax.Array]:
     """The first B rows of `selected` [R, D] (B from the sampling metadata) -> one
     sampled token per row (logits never leave the device), and the sampled ids padded
     to [R]: the next step's `prev_tokens` under asynchronous scheduling (one shape
-    whatever B, so it selects no forward program)."""
+    whatever B, so it selects no forward program).
+
+    `prev_tokens` [R]: the previous step's, for the history's tokens in flight."""
     rows, b = selected.shape[0], sampling.temperature.shape[0]
+    history = sampling.history  # ids <= -2: -2 - (a row of prev_tokens)
+    in_flight = prev_tokens[jnp.clip(-2 - history, 0, rows - 1)]
+    sampling = dataclasses.replace(sampling, history=jnp.where(history <= -2, in_flight, history))
     out = sample(model_def.merge(weights).compute_logits(selected[:b]), sampling)
     return out, jnp.pad(out.token_ids, (0, rows - b))

@@ -170,9 +170,15 @@ def test_stop_string_cuts_the_output(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_no_compilation_after_warm_up(tiny_model_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_no_compilation_after_warm_up(tiny_model_dir, async_scheduling):
     llm = make_llm(
-        tiny_model_dir, warmup=True, compile_guard=True, max_num_batched_tokens=32, max_num_seqs=4
+        tiny_model_dir,
+        warmup=True,
+        compile_guard=True,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        async_scheduling=async_scheduling,
     )
     compiled = llm.engine.runner.compiles.count
     rs = np.random.RandomState(5)
