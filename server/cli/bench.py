@@ -55,6 +55,11 @@ flags.DEFINE_integer("suffix_len", 32, "shared-prefix: per-request suffix length
 flags.DEFINE_bool("ignore_eos", True, "Generate exactly the requested number of tokens.")
 flags.DEFINE_integer("bench_seed", 0, "Workload seed.")
 flags.DEFINE_bool("compare_prefix_caching", False, "Run twice, caching on and off.")
+flags.DEFINE_bool(
+    "compare_async_scheduling",
+    False,
+    "Run twice, synchronous then asynchronous scheduling (--async_scheduling ignored).",
+)
 flags.DEFINE_bool("roofline", False, "Measure batch-1 decode against memory bandwidth.")
 flags.DEFINE_string("target", None, "serving: address of a running server (host:port).")
 flags.DEFINE_enum(
@@ -197,6 +202,7 @@ def _result(reqs, arrive, first, ends, token_times, elapsed, stats, base) -> dic
         queries = stats.prefix_cache_queries - base.prefix_cache_queries
         result["engine"] = {
             "steps": stats.steps - base.steps,
+            "step_ms_mean": 1e3 * elapsed / max(1, stats.steps - base.steps),
             "host_overhead_frac": host / (host + device) if host + device else 0.0,
             "kv_waste_at_peak_frac": stats.kv_waste_at_peak,
             "peak_kv_pages": stats.peak_kv_pages,
@@ -342,13 +348,19 @@ def main(argv) -> None:
     runs = {}
     if FLAGS.roofline:
         result["roofline"] = _roofline(LLM(model_dir, **{**kwargs, "warmup": False}))
-    variants = (
-        [("prefix caching on", True), ("prefix caching off", False)]
-        if FLAGS.compare_prefix_caching
-        else [("", kwargs["enable_prefix_caching"])]
-    )
-    for label, caching in variants:
-        run_kwargs = {**kwargs, "enable_prefix_caching": caching}
+    variants = [("", {})]
+    if FLAGS.compare_prefix_caching:
+        variants = [
+            ("prefix caching on", {"enable_prefix_caching": True}),
+            ("prefix caching off", {"enable_prefix_caching": False}),
+        ]
+    elif FLAGS.compare_async_scheduling:
+        variants = [
+            ("sync scheduling", {"async_scheduling": False}),
+            ("async scheduling", {"async_scheduling": True}),
+        ]
+    for label, overrides in variants:
+        run_kwargs = {**kwargs, **overrides}
         if FLAGS.mode == "offline":
             llm = LLM(model_dir, **run_kwargs)
             reqs = _workload(llm.config.model.vocab_size, llm.config.max_model_len)
@@ -370,6 +382,11 @@ def main(argv) -> None:
     if FLAGS.compare_prefix_caching:
         on, off = runs["prefix caching on"], runs["prefix caching off"]
         result["ttft_mean_ratio_off_over_on"] = off["ttft_ms"]["mean"] / on["ttft_ms"]["mean"]
+    if FLAGS.compare_async_scheduling:
+        sync, asyn = runs["sync scheduling"], runs["async scheduling"]
+        result["output_throughput_ratio_async_over_sync"] = (
+            asyn["output_tokens_per_s"] / sync["output_tokens_per_s"]
+        )
     report.save_json(FLAGS.output_json, result)
     if FLAGS.output_png:
         runs_series = {
@@ -404,6 +421,9 @@ def main(argv) -> None:
         )
     if "ttft_mean_ratio_off_over_on" in result:
         print(f"\nmean TTFT, caching off / on: {result['ttft_mean_ratio_off_over_on']:.2f}x")
+    if "output_throughput_ratio_async_over_sync" in result:
+        ratio = result["output_throughput_ratio_async_over_sync"]
+        print(f"\noutput tokens/s, async / sync scheduling: {ratio:.3f}x")
     print(
         f"\nresults: {FLAGS.output_json}"
         + (f", plot: {FLAGS.output_png}" if FLAGS.output_png else "")

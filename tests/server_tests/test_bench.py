@@ -202,3 +202,21 @@ def test_serving_over_http(tiny_model_dir, tmp_path):
         assert server.engine.stats().generation_tokens >= 6 * 5
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_serving_compares_sync_and_async_scheduling(tiny_model_dir, tmp_path):
+    result, stdout = _bench(
+        tmp_path,
+        f"--model={tiny_model_dir}",
+        "--mode=serving",
+        "--workload=random",
+        "--num_requests=8",
+        "--input_len=20",
+        "--output_len=6",
+        "--compare_async_scheduling",
+    )
+    sync, asyn = result["runs"]["sync scheduling"], result["runs"]["async scheduling"]
+    assert sync["requests"] == asyn["requests"] == 8
+    assert result["output_throughput_ratio_async_over_sync"] > 0
+    assert "async / sync scheduling" in stdout

@@ -433,3 +433,43 @@ def test_speculative_decoding_metrics_have_vllms_names():
         in text
     )
     assert snapshot.spec_decode_mean_acceptance_length == 1.0 + 9 / 5
+
+
+def test_async_scheduling_over_grpc_and_http(tiny_model_dir):
+    """A server whose engine schedules asynchronously streams what the synchronous
+    offline engine generates, over gRPC and HTTP, and a cancelled stream frees its
+    pages though its next step was already dispatched."""
+    import httpx
+
+    server = ServerThread(tiny_model_dir, http_port=0, llm_kwargs=dict(async_scheduling=True))
+    try:
+        engine = server.engine
+        assert engine.config.scheduler.async_scheduling
+        params = dict(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True, n=2, logprobs=1)
+        offline = LLM(tiny_model_dir, max_model_len=128, warmup=False).generate(
+            ["The quick brown fox"], SamplingParams(**params), use_tqdm=False
+        )[0]
+        streamed = {0: [], 1: []}
+        for msg in stub(server.target).Generate(request(**params)):
+            if not msg.HasField("usage"):
+                streamed[msg.index] += msg.token_ids
+        assert [streamed[0], streamed[1]] == [o.token_ids for o in offline.outputs]
+        body = dict(
+            model="tiny",
+            prompt="The quick brown fox",
+            max_tokens=12,
+            temperature=0.8,
+            seed=5,
+            ignore_eos=True,
+            return_token_ids=True,
+        )
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.server.http_port}") as http:
+            choice = http.post("/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert choice["token_ids"] == offline.outputs[0].token_ids
+        call = stub(server.target).Generate(request(max_tokens=100, ignore_eos=True))
+        assert next(call).token_ids
+        call.cancel()
+        wait_idle(engine)
+        assert engine._inflight is None
+    finally:
+        server.stop()
