@@ -38,6 +38,7 @@ from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.request import Sequence
 from jaxserve.runner.input_batch import SeqWork, StepShapes, build_batch, pick_bucket
+from jaxserve.runner.sampler import argmax
 from jaxserve.runner.step import ModelDef, StepInput, forward
 from pallas_kernels import AttentionMetadata
 
@@ -90,7 +91,7 @@ def propose_step(
             num_seqs=inp.num_seqs,
         )
         hidden, caches = model(caches, tokens, pos, md)
-        nxt = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)
+        nxt = argmax(model.compute_logits(hidden))
         return nxt, caches, out.at[:, j].set(nxt)
 
     out = jnp.zeros((s, k), jnp.int32)

@@ -116,8 +116,22 @@ def verify(x, draft, noise):
     speculated (speculation depends on the batch). Returns (tokens [B] i32,
     accepted [B] bool); rows without a draft (-1) are never accepted.
     """
-    tokens = jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
+    tokens = argmax(x + noise)
     return tokens, (draft >= 0) & (tokens == draft)
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first index of the maximum), as int32.
+
+    XLA:CPU runs jnp.argmax's (value, index) reduction unvectorised: 11.6 ms for
+    [16, 151936] where a max followed by a min over the indices that hold it takes
+    2.0 ms (2 cores of an AMD EPYC). A row holding NaN gets the last index, not
+    the NaN's.
+    """
+    v = x.shape[-1]
+    top = x.max(axis=-1, keepdims=True)
+    index = jnp.where(x == top, jnp.arange(v, dtype=jnp.int32), v)
+    return jnp.minimum(index.min(axis=-1), v - 1)
 
 
 def _penalized(md: SamplingMetadata) -> jax.Array:
@@ -151,11 +165,11 @@ def _process_and_sample(logits, md: SamplingMetadata):
 
     # Greedy rows need none of the rest: min-p, top-k and top-p never remove the argmax.
     greedy = md.temperature <= 0.0
-    argmax = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    best = argmax(x)
     drawn, accepted = lax.cond(
-        jnp.all(greedy), lambda x, md: (argmax, argmax == md.draft), _draw, x, md
+        jnp.all(greedy), lambda x, md: (best, best == md.draft), _draw, x, md
     )
-    return jnp.where(greedy, argmax, drawn), jnp.where(greedy, argmax == md.draft, accepted)
+    return jnp.where(greedy, best, drawn), jnp.where(greedy, best == md.draft, accepted)
 
 
 def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
@@ -180,8 +194,8 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
 
 
 def _plain_greedy(logits, md: SamplingMetadata):
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return argmax, argmax == md.draft
+    best = argmax(logits)
+    return best, best == md.draft
 
 
 def token_logprobs(logits: jax.Array, token_ids: jax.Array):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxserve.runner.input_batch import SampleRow, build_sampling
-from jaxserve.runner.sampler import sample
+from jaxserve.runner.sampler import argmax, sample
 from jaxserve.sampling_params import SamplingParams
 
 V = 50
@@ -189,3 +189,16 @@ def test_penalty_history_is_only_sent_when_needed():
     penalized = build_sampling([row(repetition_penalty=1.2), row()], **kw)
     assert penalized.history.shape == (2, 64)
     assert penalized.history[0, :3].tolist() == [1, 2, 3] and penalized.history[1, 0] == -1
+
+
+def test_argmax_matches_jnp_argmax_with_ties_and_masked_rows():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 1001)).astype(np.float32)
+    x[1, [3, 700]] = 50.0  # a tie: the first index wins
+    x[2] = -np.inf  # a fully masked row
+    x[3, :500] = -np.inf
+    x[4] = 7.0  # a constant row
+    x[5, -1] = 9.0  # the maximum at the last index
+    got = np.asarray(jax.jit(argmax)(x))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert got.dtype == np.int32
