@@ -362,6 +362,7 @@ class LLMEngine:
     def abort_all(self) -> None:
         for request_id in list(self.requests):
             self.abort(request_id)
+        self._inflight = None  # its sequences are all finished: nothing to apply
 
     def has_unfinished(self) -> bool:
         return (
