@@ -21,6 +21,8 @@ from jax.sharding import Mesh
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.kv import PagePool
+from jaxserve.kv.connector import KVConnector
+from jaxserve.kv.tier import KVTier
 from jaxserve.metrics import EngineStats, StatsSnapshot
 from jaxserve.outputs import CompletionOutput, ModelInfo, RequestOutput
 from jaxserve.request import Sequence, Status
@@ -94,8 +96,16 @@ class LLMEngine:
             # evicts the least recently used and locks (filelock) every read and write.
             jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
         self.runner = runner if runner is not None else ModelRunner(config, mesh)
+        self.tier = self.kv_connector = None
+        if config.cache.offload:
+            self.tier = KVTier(
+                self.runner.kv_layout(), config.cache.offload_bytes, config.cache.offload_dir
+            )
+            self.kv_connector = KVConnector(self.tier, self.runner)
         self.pool = PagePool(
-            self.runner.num_pages, enable_prefix_caching=config.scheduler.enable_prefix_caching
+            self.runner.num_pages,
+            enable_prefix_caching=config.scheduler.enable_prefix_caching,
+            track_evictions=self.tier is not None,
         )
         spec = config.speculative
         self.scheduler = Scheduler(
@@ -104,6 +114,7 @@ class LLMEngine:
             page_size=config.cache.page_size,
             seed=config.seed,
             spec_max_batch=spec.disable_by_batch_size if spec else 0,
+            tier=self.tier,
         )
         self.proposer = self.drafter = None
         if spec is not None and spec.method == "ngram":
@@ -177,6 +188,20 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             num_compiles=self.runner.compiles.count,
             **self._stats.counters(),
+            **self._tier_stats(),
+        )
+
+    def _tier_stats(self) -> dict[str, int]:
+        if self.tier is None:
+            return {}
+        t = self.tier.stats
+        return dict(
+            kv_tier_hits=t.hits,
+            kv_tier_loads=t.loads,
+            kv_tier_load_bytes=t.load_bytes,
+            kv_tier_stores=t.stores,
+            kv_tier_store_bytes=t.store_bytes,
+            kv_tier_errors=t.errors,
         )
 
     # ---------------------------------------------------------------- requests
@@ -377,6 +402,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         failed = self._admit_compiled() if self._compiling else []
         plan = self.scheduler.schedule()
+        if self.kv_connector is not None:  # before the step overwrites evicted pages
+            self.kv_connector.before_step(self.pool.take_evicted(), plan.loads)
         if not plan.scheduled:
             self._wait_for_grammars()
             return failed

@@ -39,6 +39,7 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
     page_uids: list[int] = dataclasses.field(default_factory=list)  # of cached full pages
+    page_digests: list[bytes] = dataclasses.field(default_factory=list)  # their digests
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     num_preemptions: int = 0
