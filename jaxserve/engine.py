@@ -153,7 +153,12 @@ class LLMEngine:
             "on" if config.scheduler.enable_prefix_caching else "off",
         )
         if config.warmup:
-            self.runner.warmup(self.drafter.lower_all if self.drafter else None)
+            extras = [self.drafter.lower_all] if self.drafter else []
+            if self.tier is not None:
+                extras.append(self.runner.lower_kv_io)
+            self.runner.warmup(
+                (lambda abstract: [p for f in extras for p in f(abstract)]) if extras else None
+            )
             if self.drafter:
                 self.drafter.warmed_up = True
 

@@ -61,6 +61,21 @@ def _scatter(kv_caches: list[jax.Array], pages: jax.Array, data: jax.Array) -> l
     return [kv.at[pages].set(data[:, i].astype(kv.dtype)) for i, kv in enumerate(kv_caches)]
 
 
+def lower_all(kv_caches: list[jax.Array], num_pages: int) -> list:
+    """The gather and scatter programs for every padded page count up to `num_pages`,
+    lowered for warm-up (a serving loop then compiles nothing when pages move)."""
+    lowered, n = [], 1
+    while True:
+        pages = jax.ShapeDtypeStruct((n,), jnp.int32)
+        data = jax.ShapeDtypeStruct(
+            (n, len(kv_caches), *kv_caches[0].shape[1:]), kv_caches[0].dtype
+        )
+        lowered += [_gather.lower(kv_caches, pages), _scatter.lower(kv_caches, pages, data)]
+        if n >= num_pages:
+            return lowered
+        n *= 2
+
+
 def gather_pages(kv_caches: list[jax.Array], pages: list[int]) -> dict[str, jax.Array]:
     """Starts copying `pages` out (asynchronous: dispatched before the next step, which
     may overwrite them); {"kv": [n', L, page, 2K, H]} on the device, n' >= n."""

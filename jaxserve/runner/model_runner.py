@@ -165,6 +165,11 @@ class ModelRunner:
     def scatter_pages(self, pages: list[int], arrays: list[dict[str, np.ndarray]]) -> None:
         self.kv_caches = kv_io.scatter_pages(self.kv_caches, pages, arrays)
 
+    def lower_kv_io(self, abstract) -> list:
+        """The page gather/scatter programs, for `warmup(extra=...)`."""
+        del abstract
+        return kv_io.lower_all(self.kv_caches, self.num_pages)
+
     # ------------------------------------------------------------------ inputs
 
     def row_bucket(self, num_rows: int) -> int:

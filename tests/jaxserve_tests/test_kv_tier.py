@@ -332,3 +332,30 @@ def test_restarted_engine_with_the_same_dir_gets_hits(tiny_model_dir, tiny_refer
     out = second.generate(tiny_prompts()[:1], SAMPLING["greedy"], use_tqdm=False)[0]
     assert out.num_cached_tokens == 24 and second.engine.tier.stats.disk_hits == 3
     assert out.outputs[0].token_ids == tiny_reference["greedy"][0]
+
+
+@pytest.mark.slow
+def test_moving_pages_compiles_nothing_after_warm_up(tiny_model_dir):
+    from test_engine import make_llm
+
+    llm = make_llm(tiny_model_dir, num_kv_pages=9, kv_offload_bytes=64 << 20, warmup=True)
+    compiled = llm.engine.runner.compiles.count
+    for _ in range(2):
+        for p in tiny_prompts():
+            llm.generate([p], SAMPLING["greedy"], use_tqdm=False)
+    assert llm.engine.stats().kv_tier_loads > 0
+    assert llm.engine.runner.compiles.count == compiled
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(kv_offload_bytes=-1), "kv_offload_bytes must be a non-negative integer, got -1"),
+        (dict(kv_offload_bytes=1.5), "kv_offload_bytes must be a non-negative integer"),
+        (dict(kv_offload_dir=""), "kv_offload_dir must be a directory path"),
+        (dict(kv_offload_bytes=1, enable_prefix_caching=False), "enable_prefix_caching is off"),
+    ],
+)
+def test_bad_tier_config_names_the_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        make_engine(**kw)
