@@ -19,8 +19,9 @@ import logging
 
 import numpy as np
 
+from jaxserve.kv.page_pool import PagePool
 from jaxserve.kv.tier import KVTier
-from jaxserve.kv.transfer import Page, encode_page
+from jaxserve.kv.transfer import ROOT_DIGEST, KVLayout, Page, encode_page, page_digest
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +48,8 @@ class KVConnector:
 
     def _store(self, evicted, gathered) -> None:
         try:
-            host = {name: np.asarray(a) for name, a in gathered.items()}
-            for i, (_, digest, parent, tokens) in enumerate(evicted):
-                arrays = {name: a[i] for name, a in host.items()}
-                page = Page(digest, parent, tokens, arrays)
-                self.tier.put(digest, encode_page(self.tier.layout, page))
+            for digest, data in encode_gathered(self.tier.layout, evicted, gathered):
+                self.tier.put(digest, data)
         except Exception:  # a lost page is only recomputed; never take the engine down
             logger.exception("offloading %d KV pages to the tier failed", len(evicted))
 
@@ -60,3 +58,36 @@ class KVConnector:
         for f in self._pending:
             f.result()
         self._pending = []
+
+
+NamedPage = tuple[int, bytes, bytes, tuple[int, ...]]  # (device page, digest, parent, tokens)
+
+
+def encode_gathered(
+    layout: KVLayout, named: list[NamedPage], gathered: dict
+) -> list[tuple[bytes, bytes]]:
+    """(digest, encoded page) of each named page, from the runner's gather of them
+    (waits for the gather)."""
+    host = {name: np.asarray(a) for name, a in gathered.items()}
+    out = []
+    for i, (_, digest, parent, tokens) in enumerate(named):
+        page = Page(digest, parent, tokens, {name: a[i] for name, a in host.items()})
+        out.append((digest, encode_page(layout, page)))
+    return out
+
+
+def cached_prefix(
+    pool: PagePool, token_ids: list[int], page_size: int, salt=None
+) -> list[NamedPage]:
+    """The full pages of `token_ids` that `pool` holds cached, in order up to the first
+    it lacks."""
+    named, parent = [], ROOT_DIGEST
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        tokens = tuple(token_ids[start : start + page_size])
+        digest = page_digest(parent, tokens, salt)
+        page = pool.page_of_digest(digest)
+        if page is None:
+            break
+        named.append((page, digest, parent, tokens))
+        parent = digest
+    return named
