@@ -20,12 +20,16 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from jaxserve.engine import LLMEngine
 from jaxserve.metrics import StatsSnapshot
 from jaxserve.outputs import ModelInfo, RequestOutput
+from jaxserve.request import ResumedSample
 from jaxserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,15 @@ class _Stream:
     def put(self, item) -> None:
         if not self.closed:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class AsyncLLMEngine:
@@ -89,6 +102,7 @@ class AsyncLLMEngine:
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        resume: list[ResumedSample] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs until it finishes.
 
@@ -109,7 +123,7 @@ class AsyncLLMEngine:
                 stream,
                 list(prompt_token_ids),
                 params,
-                dict(prompt=prompt, priority=priority, cache_salt=cache_salt),
+                dict(prompt=prompt, priority=priority, cache_salt=cache_salt, resume=resume),
             )
         )
         finished = False
@@ -131,6 +145,14 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs `fn(engine)` on the engine's thread between two steps; its result."""
+        if not self.healthy:
+            raise EngineDeadError(f"the engine loop stopped: {self.error!r}")
+        future = asyncio.get_running_loop().create_future()
+        self._send(("call", fn, future))
+        return await future
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
@@ -148,7 +170,14 @@ class AsyncLLMEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
+            if command[0] == "call":
+                _, fn, future = command
+                try:
+                    result, error = fn(self.engine), None
+                except Exception as e:  # the caller's error; the engine is fine
+                    result, error = None, e
+                future.get_loop().call_soon_threadsafe(_settle, future, result, error)
+            elif command[0] == "add":
                 _, request_id, stream, ids, params, kw = command
                 if stream.closed:
                     continue  # cancelled before it reached the engine

@@ -51,6 +51,14 @@ class CacheConfig:
     memory_bytes: int = 1 << 30
     memory_fraction: float | None = None  # like vLLM's gpu_memory_utilization
     dtype: str = "auto"  # vLLM's kv_cache_dtype; "auto": the model's compute dtype
+    # The prefix cache's second tier (kv/tier.py): full pages evicted from the device
+    # move to host memory (at most `offload_bytes`, LRU) and, with `offload_dir`, to disk.
+    offload_bytes: int = 0
+    offload_dir: str | None = None
+
+    @property
+    def offload(self) -> bool:
+        return self.offload_bytes > 0 or self.offload_dir is not None
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -65,6 +73,18 @@ class CacheConfig:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.memory_fraction}"
             )
+        if (
+            not isinstance(self.offload_bytes, int)
+            or isinstance(self.offload_bytes, bool)
+            or self.offload_bytes < 0
+        ):
+            raise ValueError(
+                f"kv_offload_bytes must be a non-negative integer, got {self.offload_bytes!r}"
+            )
+        if self.offload_dir is not None and (
+            not isinstance(self.offload_dir, str) or not self.offload_dir
+        ):
+            raise ValueError(f"kv_offload_dir must be a directory path, got {self.offload_dir!r}")
         if self.dtype is None or self.dtype == "auto":
             object.__setattr__(self, "dtype", "auto")
         else:
@@ -234,6 +254,12 @@ class EngineConfig:
             )
         if self.max_logit_bias <= 0:
             raise ValueError(f"max_logit_bias must be positive, got {self.max_logit_bias}")
+        if self.cache.offload and not self.scheduler.enable_prefix_caching:
+            raise ValueError(
+                f"kv_offload_bytes={self.cache.offload_bytes}, kv_offload_dir="
+                f"{self.cache.offload_dir!r}: the KV tier extends the prefix cache, and "
+                "enable_prefix_caching is off"
+            )
         draft = self.speculative.draft if self.speculative else None
         if draft is not None and draft.vocab_size != self.model.vocab_size:
             raise ValueError(
@@ -299,6 +325,8 @@ _NESTED_ARGS: dict[str, tuple[str, str]] = {
     "kv_cache_memory_bytes": ("cache", "memory_bytes"),
     "kv_cache_memory_fraction": ("cache", "memory_fraction"),
     "kv_cache_dtype": ("cache", "dtype"),
+    "kv_offload_bytes": ("cache", "offload_bytes"),
+    "kv_offload_dir": ("cache", "offload_dir"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "enable_prefix_caching": ("scheduler", "enable_prefix_caching"),

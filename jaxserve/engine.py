@@ -21,9 +21,12 @@ from jax.sharding import Mesh
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.kv import PagePool
+from jaxserve.kv.connector import KVConnector, cached_prefix, encode_gathered
+from jaxserve.kv.tier import KVTier
+from jaxserve.kv.transfer import KVLayout, decode_page
 from jaxserve.metrics import EngineStats, StatsSnapshot
 from jaxserve.outputs import CompletionOutput, ModelInfo, RequestOutput
-from jaxserve.request import Sequence, Status
+from jaxserve.request import ResumedSample, Sequence, Status
 from jaxserve.runner.draft import DraftRunner
 from jaxserve.runner.input_batch import SampleRow, SeqWork
 from jaxserve.runner.model_runner import ModelRunner, PendingStep
@@ -58,6 +61,8 @@ class _Request:
     # Its steps need the previous step's tokens on the host (asynchronous scheduling
     # runs synchronous steps while such a request is live).
     sync_only: bool = False
+    # Disaggregated decode: resumed samples' tokens, sent with their first output.
+    resumed: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -112,8 +117,14 @@ class LLMEngine:
             # evicts the least recently used and locks (filelock) every read and write.
             jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
         self.runner = runner if runner is not None else ModelRunner(config, mesh)
+        self.tier = self.kv_connector = None
+        if config.cache.offload:
+            self.tier = KVTier(self.kv_layout, config.cache.offload_bytes, config.cache.offload_dir)
+            self.kv_connector = KVConnector(self.tier, self.runner)
         self.pool = PagePool(
-            self.runner.num_pages, enable_prefix_caching=config.scheduler.enable_prefix_caching
+            self.runner.num_pages,
+            enable_prefix_caching=config.scheduler.enable_prefix_caching,
+            track_evictions=self.tier is not None,
         )
         spec = config.speculative
         self.scheduler = Scheduler(
@@ -122,6 +133,7 @@ class LLMEngine:
             page_size=config.cache.page_size,
             seed=config.seed,
             spec_max_batch=spec.disable_by_batch_size if spec else 0,
+            tier=self.tier,
         )
         self.proposer = self.drafter = None
         if spec is not None and spec.method == "ngram":
@@ -169,7 +181,12 @@ class LLMEngine:
             "on" if config.scheduler.enable_prefix_caching else "off",
         )
         if config.warmup:
-            self.runner.warmup(self.drafter.lower_all if self.drafter else None)
+            extras = [self.drafter.lower_all] if self.drafter else []
+            if self.tier is not None:
+                extras.append(self.runner.lower_kv_io)
+            self.runner.warmup(
+                (lambda abstract: [p for f in extras for p in f(abstract)]) if extras else None
+            )
             if self.drafter:
                 self.drafter.warmed_up = True
 
@@ -204,7 +221,49 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             num_compiles=self.runner.compiles.count,
             **self._stats.counters(),
+            **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict[str, int]:
+        if self.tier is None:
+            return {}
+        t = self.tier.stats
+        return dict(
+            kv_tier_hits=t.hits,
+            kv_tier_loads=t.loads,
+            kv_tier_load_bytes=t.load_bytes,
+            kv_tier_stores=t.stores,
+            kv_tier_store_bytes=t.store_bytes,
+            kv_tier_errors=t.errors,
+        )
+
+    # ------------------------------------------------------- KV pages that travel
+
+    @functools.cached_property
+    def kv_layout(self) -> KVLayout:
+        """What this engine's KV pages hold, and of which model (kv/transfer.py)."""
+        return self.runner.kv_layout()
+
+    def export_prefix(self, token_ids: list[int], salt: str | None = None) -> list[bytes]:
+        """The encoded KV pages of `token_ids`' full pages that the pool holds, in order
+        up to the first it lacks: what a prefill instance pushes to a decode instance.
+        Call it between steps (the engine's thread)."""
+        named = cached_prefix(self.pool, token_ids, self.config.cache.page_size, salt)
+        if not named:
+            return []
+        gathered = self.runner.gather_pages([n[0] for n in named])
+        return [data for _, data in encode_gathered(self.kv_layout, named, gathered)]
+
+    def import_pages(self, pages: list[bytes]) -> int:
+        """Checks pushed pages and keeps them in the KV tier, where admission finds them
+        (any thread). Raises KVTransferError (a ValueError) naming the first bad page,
+        keeping none, or ValueError if this engine has no tier."""
+        if self.tier is None:
+            raise ValueError("this engine has no KV tier to receive pages in: set kv_offload_bytes")
+        decoded = [decode_page(self.kv_layout, data) for data in pages]
+        for page, data in zip(decoded, pages, strict=True):
+            self.tier.put(page.digest, data)
+        return len(decoded)
 
     # ---------------------------------------------------------------- requests
 
@@ -275,8 +334,14 @@ class LLMEngine:
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        resume: list[ResumedSample] | None = None,
     ) -> None:
-        """Validates and queues a request; raises ValueError naming the bad field."""
+        """Validates and queues a request; raises ValueError naming the bad field.
+
+        `resume` (disaggregated decode) continues the listed samples from the tokens
+        another instance sampled for them (after it pushed the prompt's KV pages
+        here): only they run, and their first output carries those tokens too.
+        """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -286,13 +351,16 @@ class LLMEngine:
             for t in prompt_token_ids
         ]
         max_tokens = self.validate(ids, params)
+        indices = (
+            range(params.n) if resume is None else self._check_resume(resume, params, max_tokens)
+        )
         grammar = None
         if params.structured_outputs is not None:
             grammar = self._grammar_compiler().compile(params.structured_outputs)
             if grammar.done() and grammar.exception() is not None:
                 raise grammar.exception()  # a cached failure: a ValueError naming the field
         seqs, leader = [], None
-        for i in range(params.n):
+        for i in indices:
             base = params.seed if params.seed is not None else self._rng.getrandbits(32)
             seq = Sequence(
                 request_id=request_id,
@@ -312,9 +380,9 @@ class LLMEngine:
         self._arrivals += 1
         detoks = [
             IncrementalDetokenizer(self.tokenizer, ids, params)
-            if self.tokenizer is not None
+            if self.tokenizer is not None and i in indices
             else None
-            for _ in seqs
+            for i in range(params.n)
         ]
         self.requests[request_id] = _Request(
             request_id,
@@ -323,8 +391,8 @@ class LLMEngine:
             params,
             seqs,
             detoks,
-            [[] for _ in seqs],
-            [0.0] * len(seqs),
+            [[] for _ in range(params.n)],
+            [0.0] * params.n,
             time.monotonic(),
             grammar=grammar,
             # Structured output fills the next token's bitmask from the grammar's state
@@ -332,12 +400,62 @@ class LLMEngine:
             sync_only=grammar is not None,
         )
         self._num_sync_only += self.requests[request_id].sync_only
+        if resume is not None:
+            self._resume(self.requests[request_id], resume)
         self._stats.on_add()
         if grammar is not None:
             self._compiling.append(self.requests[request_id])  # scheduled once compiled
         else:
             for seq in seqs:
                 self.scheduler.add(seq)
+
+    def _check_resume(
+        self, resume: list[ResumedSample], params: SamplingParams, max_tokens: int
+    ) -> list[int]:
+        """The resumed samples' indexes; ValueError naming the field if they are bad."""
+        indices = [r.index for r in resume]
+        if (
+            not resume
+            or len(set(indices)) != len(indices)
+            or not set(indices) <= set(range(params.n))
+        ):
+            raise ValueError(
+                f"resume.samples must name distinct samples of n={params.n}, got {indices}"
+            )
+        if params.structured_outputs is not None:
+            raise ValueError("resume: structured output cannot be resumed (its grammar state)")
+        vocab = self.config.model.vocab_size
+        for r in resume:
+            if not r.token_ids or not all(0 <= t < vocab for t in r.token_ids):
+                raise ValueError(
+                    f"resume.samples[{r.index}].token_ids must be ids in [0, {vocab}), "
+                    f"got {r.token_ids[:5]}"
+                )
+            if len(r.token_ids) >= max_tokens:
+                raise ValueError(
+                    f"resume.samples[{r.index}] has {len(r.token_ids)} tokens; max_tokens "
+                    f"is {max_tokens}: nothing is left to generate"
+                )
+            if params.logprobs is not None and len(r.logprobs or ()) != len(r.token_ids):
+                raise ValueError(
+                    f"resume.samples[{r.index}].logprobs must have one entry per token"
+                )
+        return sorted(indices)
+
+    def _resume(self, req: _Request, resume: list[ResumedSample]) -> None:
+        """Gives resumed samples their tokens so far, as if this engine had sampled them."""
+        by_index = {r.index: r for r in resume}
+        for seq in req.seqs:
+            r = by_index[seq.index]
+            detok = req.detoks[seq.index]
+            for j, token in enumerate(r.token_ids):
+                seq.append(token)
+                if detok is not None:
+                    detok.add(token, check_stop=False)  # the other instance checked them
+                if req.params.logprobs is not None:
+                    req.logprobs[seq.index].append(dict(r.logprobs[j]))
+                    req.cumulative_logprob[seq.index] += r.logprobs[j][token]
+            req.resumed[seq.index] = list(r.token_ids)
 
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its pages; False if it is unknown or already done."""
@@ -426,8 +544,14 @@ class LLMEngine:
         self._inflight = None
         return failed + outputs + self._step_sync(time.perf_counter())
 
-    def _step_sync(self, t0: float) -> list[RequestOutput]:
+    def _schedule(self) -> SchedulerOutput:
         plan = self.scheduler.schedule()
+        if self.kv_connector is not None:  # before the step overwrites evicted pages
+            self.kv_connector.before_step(self.pool.take_evicted(), plan.loads)
+        return plan
+
+    def _step_sync(self, t0: float) -> list[RequestOutput]:
+        plan = self._schedule()
         if not plan.scheduled:
             self._wait_for_grammars()
             return []
@@ -448,7 +572,7 @@ class LLMEngine:
         before returned).
         """
         prev = self._inflight
-        plan = self.scheduler.schedule()
+        plan = self._schedule()
         self._inflight = self._dispatch(plan, prev) if plan.scheduled else None
         if prev is None:
             if self._inflight is None:
@@ -734,12 +858,15 @@ class LLMEngine:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         completions = []
-        for seq, detok in zip(req.seqs, req.detoks, strict=True):
+        for seq in req.seqs:
+            detok = req.detoks[seq.index]
             text = delta = ""
             if detok is not None:
                 delta = detok.release(seq.finished)
                 text = detok.text[: detok.released]
             tokens = new_tokens.get(seq, [])
+            if req.resumed and seq in new_tokens:
+                tokens = req.resumed.pop(seq.index, []) + tokens
             completions.append(
                 CompletionOutput(
                     index=seq.index,

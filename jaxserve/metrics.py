@@ -36,6 +36,13 @@ class StatsSnapshot:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [k]: accepted at draft j
+    # The host/disk KV tier (kv/tier.py), in pages and bytes.
+    kv_tier_hits: int = 0  # pages a prefix lookup found in the tier
+    kv_tier_loads: int = 0  # of those, copied back to the device
+    kv_tier_load_bytes: int = 0
+    kv_tier_stores: int = 0  # evicted pages stored in the tier
+    kv_tier_store_bytes: int = 0
+    kv_tier_errors: int = 0  # pages refused or disk operations failed (recomputed)
 
     @property
     def spec_decode_mean_acceptance_length(self) -> float:

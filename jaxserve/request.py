@@ -9,6 +9,16 @@ from collections.abc import Hashable
 from jaxserve.sampling_params import SamplingParams
 
 
+@dataclasses.dataclass(frozen=True)
+class ResumedSample:
+    """A sample another instance started (disaggregated prefill): its tokens so far and,
+    if the request asks for logprobs, their entries ({token id: logprob}, chosen included)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -39,6 +49,7 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
     page_uids: list[int] = dataclasses.field(default_factory=list)  # of cached full pages
+    page_digests: list[bytes] = dataclasses.field(default_factory=list)  # their digests
     num_computed: int = 0  # tokens whose K/V are in the cache
     # Asynchronous scheduling: tokens a dispatched step samples for this sequence that
     # are not back on the host yet (they follow token_ids; a next step may compute them).

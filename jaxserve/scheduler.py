@@ -16,6 +16,12 @@ verifying costs more than it saves). Nobody is preempted for a draft. After the
 step, `on_computed` keeps only the accepted drafts' KV: `num_computed` stops at
 the first rejection and pages past the sequence's tokens go back to the pool, so
 an unverified token is never cached.
+
+With a host/disk tier (`tier`), a waiting sequence's lookup goes on past the
+device's cached pages into the tier: the pages found there (read and checked
+now) get fresh device pages, are cached under their names at once, and are
+listed in the plan's `loads` for the engine to copy in before the step; the
+sequence starts after them, as after any cached prefix.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import random
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.kv.page_pool import ROOT_UID, PagePool
+from jaxserve.kv.tier import KVTier
+from jaxserve.kv.transfer import ROOT_DIGEST, Page, page_digest
 from jaxserve.request import Sequence, Status
 
 
@@ -66,6 +74,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSeq]
     preempted: list[Sequence]
+    loads: list[tuple[int, Page]] = dataclasses.field(default_factory=list)  # tier -> page
 
     @property
     def num_tokens(self) -> int:
@@ -81,8 +90,10 @@ class Scheduler:
         page_size: int,
         seed: int = 0,
         spec_max_batch: int = 0,
+        tier: KVTier | None = None,
     ):
         self.pool = pool
+        self.tier = tier
         self.spec_max_batch = spec_max_batch  # speculate only up to this many running
         self.page_size = page_size
         self.max_num_seqs = config.max_num_seqs
@@ -113,7 +124,7 @@ class Scheduler:
         else:
             return
         self.pool.free(seq.pages)
-        seq.pages, seq.page_uids = [], []
+        seq.pages, seq.page_uids, seq.page_digests = [], [], []
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
@@ -153,11 +164,14 @@ class Scheduler:
 
         if len(self.running) <= self.spec_max_batch:
             budget = self._add_drafts(scheduled, budget)
+        loads: list[tuple[int, Page]] = []
         if not preempted:
-            budget = self._admit(budget, scheduled)
-        return SchedulerOutput(scheduled, preempted)
+            budget = self._admit(budget, scheduled, loads)
+        return SchedulerOutput(scheduled, preempted, loads)
 
-    def _admit(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
+    def _admit(
+        self, budget: int, scheduled: list[ScheduledSeq], loads: list[tuple[int, Page]]
+    ) -> int:
         blocked = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -176,15 +190,28 @@ class Scheduler:
             pages, uids = self.pool.lookup(
                 seq.token_ids, self.page_size, seq.salt, max_tokens=cacheable
             )
-            computed = len(pages) * self.page_size
+            digests = [self.pool.digest(p) for p in pages]
+            in_tier = self._in_tier(seq, digests, cacheable) if self.tier is not None else []
+            computed = (len(pages) + len(in_tier)) * self.page_size
             n = min(seq.num_tokens - computed, budget)
             need = -(-(computed + n) // self.page_size) - len(pages)
             if need > self.pool.num_free:
                 self.pool.free(pages)
                 break
+            if in_tier:  # read and checked now: a page refused ends the run there
+                in_tier = self.tier.load(in_tier, seq.salt)
+                computed = (len(pages) + len(in_tier)) * self.page_size
+                n = min(seq.num_tokens - computed, budget)
+                need = -(-(computed + n) // self.page_size) - len(pages)
             self.waiting.pop(0)
             seq.pages = pages + self.pool.allocate(need)
-            seq.page_uids = uids
+            for page_id, page in zip(seq.pages[len(pages) :], in_tier, strict=False):
+                parent = uids[-1] if uids else ROOT_UID
+                name = (page.digest, page.parent)
+                uids.append(self.pool.cache_page(page_id, parent, page.tokens, seq.salt, name))
+                digests.append(page.digest)
+                loads.append((page_id, page))
+            seq.page_uids, seq.page_digests = uids, digests
             seq.num_computed = computed
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = computed
@@ -197,6 +224,18 @@ class Scheduler:
         for seq in blocked:
             bisect.insort(self.waiting, seq, key=Sequence.sort_key)
         return budget
+
+    def _in_tier(self, seq: Sequence, digests: list[bytes], limit: int) -> list[bytes]:
+        """The digests of the full pages after the device's cached ones (`digests`), up
+        to `limit` tokens, that the tier holds, in order up to the first it lacks."""
+        page, found = self.page_size, []
+        parent = digests[-1] if digests else ROOT_DIGEST
+        for start in range(len(digests) * page, limit - page + 1, page):
+            parent = page_digest(parent, seq.token_ids[start : start + page], seq.salt)
+            if not self.tier.contains(parent):
+                break
+            found.append(parent)
+        return found
 
     def _add_drafts(self, scheduled: list[ScheduledSeq], budget: int) -> int:
         """Gives decoding sequences their proposed tokens from what the real tokens
@@ -231,7 +270,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pool.free(seq.pages)
-        seq.pages, seq.page_uids = [], []
+        seq.pages, seq.page_uids, seq.page_digests = [], [], []
         seq.num_computed = seq.draft_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -261,4 +300,7 @@ class Scheduler:
         for j in range(len(seq.page_uids), min(seq.num_computed, seq.num_tokens) // page):
             parent = seq.page_uids[-1] if seq.page_uids else ROOT_UID
             tokens = seq.token_ids[j * page : (j + 1) * page]
-            seq.page_uids.append(self.pool.cache_page(seq.pages[j], parent, tokens, seq.salt))
+            parent_digest = seq.page_digests[-1] if seq.page_digests else ROOT_DIGEST
+            name = (page_digest(parent_digest, tokens, seq.salt), parent_digest)
+            seq.page_uids.append(self.pool.cache_page(seq.pages[j], parent, tokens, seq.salt, name))
+            seq.page_digests.append(name[0])

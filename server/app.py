@@ -73,6 +73,16 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
 
+        if handler is not None and handler.request_streaming:  # PushKV
+
+            async def deny_pushed(request_iterator, context):
+                await deny(None, context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                deny_pushed,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         if handler is not None and handler.response_streaming:
 
             async def deny_stream(request, context):
@@ -97,7 +107,11 @@ class _MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
+        if (
+            handler is None
+            or handler.request_streaming  # PushKV: parsed message by message
+            or not details.method.startswith(f"/{SERVICE_NAME}/")
+        ):
             return handler
         parse = handler.request_deserializer
 
@@ -173,7 +187,8 @@ class JaxServeServer:
             ],
         )
         pb_grpc.add_JaxServeServicer_to_server(
-            JaxServeServicer(self.state, self.metrics), self._server
+            JaxServeServicer(self.state, self.metrics, max_message_bytes=o.max_message_bytes),
+            self._server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(

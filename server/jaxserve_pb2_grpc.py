@@ -59,6 +59,16 @@ class JaxServeStub:
                 request_serializer=server_dot_jaxserve__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=server_dot_jaxserve__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Prefill = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/Prefill',
+                request_serializer=server_dot_jaxserve__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=server_dot_jaxserve__pb2.PrefillResponse.FromString,
+                _registered_method=True)
+        self.PushKV = channel.stream_unary(
+                '/jaxserve.v1.JaxServe/PushKV',
+                request_serializer=server_dot_jaxserve__pb2.KVPages.SerializeToString,
+                response_deserializer=server_dot_jaxserve__pb2.PushKVResponse.FromString,
+                _registered_method=True)
 
 
 class JaxServeServicer:
@@ -98,6 +108,24 @@ class JaxServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefill(self, request, context):
+        """Disaggregated serving (server/router.py). A prefill instance computes a
+        request's prompt KV and first token per sample, pushes the prompt's full KV
+        pages to `decode_target`, and answers what the decode instance needs to go on
+        (a GenerateRequest with `resume`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushKV(self, request_iterator, context):
+        """Receives KV pages (jaxserve/kv/transfer.py's bytes, checked before they are
+        kept) into this instance's host KV tier, where its prefix lookups find them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JaxServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +153,16 @@ def add_JaxServeServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=server_dot_jaxserve__pb2.GetModelInfoRequest.FromString,
                     response_serializer=server_dot_jaxserve__pb2.ModelInfo.SerializeToString,
+            ),
+            'Prefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=server_dot_jaxserve__pb2.PrefillRequest.FromString,
+                    response_serializer=server_dot_jaxserve__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PushKV': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushKV,
+                    request_deserializer=server_dot_jaxserve__pb2.KVPages.FromString,
+                    response_serializer=server_dot_jaxserve__pb2.PushKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,6 +300,60 @@ class JaxServe:
             '/jaxserve.v1.JaxServe/GetModelInfo',
             server_dot_jaxserve__pb2.GetModelInfoRequest.SerializeToString,
             server_dot_jaxserve__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/Prefill',
+            server_dot_jaxserve__pb2.PrefillRequest.SerializeToString,
+            server_dot_jaxserve__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKV(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/jaxserve.v1.JaxServe/PushKV',
+            server_dot_jaxserve__pb2.KVPages.SerializeToString,
+            server_dot_jaxserve__pb2.PushKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -97,6 +97,18 @@ class _EngineCollector:
         for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
             per_pos.add_metric((*self._labels[1], str(pos)), n)
         yield per_pos
+        for name, doc in _TIER_COUNTERS:
+            yield self._family(c, f"jaxserve:{name}", doc, getattr(s, name))
+
+
+_TIER_COUNTERS = (
+    ("kv_tier_hits", "KV tier: pages a prefix lookup found in host memory or on disk."),
+    ("kv_tier_loads", "KV tier: pages copied back to the device instead of recomputed."),
+    ("kv_tier_load_bytes", "KV tier: bytes copied back to the device."),
+    ("kv_tier_stores", "KV tier: pages evicted from the device and stored."),
+    ("kv_tier_store_bytes", "KV tier: bytes stored."),
+    ("kv_tier_errors", "KV tier: pages refused (corrupt or foreign) or failed disk I/O."),
+)
 
 
 class ServerMetrics:

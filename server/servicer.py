@@ -8,6 +8,7 @@ cancels or disconnects aborts its request (the engine stream's cleanup).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import grpc
@@ -17,9 +18,9 @@ from jaxserve.inputs import ParsedPrompt, parse_prompt
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.tokenizer import Tokenizer
+from server import disagg, serving
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
-from server import serving
 from server.metrics import ServerMetrics
 from server.serving import Reason, Refused, ServingState
 
@@ -101,9 +102,12 @@ def _usage(out: RequestOutput) -> pb.Usage:
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
-    def __init__(self, state: ServingState, metrics: ServerMetrics):
+    def __init__(
+        self, state: ServingState, metrics: ServerMetrics, *, max_message_bytes: int = 4 << 20
+    ):
         self.state = state
         self.metrics = metrics
+        self.max_message_bytes = max_message_bytes
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------- helpers
@@ -134,17 +138,19 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         except ValueError as e:
             await self._invalid(context, str(e))
 
-    async def _stream(self, request, context):
-        """Validates a GenerateRequest; yields (request_id, RequestOutput)."""
+    async def _stream(self, request, context, params: SamplingParams | None = None):
+        """Validates a GenerateRequest; yields (request_id, RequestOutput). `params`
+        replaces the request's sampling parameters (a prefill's one-token run)."""
         try:
             engine = serving.admit(self.state, self.metrics)
         except Refused as e:
             await context.abort(_CODES[e.reason], e.message)
         prompt = await self._prompt(request, context)
-        try:
-            params = sampling_params_from_proto(request.sampling_params)
-        except ValueError as e:
-            await self._invalid(context, str(e))
+        if params is None:
+            params = await self._params(request, context)
+        resume = None
+        if request.HasField("resume"):
+            resume = disagg.resume_from_proto(request.resume)
         rid = request.request_id or f"req-{next(self._ids)}"
         try:
             async for out in serving.stream(
@@ -155,10 +161,17 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                 params,
                 priority=request.priority,
                 cache_salt=request.cache_salt or None,
+                resume=resume,
             ):
                 yield rid, out
         except Refused as e:
             await context.abort(_CODES[e.reason], e.message)
+
+    async def _params(self, request, context) -> SamplingParams:
+        try:
+            return sampling_params_from_proto(request.sampling_params)
+        except ValueError as e:
+            await self._invalid(context, str(e))
 
     # -------------------------------------------------------------------- RPCs
 
@@ -262,3 +275,61 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             dtype=info.dtype,
             block_size=info.block_size,
         )
+
+    # ------------------------------------------- disaggregated serving (disagg.py)
+
+    async def Prefill(self, request, context):
+        gen = request.request
+        params = await self._params(gen, context)
+        why = disagg.can_disaggregate(params)
+        if why is not None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{why}: run this request on one instance"
+            )
+        final, rid = None, ""
+        async for request_id, out in self._stream(gen, context, disagg.first_token_params(params)):
+            final, rid = out, request_id
+        limit = self.state.engine.model_info.max_model_len
+        max_tokens = params.max_tokens or limit - len(final.prompt_token_ids)
+        going = disagg.going_on(final, max_tokens)
+        reply = pb.PrefillResponse(
+            messages=[
+                self._delta(rid, disagg.whole(c), final) for c in final.outputs if c not in going
+            ],
+            usage=_usage(final),
+            prompt_logprobs=_prompt_logprobs_proto(final),
+        )
+        if not going:
+            return reply
+        for c in going:
+            sample = pb.ResumedSample(index=c.index, token_ids=c.token_ids)
+            if c.logprobs is not None:
+                sample.logprobs.extend(_logprobs_proto(c.logprobs, c.token_ids))
+            reply.resume.samples.append(sample)
+        ids, salt = final.prompt_token_ids, gen.cache_salt or None
+        pages = await self.state.engine.call(lambda e: e.export_prefix(ids, salt))
+        try:
+            reply.pages_pushed = await disagg.push(
+                request.decode_target,
+                pages,
+                max_message_bytes=self.max_message_bytes,
+                metadata=disagg.auth_metadata(context),
+            )
+        except grpc.RpcError as e:
+            await context.abort(
+                grpc.StatusCode.ABORTED,
+                f"pushing {len(pages)} KV pages to decode instance {request.decode_target} "
+                f"failed: {e.code().name}: {e.details()}",
+            )
+        return reply
+
+    async def PushKV(self, request_iterator, context):
+        engine = await self._ready(context)
+        pages = []
+        async for msg in request_iterator:
+            pages.extend(msg.pages)
+        try:
+            kept = await asyncio.to_thread(engine.engine.import_pages, pages)
+        except ValueError as e:  # a bad page (none kept), or no tier to keep them in
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return pb.PushKVResponse(pages=kept)

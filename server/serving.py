@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.inputs import ParsedPrompt
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.request import ResumedSample
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 from server.metrics import ServerMetrics
@@ -91,6 +92,7 @@ async def stream(
     *,
     priority: int = 0,
     cache_salt: str | None = None,
+    resume: list[ResumedSample] | None = None,
 ) -> AsyncIterator[RequestOutput]:
     """The engine's outputs for one request, with latency metrics recorded.
 
@@ -108,6 +110,7 @@ async def stream(
             prompt=prompt.text,
             priority=priority,
             cache_salt=cache_salt,
+            resume=resume,
         ):
             now = time.monotonic()
             if any(c.delta_token_ids for c in out.outputs):

@@ -79,6 +79,25 @@ class MockRunner:
     def warmup(self):
         pass
 
+    # KV pages that travel (the host/disk tier): a page is the tokens its slots hold.
+
+    def kv_layout(self):
+        from jaxserve.kv.transfer import ArraySpec, KVLayout
+
+        page = self.config.cache.page_size
+        return KVLayout("mock", page, (ArraySpec("kv", "int64", (page,)),))
+
+    def gather_pages(self, pages):
+        page = self.config.cache.page_size
+        kv = [[self.slots.get(p * page + i, -1) for i in range(page)] for p in pages]
+        return {"kv": np.asarray(kv, np.int64)}
+
+    def scatter_pages(self, pages, arrays):
+        page = self.config.cache.page_size
+        for p, a in zip(pages, arrays, strict=True):
+            for i, tok in enumerate(a["kv"]):
+                self.slots[p * page + i] = int(tok)
+
     @staticmethod
     def fetch(pending):
         return pending.out, pending.prompt_lp

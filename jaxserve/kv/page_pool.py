@@ -14,6 +14,12 @@ page's tokens, extra keys such as a tenant's salt), and each cached page gets a
 fresh uid that is never reused. Keys are compared by value in a dict, so two
 different prefixes can never share an entry: the cache is collision-free by
 construction, not by the odds of a hash.
+
+A cached page may also carry its *digest* (`transfer.page_digest`, a hash
+chain that means the same in every process), the name under which it leaves
+the pool: with `track_evictions`, each evicted cached page's (page, digest,
+parent digest, tokens) is kept in `evicted` until the engine copies it to the
+host/disk tier, before the step that overwrites the page runs.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ PageKey = tuple[int, tuple[int, ...], Hashable]
 
 
 class PagePool:
-    def __init__(self, num_pages: int, *, enable_prefix_caching: bool = True):
+    def __init__(
+        self, num_pages: int, *, enable_prefix_caching: bool = True, track_evictions: bool = False
+    ):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
         self.num_pages = num_pages
@@ -42,6 +50,10 @@ class PagePool:
         self._key_of_page: dict[int, PageKey] = {}
         self._uid_of_page: dict[int, int] = {}
         self._uids = itertools.count(ROOT_UID + 1)
+        self._name_of_page: dict[int, tuple[bytes, bytes]] = {}  # page -> (digest, parent)
+        self._page_of_digest: dict[bytes, int] = {}
+        self.track_evictions = track_evictions
+        self.evicted: list[tuple[int, bytes, bytes, tuple[int, ...]]] = []
 
     # ------------------------------------------------------------------ capacity
 
@@ -123,9 +135,16 @@ class PagePool:
         return pages, uids
 
     def cache_page(
-        self, page: int, parent_uid: int, tokens: Sequence[int], salt: Hashable = None
+        self,
+        page: int,
+        parent_uid: int,
+        tokens: Sequence[int],
+        salt: Hashable = None,
+        name: tuple[bytes, bytes] | None = None,
     ) -> int:
         """Registers a just-filled page; returns the uid its next page chains from.
+
+        `name` is the page's (digest, parent digest), for pages that may leave the pool.
 
         If an identical page is already cached (computed concurrently by another
         sequence), that entry is kept and its uid returned; `page` stays uncached.
@@ -142,17 +161,41 @@ class PagePool:
         self._page_of_key[key] = page
         self._key_of_page[page] = key
         self._uid_of_page[page] = uid
+        if name is not None:
+            self._name_of_page[page] = name
+            self._page_of_digest[name[0]] = page
         return uid
+
+    def page_of_digest(self, digest: bytes) -> int | None:
+        """The cached page named `digest`, if any (no reference is taken)."""
+        return self._page_of_digest.get(digest)
+
+    def digest(self, page: int) -> bytes | None:
+        name = self._name_of_page.get(page)
+        return None if name is None else name[0]
+
+    def take_evicted(self) -> list[tuple[int, bytes, bytes, tuple[int, ...]]]:
+        """The named pages evicted since the last call: (page, digest, parent, tokens)."""
+        evicted, self.evicted = self.evicted, []
+        return evicted
 
     def _evict(self, page: int) -> None:
         key = self._key_of_page.pop(page, None)
         if key is not None:
             del self._page_of_key[key]
             del self._uid_of_page[page]
+            name = self._name_of_page.pop(page, None)
+            if name is not None:
+                if self._page_of_digest.get(name[0]) == page:  # (a recomputed twin may own it)
+                    del self._page_of_digest[name[0]]
+                if self.track_evictions:
+                    self.evicted.append((page, *name, key[1]))
 
     def reset_prefix_cache(self) -> None:
+        track, self.track_evictions = self.track_evictions, False
         for page in list(self._key_of_page):
             self._evict(page)
+        self.track_evictions = track
 
     # ---------------------------------------------------------------- invariants
 

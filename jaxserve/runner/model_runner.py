@@ -19,6 +19,8 @@ from tqdm import tqdm
 from jaxserve import parallel
 from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
+from jaxserve.kv.transfer import KVLayout
+from jaxserve.runner import kv_io
 from jaxserve.runner.input_batch import (
     HostBatch,
     SampleRow,
@@ -164,6 +166,22 @@ class ModelRunner:
         sharding = parallel.kv_cache_sharding(mesh, m.num_kv_heads)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
         return [zeros() for _ in range(m.num_layers)]
+
+    # ------------------------------------------------------- KV pages that travel
+
+    def kv_layout(self) -> KVLayout:
+        return kv_io.kv_layout(self.config, self.weights)
+
+    def gather_pages(self, pages: list[int]) -> dict[str, jax.Array]:
+        return kv_io.gather_pages(self.kv_caches, pages)
+
+    def scatter_pages(self, pages: list[int], arrays: list[dict[str, np.ndarray]]) -> None:
+        self.kv_caches = kv_io.scatter_pages(self.kv_caches, pages, arrays)
+
+    def lower_kv_io(self, abstract) -> list:
+        """The page gather/scatter programs, for `warmup(extra=...)`."""
+        del abstract
+        return kv_io.lower_all(self.kv_caches, self.num_pages)
 
     # ------------------------------------------------------------------ inputs
 

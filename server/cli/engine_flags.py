@@ -45,6 +45,18 @@ flags.DEFINE_float(
     "KV cache budget as a fraction of device memory, less the weights (GPU/TPU).",
 )
 flags.DEFINE_bool("enable_prefix_caching", True, "Reuse the KV pages of shared prefixes.")
+flags.DEFINE_integer(
+    "kv_offload_bytes",
+    0,
+    "Host memory for the prefix cache's second tier: full KV pages evicted from the "
+    "device move there (LRU) and are loaded back on a prefix hit (0: no host tier).",
+)
+flags.DEFINE_string(
+    "kv_offload_dir",
+    None,
+    "Directory for the prefix cache's disk tier (content-addressed, survives restarts; "
+    "a full or failing disk only means recomputing).",
+)
 flags.DEFINE_string(
     "attention_backend",
     "auto",
@@ -100,6 +112,8 @@ ENGINE_FLAGS = (
     "kv_cache_memory_fraction",
     "kv_cache_dtype",
     "enable_prefix_caching",
+    "kv_offload_bytes",
+    "kv_offload_dir",
     "attention_backend",
     "seed",
     "async_scheduling",
@@ -123,6 +137,7 @@ def engine_kwargs() -> dict:
         for name in ENGINE_FLAGS
     }
     kw["compilation_cache_dir"] = kw["compilation_cache_dir"] or None
+    kw["kv_offload_dir"] = kw["kv_offload_dir"] or None
     return gather_speculative(kw)
 
 

@@ -5,6 +5,18 @@ and, with --http_port, the OpenAI-compatible HTTP API, in one process over one e
   jaxserve serve --http_port=8000                            (gRPC on 50051, HTTP on 8000)
   jaxserve serve --model=DIR --config=configs/gpu.toml --tls_cert=c.pem --tls_key=k.pem
 
+Disaggregated prefill/decode (server/router.py, server/disagg.py):
+
+  jaxserve serve --role=prefill --port=50061
+  jaxserve serve --role=decode --port=50071 --kv_offload_bytes=2000000000
+  jaxserve serve --role=router --port=50051 \
+      --prefill_targets=127.0.0.1:50061 --decode_targets=127.0.0.1:50071,...
+
+Every role but the router serves the whole API over one engine (`both`, the
+default, and `prefill` are the same server; `decode` needs a host KV tier to
+receive pages in, 1 GiB unless --kv_offload_bytes says otherwise); the router
+loads no model.
+
 SIGTERM (or Ctrl-C) drains: the server reports NOT_SERVING (HTTP /health: 503),
 refuses new calls (HTTP: 503) and lets running ones finish for --drain_grace_s
 seconds before it exits. If the model
@@ -48,6 +60,15 @@ flags.DEFINE_string(
 flags.DEFINE_string("tls_cert", None, "PEM certificate chain (with --tls_key) to serve TLS.")
 flags.DEFINE_string("tls_key", None, "PEM private key.")
 flags.DEFINE_float("drain_grace_s", 30.0, "Seconds in-flight requests may finish on SIGTERM.")
+flags.DEFINE_enum(
+    "role",
+    "both",
+    ["both", "prefill", "decode", "router"],
+    "Disaggregated serving: what this instance does (both: prefill and decode).",
+)
+flags.DEFINE_list("prefill_targets", [], "--role=router: prefill instances (host:port).")
+flags.DEFINE_list("decode_targets", [], "--role=router: decode instances (host:port).")
+DECODE_TIER_BYTES = 1 << 30  # --role=decode without --kv_offload_bytes
 flags.DEFINE_string(
     "served_model_name",
     None,
@@ -66,17 +87,10 @@ def main(argv) -> None:
         raise SystemExit(f"jaxserve serve: {e}") from None
 
 
-async def _serve() -> None:
-    from server.app import JaxServeServer, ServerOptions, default_model_name
+def _options():
+    from server.app import ServerOptions
 
-    model_dir = resolve_model_dir(FLAGS.model)
-    kwargs = engine_kwargs()
-
-    def make_engine():
-        llm = LLM(model_dir, **kwargs)
-        return llm.engine, llm.tokenizer
-
-    options = ServerOptions(
+    return ServerOptions(
         host=FLAGS.host,
         port=FLAGS.port,
         http_port=FLAGS.http_port or None,
@@ -88,6 +102,48 @@ async def _serve() -> None:
         tls_key=FLAGS.tls_key,
         drain_grace_s=FLAGS.drain_grace_s,
     )
+
+
+async def _until_signal() -> None:
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+
+
+async def _route() -> None:
+    from server.router import RouterServer, RouterServicer
+
+    options = _options()
+    servicer = RouterServicer(
+        FLAGS.prefill_targets, FLAGS.decode_targets, options.max_message_bytes
+    )
+    server = RouterServer(servicer, options)
+    await server.start()
+    await _until_signal()
+    await server.stop()
+
+
+async def _serve() -> None:
+    from server.app import JaxServeServer, default_model_name
+
+    if FLAGS.role == "router":
+        return await _route()
+    if FLAGS.prefill_targets or FLAGS.decode_targets:
+        raise ValueError(
+            f"--prefill_targets/--decode_targets are for --role=router, not {FLAGS.role}"
+        )
+    model_dir = resolve_model_dir(FLAGS.model)
+    kwargs = engine_kwargs()
+    if FLAGS.role == "decode" and not kwargs["kv_offload_bytes"]:
+        kwargs["kv_offload_bytes"] = DECODE_TIER_BYTES  # where pushed pages land
+
+    def make_engine():
+        llm = LLM(model_dir, **kwargs)
+        return llm.engine, llm.tokenizer
+
+    options = _options()
     server = JaxServeServer(
         make_engine, options, model_name=FLAGS.served_model_name or default_model_name(model_dir)
     )

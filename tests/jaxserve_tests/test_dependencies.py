@@ -31,6 +31,7 @@ DEVICE_SIDE = {
     "jaxserve.llm",
     "jaxserve.parallel",
     "jaxserve.runner.draft",
+    "jaxserve.runner.kv_io",
     "jaxserve.runner.model_runner",
     "jaxserve.runner.sampler",
     "jaxserve.runner.step",

@@ -1,0 +1,162 @@
+"""The prefix cache's second tier: KV pages in host memory (LRU) and on disk.
+
+Pages are stored as `transfer.encode_page` bytes under their digest (a chain
+hash over the prefix, salt included, so tenants never share an entry). The host
+tier holds at most `host_bytes` of them, least recently used out first; the
+disk tier (optional) keeps every page it is given as one file named by its
+digest, under a folder named by the layout's fingerprint, so it survives
+restarts and a different model never reads it. Writes go to both (the disk's
+write-through happens on the offload thread, off the step).
+
+Nothing here can give a wrong answer: every page read back is checked
+(checksum, fingerprint, digest, chain) and one that fails is dropped and
+counted; a disk that fails or fills is counted and the page is simply not
+there, so the engine recomputes it. Thread-safe: the engine thread reads while
+the offload thread writes.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Hashable, Sequence
+
+from jaxserve.kv.transfer import KVLayout, KVTransferError, Page, check_chain, decode_page
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TierStats:
+    hits: int = 0  # pages found in the tier by a prefix lookup
+    loads: int = 0  # of those, installed (read back whole and checked)
+    load_bytes: int = 0
+    stores: int = 0  # pages written to the tier
+    store_bytes: int = 0
+    disk_hits: int = 0  # loads served from disk (not host memory)
+    errors: int = 0  # pages refused on read (corrupt/foreign) or disk reads/writes that failed
+
+
+class KVTier:
+    def __init__(self, layout: KVLayout, host_bytes: int, disk_dir: str | None = None):
+        self.layout = layout
+        self.host_bytes = host_bytes
+        self._host: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        self._host_used = 0
+        self.disk_dir = None
+        if disk_dir is not None:
+            self.disk_dir = os.path.join(disk_dir, layout.fingerprint)
+            os.makedirs(self.disk_dir, exist_ok=True)
+        self._lock = threading.Lock()
+        self.stats = TierStats()
+
+    # ------------------------------------------------------------------ writing
+
+    def contains(self, digest: bytes) -> bool:
+        with self._lock:
+            if digest in self._host:
+                return True
+        return self.disk_dir is not None and os.path.exists(self._path(digest))
+
+    def put(self, digest: bytes, data: bytes) -> None:
+        """Stores one encoded page (host memory, then disk); a failing disk is counted."""
+        with self._lock:
+            self._put_host(digest, data)
+            self.stats.stores += 1
+            self.stats.store_bytes += len(data)
+        if self.disk_dir is not None and not os.path.exists(self._path(digest)):
+            try:
+                self._write_file(self._path(digest), data)
+            except OSError as e:
+                self._error(f"writing KV page {digest.hex()} to disk failed: {e}")
+
+    def _put_host(self, digest: bytes, data: bytes) -> None:
+        old = self._host.pop(digest, None)
+        if old is not None:
+            self._host_used -= len(old)
+        if len(data) > self.host_bytes:
+            return
+        self._host[digest] = data
+        self._host_used += len(data)
+        while self._host_used > self.host_bytes:
+            _, evicted = self._host.popitem(last=False)
+            self._host_used -= len(evicted)
+
+    def _path(self, digest: bytes) -> str:
+        return os.path.join(self.disk_dir, digest.hex() + ".kvpage")
+
+    @staticmethod
+    def _write_file(path: str, data: bytes) -> None:
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)  # atomic: a reader sees the whole page or none
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    # ------------------------------------------------------------------ reading
+
+    def load(self, digests: Sequence[bytes], salt: Hashable = None) -> list[Page]:
+        """The pages of a prefix run found in the tier, checked, in order; stops at the
+        first page that is missing or refused (the engine recomputes from there)."""
+        pages = []
+        for digest in digests:
+            data, from_disk = self._read(digest)
+            if data is None:
+                break
+            self.stats.hits += 1
+            try:
+                page = decode_page(self.layout, data, digest)
+                check_chain(page, salt)
+            except KVTransferError as e:
+                self._drop(digest)
+                self._error(f"refused a KV page from the tier: {e}")
+                break
+            pages.append(page)
+            self.stats.loads += 1
+            self.stats.load_bytes += len(data)
+            self.stats.disk_hits += from_disk
+        return pages
+
+    def _read(self, digest: bytes) -> tuple[bytes | None, bool]:
+        with self._lock:
+            data = self._host.get(digest)
+            if data is not None:
+                self._host.move_to_end(digest)
+                return data, False
+        if self.disk_dir is None:
+            return None, False
+        try:
+            with open(self._path(digest), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None, False
+        except OSError as e:
+            self._error(f"reading KV page {digest.hex()} from disk failed: {e}")
+            return None, False
+        with self._lock:
+            self._put_host(digest, data)
+        return data, True
+
+    def _drop(self, digest: bytes) -> None:
+        with self._lock:
+            data = self._host.pop(digest, None)
+            if data is not None:
+                self._host_used -= len(data)
+        if self.disk_dir is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self._path(digest))
+
+    def _error(self, message: str) -> None:
+        self.stats.errors += 1
+        logger.warning("%s (recomputing instead)", message)
+
+    @property
+    def host_used(self) -> int:
+        return self._host_used

@@ -1,0 +1,93 @@
+"""The device side of KV transfer: one gather of pages to the host, one scatter back.
+
+A page leaves as one array "kv" [L, page, 2K, H] (every layer's slice of it),
+the layout `jaxserve.kv.transfer` encodes. Page counts are padded to a power of
+two with the null page (0), so a handful of programs serve every batch: a gather
+reads the null page for padding (ignored), a scatter writes padding into it
+(the null page holds garbage by design: padding tokens write there anyway).
+Only the target model's pages travel: a draft model recomputes its own K/V of a
+cached prefix (see runner/draft.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.kv.transfer import ArraySpec, KVLayout
+
+_SAMPLE = 4096  # elements of each weight hashed into the model's fingerprint
+
+
+def kv_layout(config: EngineConfig, weights: list[jax.Array]) -> KVLayout:
+    """The page layout of this engine's KV cache, and the identity of its model.
+
+    The model id hashes the architecture, the dtypes and a strided sample of every
+    weight: two checkpoints of one architecture get different ids (their K/V
+    differ), a copy of a checkpoint the same one, without hashing gigabytes."""
+    m = config.model
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps([repr(m), config.dtype, config.kv_dtype]).encode())
+    for w in weights:
+        flat = np.asarray(w).reshape(-1)
+        h.update(str((w.shape, str(w.dtype))).encode())
+        h.update(np.ascontiguousarray(flat[:: max(1, flat.size // _SAMPLE)]).tobytes())
+    shape = (m.num_layers, config.cache.page_size, 2 * m.num_kv_heads, m.head_dim)
+    return KVLayout(
+        model_id=h.hexdigest(),
+        page_size=config.cache.page_size,
+        arrays=(ArraySpec("kv", str(np.dtype(config.kv_dtype)), shape),),
+    )
+
+
+def _padded(pages: list[int]) -> np.ndarray:
+    n = 1 << max(0, len(pages) - 1).bit_length()
+    return np.asarray(list(pages) + [0] * (n - len(pages)), np.int32)
+
+
+@jax.jit
+def _gather(kv_caches: list[jax.Array], pages: jax.Array) -> jax.Array:
+    return jnp.stack([kv[pages] for kv in kv_caches], axis=1)  # [n, L, page, 2K, H]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter(kv_caches: list[jax.Array], pages: jax.Array, data: jax.Array) -> list[jax.Array]:
+    return [kv.at[pages].set(data[:, i].astype(kv.dtype)) for i, kv in enumerate(kv_caches)]
+
+
+def lower_all(kv_caches: list[jax.Array], num_pages: int) -> list:
+    """The gather and scatter programs for every padded page count up to `num_pages`,
+    lowered for warm-up (a serving loop then compiles nothing when pages move)."""
+    lowered, n = [], 1
+    while True:
+        pages = jax.ShapeDtypeStruct((n,), jnp.int32)
+        data = jax.ShapeDtypeStruct(
+            (n, len(kv_caches), *kv_caches[0].shape[1:]), kv_caches[0].dtype
+        )
+        lowered += [_gather.lower(kv_caches, pages), _scatter.lower(kv_caches, pages, data)]
+        if n >= num_pages:
+            return lowered
+        n *= 2
+
+
+def gather_pages(kv_caches: list[jax.Array], pages: list[int]) -> dict[str, jax.Array]:
+    """Starts copying `pages` out (asynchronous: dispatched before the next step, which
+    may overwrite them); {"kv": [n', L, page, 2K, H]} on the device, n' >= n."""
+    return {"kv": _gather(kv_caches, _padded(pages))}
+
+
+def scatter_pages(
+    kv_caches: list[jax.Array], pages: list[int], arrays: list[dict[str, np.ndarray]]
+) -> list[jax.Array]:
+    """Writes each page's arrays into `pages`; returns the new caches (donated)."""
+    idx = _padded(pages)
+    data = np.zeros((len(idx), *arrays[0]["kv"].shape), arrays[0]["kv"].dtype)
+    for i, a in enumerate(arrays):
+        data[i] = a["kv"]
+    return _scatter(kv_caches, idx, data)

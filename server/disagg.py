@@ -1,0 +1,99 @@
+"""Disaggregated prefill/decode, the instances' side (the router is server/router.py).
+
+A prefill instance answers `Prefill`: it runs the request for one token per
+sample (`max_tokens=1`), exports the prompt's full KV pages from its pool
+(`LLMEngine.export_prefix`) and pushes them to the decode instance the router
+chose (`PushKV`, a client stream of chunks, each under the message limit); then
+it tells the router which samples already finished (their messages, as one
+engine would have sent them) and which go on (`Resume`: their tokens so far).
+A decode instance keeps pushed pages in its host KV tier after checking every
+one (`LLMEngine.import_pages`), and runs the resumed request (`Generate` with
+`resume`); its prefix lookup finds the pages there, so only the prompt's last
+partial page and the first token are computed again.
+
+A push that fails (the decode instance is down, refuses the pages, times out)
+is answered ABORTED, which the router reads as "choose another decode
+instance"; anything else is the prefill's own failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.request import ResumedSample
+from jaxserve.sampling_params import SamplingParams
+from server import jaxserve_pb2 as pb
+from server import jaxserve_pb2_grpc as pb_grpc
+
+PUSH_TIMEOUT_S = 60.0
+AUTH_KEYS = ("authorization", "x-api-key")
+
+
+def can_disaggregate(params: SamplingParams) -> str | None:
+    """Why a request must run on one instance (None: it may be split). min_tokens > 1
+    changes what stops the first token; a grammar's state does not travel."""
+    if params.min_tokens > 1:
+        return "min_tokens > 1"
+    if params.structured_outputs is not None:
+        return "structured_outputs"
+    return None
+
+
+def first_token_params(params: SamplingParams) -> SamplingParams:
+    return dataclasses.replace(params, max_tokens=1)
+
+
+def going_on(out: RequestOutput, max_tokens: int) -> list[CompletionOutput]:
+    """The samples a decode instance continues: those the one-token run cut short."""
+    return [c for c in out.outputs if c.finish_reason == "length" and max_tokens > 1]
+
+
+def whole(c: CompletionOutput) -> CompletionOutput:
+    """A finished sample as one message (n > 1 samples finish in different steps)."""
+    return dataclasses.replace(c, delta_text=c.text, delta_token_ids=list(c.token_ids))
+
+
+def auth_metadata(context) -> tuple[tuple[str, str], ...]:
+    """The caller's credentials, passed on to the instances it reaches through us."""
+    return tuple((k, v) for k, v in (context.invocation_metadata() or ()) if k in AUTH_KEYS)
+
+
+def resume_from_proto(msg: pb.Resume) -> list[ResumedSample]:
+    return [
+        ResumedSample(
+            s.index,
+            list(s.token_ids),
+            [{e.token_id: e.logprob for e in lp.entries} for lp in s.logprobs] or None,
+        )
+        for s in msg.samples
+    ]
+
+
+def chunks(pages: list[bytes], max_bytes: int):
+    """KVPages messages of whole pages, each under `max_bytes` where a page allows."""
+    batch, size = [], 0
+    for page in pages:
+        if batch and size + len(page) > max_bytes:
+            yield pb.KVPages(pages=batch)
+            batch, size = [], 0
+        batch.append(page)
+        size += len(page)
+    if batch:
+        yield pb.KVPages(pages=batch)
+
+
+async def push(target: str, pages: list[bytes], *, max_message_bytes: int, metadata=()) -> int:
+    """Streams `pages` to `target`'s PushKV; the pages it kept. Raises grpc.RpcError."""
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
+        stub = pb_grpc.JaxServeStub(channel)
+        reply = await stub.PushKV(
+            chunks(pages, max_message_bytes // 2), metadata=metadata, timeout=PUSH_TIMEOUT_S
+        )
+    return reply.pages

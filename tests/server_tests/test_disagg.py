@@ -1,0 +1,155 @@
+"""Disaggregated prefill/decode through the router, in one process: a prefill
+server, two decode servers and the router, each on its own event loop. (The same
+with real processes: test_disagg_processes.py.)"""
+
+import asyncio
+import concurrent.futures
+import threading
+
+import grpc
+import pytest
+from conftest import ServerThread
+from test_server import request, stub, wait_idle
+
+from server import jaxserve_pb2 as pb
+from server.app import ServerOptions
+from server.router import RouterServer, RouterServicer
+
+DECODE = {"kv_offload_bytes": 16 << 20}
+LONG = "The quick brown fox jumps over the lazy dog, " * 3  # several full pages
+
+
+class RouterThread:
+    def __init__(self, prefill: list[str], decode: list[str]):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        servicer = RouterServicer(prefill, decode, 4 << 20)
+        self.server = RouterServer(servicer, ServerOptions(port=0))
+        port = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
+        self.target = f"127.0.0.1:{port}"
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace=1), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    prefill = ServerThread(tiny_model_dir)
+    decodes = [ServerThread(tiny_model_dir, llm_kwargs=DECODE) for _ in range(2)]
+    router = RouterThread([prefill.target], [d.target for d in decodes])
+    yield prefill, decodes, router
+    router.stop()
+    for s in (prefill, *decodes):
+        s.stop()
+
+
+WORKLOAD = [
+    request(LONG, max_tokens=10, ignore_eos=True),
+    request(LONG + "again", max_tokens=6, n=3, seed=5, temperature=1.0, logprobs=2),
+    request(LONG, max_tokens=16, stop=["e", "o"]),
+    request("Hi", max_tokens=5, prompt_logprobs=1, ignore_eos=True),
+    request(LONG, max_tokens=1, ignore_eos=True),
+    request(LONG, max_tokens=8, min_tokens=3, ignore_eos=True),  # colocated
+    salted := request(LONG, max_tokens=4, ignore_eos=True),
+]
+salted.cache_salt = "tenant-b"
+
+
+def collect(target, req):
+    """The stream, per sample: tokens, text, finish, stop, logprobs (rounded); usage."""
+    samples, usage, prompt_lp = {}, None, None
+    for msg in stub(target).Generate(req, timeout=120):
+        if prompt_lp is None:
+            prompt_lp = [
+                [(e.token_id, round(e.logprob, 3)) for e in p.entries] for p in msg.prompt_logprobs
+            ]
+        if msg.HasField("usage"):
+            usage = msg.usage
+            continue
+        s = samples.setdefault(msg.index, [[], "", "", "", []])
+        s[0] += msg.token_ids
+        s[1] += msg.text
+        if msg.finish_reason:
+            s[2], s[3] = msg.finish_reason, msg.stop_reason
+        s[4] += [[(e.token_id, round(e.logprob, 3)) for e in lp.entries] for lp in msg.logprobs]
+    return samples, (usage.prompt_tokens, usage.completion_tokens), prompt_lp
+
+
+@pytest.mark.slow
+def test_router_streams_equal_one_engine_and_pages_return(cluster):
+    prefill, decodes, router = cluster
+    # One engine: the prefill instance serving the request whole.
+    want = [collect(prefill.target, r) for r in WORKLOAD]
+    with concurrent.futures.ThreadPoolExecutor(len(WORKLOAD)) as pool:
+        got = list(pool.map(lambda r: collect(router.target, r), WORKLOAD))
+    assert got == want
+    assert sum(d.engine.stats().kv_tier_loads for d in decodes) > 0
+    for s in (prefill, *decodes):
+        wait_idle(s.engine)
+    unary = stub(router.target).Complete(WORKLOAD[1], timeout=120)
+    assert [list(c.token_ids) for c in unary.completions] == [want[1][0][i][0] for i in range(3)]
+
+
+@pytest.mark.slow
+def test_a_dead_decode_instance_falls_back(cluster, tiny_model_dir):
+    prefill, decodes, _ = cluster
+    dead = "127.0.0.1:1"  # nothing listens there
+    router = RouterThread([prefill.target], [dead, decodes[1].target])
+    try:
+        req = WORKLOAD[0]
+        want = collect(prefill.target, req)
+        for _ in range(2):  # the round robin tries the dead one first once
+            assert collect(router.target, req) == want
+        only_dead = RouterThread([prefill.target], [dead])
+        try:  # every decode down: colocated on the prefill instance
+            assert collect(only_dead.target, req) == want
+        finally:
+            only_dead.stop()
+    finally:
+        router.stop()
+    for s in (prefill, *decodes):
+        wait_idle(s.engine)
+
+
+@pytest.mark.slow
+def test_a_dead_prefill_instance_is_a_clean_error(cluster):
+    _, decodes, _ = cluster
+    router = RouterThread(["127.0.0.1:1"], [decodes[0].target])
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            collect(router.target, WORKLOAD[0])
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "127.0.0.1:1" in e.value.details()
+    finally:
+        router.stop()
+    wait_idle(decodes[0].engine)
+
+
+@pytest.mark.slow
+def test_cancelling_at_the_router_aborts_on_the_instances(cluster):
+    prefill, decodes, router = cluster
+    call = stub(router.target).Generate(request(LONG, max_tokens=40, ignore_eos=True))
+    first = next(call)
+    assert first.token_ids
+    call.cancel()
+    for s in (prefill, *decodes):
+        wait_idle(s.engine)
+    assert sum(d.engine.stats().requests_aborted for d in decodes) >= 1
+
+
+def test_bad_requests_through_the_router(cluster):
+    _, _, router = cluster
+    with pytest.raises(grpc.RpcError) as e:
+        stub(router.target).Generate(request(temperature=-1.0), timeout=30).next()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:
+        stub(router.target).Complete(request(LONG, max_tokens=100000), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    resumed = request(LONG)
+    resumed.resume.samples.add(index=0, token_ids=[1])
+    with pytest.raises(grpc.RpcError) as e:
+        stub(router.target).Complete(resumed, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert isinstance(pb.PrefillRequest(), pb.PrefillRequest)
