@@ -28,7 +28,7 @@ from jaxserve.runner.input_batch import (
     build_sampling,
     pick_bucket,
 )
-from jaxserve.runner.step import ModelDef, StepInput, forward, logits_step, sample_step
+from jaxserve.runner.step import ModelDef, StepInput, StepPrograms
 
 logger = logging.getLogger(__name__)
 
@@ -73,25 +73,14 @@ def _fast_on_this_cpu(dtype: str) -> bool:
         return False
 
 
-def _device_memory() -> tuple[int, int] | None:
-    """(bytes limit, bytes in use) of the first device, where it reports them (not the CPU)."""
-    stats = jax.devices()[0].memory_stats()
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return stats["bytes_limit"], stats.get("bytes_in_use", 0)
-
-
 class ModelRunner:
     """Runs steps of ragged batches against one pre-allocated paged KV cache."""
 
     def __init__(self, config: EngineConfig, mesh: Mesh | None = None):
-        if config.parallel.world_size > 1:
-            p = config.parallel
-            raise ValueError(
-                f"tensor_parallel_size={p.tensor_parallel_size}, data_parallel_size="
-                f"{p.data_parallel_size}: the engine serves on one device for now; "
-                "pass a jax.sharding.Mesh as mesh= to shard the model's weights"
-            )
+        """`mesh`: the devices to serve on (a data-parallel replica's slice); by default
+        `config.parallel.tensor_parallel_size` devices, the first ones."""
+        if mesh is None:
+            mesh = parallel.engine_mesh(config.parallel.tensor_parallel_size)
         self.config = config
         self.mesh = mesh
         t0 = time.perf_counter()
@@ -111,8 +100,11 @@ class ModelRunner:
         )
         self.model_def, self.weights = ModelDef.split(model)
         self.weight_bytes = sum(x.nbytes for x in self.weights)
-        self.num_pages = config.num_kv_pages(_device_memory())
+        self.num_pages = config.num_kv_pages(
+            parallel.smallest_device_memory(parallel.mesh_devices(mesh))
+        )
         self.kv_caches = self._allocate_kv(mesh)
+        self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches)
         sched = config.scheduler
         self.shapes = StepShapes.make(
             min_token_bucket=config.min_token_bucket,
@@ -196,7 +188,7 @@ class ModelRunner:
 
     def _forward(self, batch: HostBatch):
         with self._on_mesh():
-            selected, prompt_lp, self.kv_caches = forward(
+            selected, prompt_lp, self.kv_caches = self.programs.forward(
                 self.model_def, self.weights, self.kv_caches, StepInput.from_host(batch)
             )
         return selected, prompt_lp
@@ -205,7 +197,7 @@ class ModelRunner:
         """Runs one step; returns the selected rows' logits (float32, on device)."""
         selected = self._forward(batch)[0]
         with self._on_mesh():
-            return logits_step(self.model_def, self.weights, selected)
+            return self.programs.logits_step(self.model_def, self.weights, selected)
 
     def dispatch(
         self, batch: HostBatch, sampling: SamplingMetadata | Callable[[], SamplingMetadata]
@@ -223,7 +215,7 @@ class ModelRunner:
         if callable(sampling):
             sampling = sampling()
         with self._on_mesh():
-            out = sample_step(self.model_def, self.weights, selected, sampling)
+            out = self.programs.sample_step(self.model_def, self.weights, selected, sampling)
         if not (batch.prompt_targets >= 0).any():
             prompt_lp = None  # computed as zeros; not worth the transfer
         if self.warmed_up and self.compiles.count != before and self.config.compile_guard:
@@ -261,14 +253,18 @@ class ModelRunner:
         with self._on_mesh():  # traced in the context the steps run in
             for t in self.token_buckets:
                 batch = _abstract_tree(StepInput.from_host(self.build([], token_bucket=t)))
-                lowered.append(forward.lower(self.model_def, self.weights, self.kv_caches, batch))
+                lowered.append(
+                    self.programs.forward.lower(self.model_def, self.weights, self.kv_caches, batch)
+                )
                 bar.update(1)
             selected = lowered[0].out_info[0]  # [R, D] whatever the token bucket
             for b in self.row_buckets:
                 for history in (False, True):
                     sampling = _abstract_tree(self.build_sampling([], b, with_history=history))
                     lowered.append(
-                        sample_step.lower(self.model_def, self.weights, selected, sampling)
+                        self.programs.sample_step.lower(
+                            self.model_def, self.weights, selected, sampling
+                        )
                     )
                     bar.update(1)
         num_extra = 0
