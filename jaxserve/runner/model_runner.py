@@ -249,12 +249,12 @@ class ModelRunner:
         num_sampling = 2 * len(self.row_buckets)
         total = len(self.token_buckets) + num_sampling
         bar = tqdm(total=2 * total, desc=f"warm-up: tracing, then compiling {total} programs")
-        lowered = []
+        lowered, programs = [], self.programs
         with self._on_mesh():  # traced in the context the steps run in
             for t in self.token_buckets:
                 batch = _abstract_tree(StepInput.from_host(self.build([], token_bucket=t)))
                 lowered.append(
-                    self.programs.forward.lower(self.model_def, self.weights, self.kv_caches, batch)
+                    programs.forward.lower(self.model_def, self.weights, self.kv_caches, batch)
                 )
                 bar.update(1)
             selected = lowered[0].out_info[0]  # [R, D] whatever the token bucket
