@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -50,7 +51,7 @@ def engine_mesh(tensor_parallel_size: int, devices=None) -> Mesh | None:
     or `devices`, a data-parallel replica's slice) on the 'model' axis; None for one
     device (no mesh: the steps carry no sharding at all)."""
     devices = list(jax.devices() if devices is None else devices)
-    if tensor_parallel_size == 1 and len(devices) <= 1:
+    if tensor_parallel_size == 1:
         return None
     if tensor_parallel_size > len(devices):
         raise ValueError(
@@ -123,3 +124,15 @@ def kv_cache_sharding(mesh: Mesh, num_kv_heads: int, rules=DEFAULT_RULES) -> Nam
     if axis is not None and num_kv_heads % mesh.shape[axis]:
         axis = None
     return NamedSharding(mesh, PartitionSpec(None, None, axis, None))
+
+
+def zeros_kv(
+    mesh: Mesh | None, num_layers: int, shape: tuple[int, ...], dtype, num_kv_heads: int
+) -> list[jax.Array]:
+    """One zeroed [P, S, 2K, H] KV array per layer, each created in place on its
+    devices (`kv_cache_sharding`), never whole on one device first."""
+    if mesh is None:
+        return [jnp.zeros(shape, dtype) for _ in range(num_layers)]
+    sharding = kv_cache_sharding(mesh, num_kv_heads)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return [zeros() for _ in range(num_layers)]

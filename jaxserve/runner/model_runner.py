@@ -103,7 +103,14 @@ class ModelRunner:
         self.num_pages = config.num_kv_pages(
             parallel.smallest_device_memory(parallel.mesh_devices(mesh))
         )
-        self.kv_caches = self._allocate_kv(mesh)
+        m = config.model
+        self.kv_caches = parallel.zeros_kv(
+            mesh,
+            m.num_layers,
+            (self.num_pages, config.cache.page_size, 2 * m.num_kv_heads, m.head_dim),
+            jnp.dtype(config.kv_dtype),
+            m.num_kv_heads,
+        )
         self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches)
         sched = config.scheduler
         self.shapes = StepShapes.make(
@@ -133,16 +140,6 @@ class ModelRunner:
             config.max_model_len,
             self.kv_tokens / config.max_model_len,
         )
-
-    def _allocate_kv(self, mesh: Mesh | None) -> list[jax.Array]:
-        m = self.config.model
-        shape = (self.num_pages, self.config.cache.page_size, 2 * m.num_kv_heads, m.head_dim)
-        dtype = jnp.dtype(self.config.kv_dtype)
-        if mesh is None:
-            return [jnp.zeros(shape, dtype) for _ in range(m.num_layers)]
-        sharding = parallel.kv_cache_sharding(mesh, m.num_kv_heads)
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-        return [zeros() for _ in range(m.num_layers)]
 
     # ------------------------------------------------------------------ inputs
 
