@@ -73,7 +73,7 @@ def serve(model_dir: str, tp: int, scenario: str):
             for c in out.outputs:
                 tokens.append(c.token_ids)
                 if c.logprobs is not None:
-                    logprobs.append([lp[t] for lp, t in zip(c.logprobs, c.token_ids)])
+                    logprobs.append([lp[t] for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
     stats = llm.engine.stats()
     llm.engine.pool.check_invariant()
     assert llm.engine.pool.num_free == llm.engine.pool.capacity
