@@ -91,7 +91,7 @@ def abstract_model(config: ModelConfig, *, dtype: str, attention_backend: str) -
     )
 
 
-def load_model(
+def load_hf_model(
     model_dir: str,
     config: ModelConfig,
     *,
