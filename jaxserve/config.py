@@ -48,7 +48,7 @@ class CacheConfig:
 
     page_size: int = 16
     num_pages: int | None = None
-    memory_bytes: int = 1 << 30
+    memory_bytes: int = 1 << 30  # per device, as vLLM's kv_cache_memory_bytes
     memory_fraction: float | None = None  # like vLLM's gpu_memory_utilization
     dtype: str = "auto"  # vLLM's kv_cache_dtype; "auto": the model's compute dtype
     # The prefix cache's second tier (kv/tier.py): full pages evicted from the device
@@ -128,7 +128,9 @@ class SchedulerConfig:
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """How many devices one engine spans (`tensor_parallel_size`, over the mesh's
-    'model' axis) and how many engine replicas serve side by side."""
+    'model' axis) and how many engine replicas serve side by side, each on its own
+    `tensor_parallel_size` devices (`data_parallel_size`, routed by
+    `jaxserve.data_parallel`)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -282,22 +284,36 @@ class EngineConfig:
     def pages_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.cache.page_size)
 
-    def kv_bytes_per_page(self) -> int:
+    def kv_bytes_per_page(self, per_device: bool = False) -> int:
         """Bytes one page holds over every layer: the target's, and a draft model's
-        (its KV arrays share the target's page tables, so each page has both)."""
+        (its KV arrays share the target's page tables, so each page has both).
+
+        `per_device`: the share of one device of the tensor-parallel group. A model's
+        KV heads split over the group where its size divides them; fewer heads (or
+        a count it does not divide) are replicated on every device
+        (`jaxserve.parallel.kv_cache_sharding`)."""
         itemsize = 4 if self.kv_dtype == "float32" else 2
+        tp = self.parallel.tensor_parallel_size if per_device else 1
         models = [self.model]
         if self.speculative is not None and self.speculative.draft is not None:
             models.append(self.speculative.draft)
         return sum(
-            m.num_layers * self.cache.page_size * 2 * m.num_kv_heads * m.head_dim * itemsize
+            m.num_layers
+            * self.cache.page_size
+            * 2
+            * m.num_kv_heads
+            * m.head_dim
+            * itemsize
+            // (tp if m.num_kv_heads % tp == 0 else 1)
             for m in models
         )
 
     def num_kv_pages(self, device_memory: tuple[int, int] | None = None) -> int:
         """The pool size in pages, null page included.
 
-        `device_memory` is (bytes limit, bytes in use) where the device reports them.
+        `device_memory` is (bytes limit, bytes in use) of the tensor-parallel group's
+        device with the least room, where devices report them. Both budgets are per
+        device (as vLLM's): each device holds its share of every page.
         """
         if self.cache.num_pages is not None:
             return self.cache.num_pages
@@ -309,10 +325,11 @@ class EngineConfig:
         else:
             budget_bytes = self.cache.memory_bytes
             what = f"kv_cache_memory_bytes={budget_bytes}"
-        budget = max(budget_bytes, 0) // self.kv_bytes_per_page()
+        page_bytes = self.kv_bytes_per_page(per_device=True)
+        budget = max(budget_bytes, 0) // page_bytes
         if budget < 2:
             raise ValueError(
-                f"{what} holds {budget} pages of {self.kv_bytes_per_page()} bytes; "
+                f"{what} holds {budget} pages of {page_bytes} bytes (per device); "
                 "at least 2 are needed"
             )
         return min(useful, budget)

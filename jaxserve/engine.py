@@ -149,6 +149,7 @@ class LLMEngine:
                 num_pages=self.runner.num_pages,
                 shapes=self.runner.shapes,
                 compiles=self.runner.compiles,
+                mesh=self.runner.mesh,
             )
         self.requests: dict[str, _Request] = {}
         self._grammars: GrammarCompiler | None = None  # built at the first structured request

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -45,6 +46,53 @@ def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
     return Mesh(grid, ("data", "model"))
 
 
+def engine_mesh(tensor_parallel_size: int, devices=None) -> Mesh | None:
+    """The mesh one engine serves on: `tensor_parallel_size` devices (the first ones,
+    or `devices`, a data-parallel replica's slice) on the 'model' axis; None for one
+    device (no mesh: the steps carry no sharding at all)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if tensor_parallel_size == 1:
+        return None
+    if tensor_parallel_size > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} "
+            f"devices; {len(devices)} are available ({devices[0].platform})"
+        )
+    return make_mesh(data=1, model=tensor_parallel_size, devices=devices)
+
+
+def mesh_devices(mesh: Mesh | None) -> list:
+    """The mesh's devices in order (the default device without a mesh)."""
+    return list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+
+
+def smallest_device_memory(devices) -> tuple[int, int] | None:
+    """(bytes limit, bytes in use) of the device with the least room left, where the
+    devices report their memory (GPU, TPU; not the CPU): every device of a mesh holds
+    an equal share of the KV pool, so the smallest one bounds it."""
+    best = None
+    for device in devices:
+        stats = device.memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            return None
+        limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+        if best is None or limit - in_use < best[0] - best[1]:
+            best = (limit, in_use)
+    return best
+
+
+def describe(mesh: Mesh | None) -> dict[str, int]:
+    """The mesh in numbers, for logs, metrics and model info."""
+    if mesh is None:
+        return {"tp": 1, "dp": 1, "devices": 1, "processes": jax.process_count()}
+    return {
+        "tp": mesh.shape["model"],
+        "dp": mesh.shape["data"],
+        "devices": mesh.devices.size,
+        "processes": len({d.process_index for d in mesh.devices.flat}),
+    }
+
+
 def _spec(shape, logical, mesh: Mesh, rules: Mapping[str, str | None]) -> PartitionSpec:
     axes = []
     for dim, name in zip(shape, logical or (None,) * len(shape), strict=True):
@@ -76,3 +124,15 @@ def kv_cache_sharding(mesh: Mesh, num_kv_heads: int, rules=DEFAULT_RULES) -> Nam
     if axis is not None and num_kv_heads % mesh.shape[axis]:
         axis = None
     return NamedSharding(mesh, PartitionSpec(None, None, axis, None))
+
+
+def zeros_kv(
+    mesh: Mesh | None, num_layers: int, shape: tuple[int, ...], dtype, num_kv_heads: int
+) -> list[jax.Array]:
+    """One zeroed [P, S, 2K, H] KV array per layer, each created in place on its
+    devices (`kv_cache_sharding`), never whole on one device first."""
+    if mesh is None:
+        return [jnp.zeros(shape, dtype) for _ in range(num_layers)]
+    sharding = kv_cache_sharding(mesh, num_kv_heads)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return [zeros() for _ in range(num_layers)]

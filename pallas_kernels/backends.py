@@ -17,11 +17,16 @@ import functools
 from collections.abc import Callable
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import ragged_paged_attention as reference
 from pallas_kernels import ragged_paged_attention_gpu as gpu
 from pallas_kernels import ragged_paged_attention_tpu as tpu
 from pallas_kernels.metadata import AttentionMetadata
+
+# The mesh axis attention heads are sharded over: `jaxserve.parallel` maps the
+# models' q_heads / kv_heads logical axes to it.
+HEAD_AXIS = "model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,18 +47,36 @@ class AttentionBackend:
         sliding_window: int | None = None,
         soft_cap: float | None = None,
     ) -> tuple[jax.Array, jax.Array]:  # [T, N, H], the updated cache
-        """Writes this step's K/V into the pages, then attends over them."""
+        """Writes this step's K/V into the pages, then attends over them.
+
+        Traced under a mesh with a `HEAD_AXIS` (`jax.set_mesh`, as the engine's steps
+        are), it runs in a `shard_map` over that axis: XLA cannot partition a Pallas
+        kernel, so each device calls it on its own heads, the KV cache sharded by KV
+        head like the k/v projections. Where the axis does not divide the KV heads
+        (e.g. 2 KV heads on 4 devices), the cache is replicated
+        (`jaxserve.parallel.kv_cache_sharding`) and every device writes and attends
+        all heads: replicated attention, no collective inside.
+        """
+        kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or HEAD_AXIS not in mesh.axis_names or mesh.shape[HEAD_AXIS] == 1:
+            return self._write_and_attend(queries, keys, values, kv_cache, md, **kw)
+        split = keys.shape[1] % mesh.shape[HEAD_AXIS] == 0  # then the q heads split too
+        heads = P(None, HEAD_AXIS, None) if split else P()
+        cache = P(None, None, HEAD_AXIS, None) if split else P()
+        return jax.shard_map(
+            functools.partial(self._write_and_attend, **kw),
+            mesh=mesh,
+            in_specs=(heads, heads, heads, cache, P()),
+            out_specs=(heads, cache),
+            axis_names={HEAD_AXIS},
+            check_vma=False,  # the kernels' loops carry replicated values into per-device ones
+        )(queries, keys, values, kv_cache, md)
+
+    def _write_and_attend(self, queries, keys, values, kv_cache, md, **kw):
         kv_cache = self.write_kv(kv_cache, keys, values, md.slot_mapping)
         out = self.ragged_paged_attention(
-            queries,
-            kv_cache,
-            md.kv_lens,
-            md.page_indices,
-            md.cu_q_lens,
-            md.num_seqs,
-            sm_scale=sm_scale,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
+            queries, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, **kw
         )
         return out, kv_cache
 

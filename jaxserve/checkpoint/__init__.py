@@ -1,5 +1,28 @@
-"""Checkpoint loading: Hugging Face model directories."""
+"""Checkpoint loading: Hugging Face model directories (safetensors) and orbax model
+directories (`jaxserve convert`)."""
 
-from jaxserve.checkpoint.hf import abstract_model, load_model, save_weights
+from __future__ import annotations
 
-__all__ = ["abstract_model", "load_model", "save_weights"]
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxserve.checkpoint.hf import abstract_model, load_hf_model, save_weights
+from jaxserve.checkpoint.orbax_io import convert, is_orbax_dir, restore
+from models.config import ModelConfig
+
+__all__ = ["abstract_model", "convert", "is_orbax_dir", "load_model", "save_weights"]
+
+
+def load_model(
+    model_dir: str,
+    config: ModelConfig,
+    *,
+    dtype: str = "float32",
+    attention_backend: str = "reference",
+    mesh: Mesh | None = None,
+) -> nnx.Module:
+    """`config`'s model with the weights in `model_dir`, in `dtype`, each parameter
+    placed with its sharding on `mesh`: from an orbax model directory if `jaxserve
+    convert` wrote one, else from the Hugging Face safetensors files."""
+    load = restore if is_orbax_dir(model_dir) else load_hf_model
+    return load(model_dir, config, dtype=dtype, attention_backend=attention_backend, mesh=mesh)

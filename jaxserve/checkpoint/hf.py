@@ -19,6 +19,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from safetensors import safe_open
@@ -56,6 +57,30 @@ def _path_of(tree_path) -> tuple:
     return tuple(getattr(k, "key", None) for k in tree_path if hasattr(k, "key"))
 
 
+def _read_sharded(slices, leaf, sharding, *, stacked: bool, transpose: bool) -> jax.Array:
+    """The parameter `leaf` from safetensors slices, each device's shard read from the
+    file straight into that device (`jax.make_array_from_callback`): no device (nor
+    the host) holds the whole tensor when it is sharded. Devices whose shards are the
+    same (replicated dimensions) share one read."""
+    dtype = np.dtype(leaf.dtype)
+    reads: dict[tuple, np.ndarray] = {}
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in reads:
+            parts = [slices[r] for r in range(leaf.shape[0])[index[0]]] if stacked else slices
+            inner = index[1:] if stacked else index
+            inner = inner[::-1] if transpose else inner  # HF stores linears [out, in]
+            xs = [part[inner].T if transpose else part[inner] for part in parts]
+            x = np.stack(xs) if stacked else xs[0]
+            reads[key] = x.astype(dtype, copy=False)
+        return reads[key]
+
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.make_array_from_callback(leaf.shape, sharding, read, dtype=dtype)
+
+
 def abstract_model(config: ModelConfig, *, dtype: str, attention_backend: str) -> nnx.Module:
     """The model with ShapeDtypeStructs for weights: nothing allocated."""
     cls = get_model_class(config.architecture)
@@ -66,7 +91,7 @@ def abstract_model(config: ModelConfig, *, dtype: str, attention_backend: str) -
     )
 
 
-def load_model(
+def load_hf_model(
     model_dir: str,
     config: ModelConfig,
     *,
@@ -76,8 +101,8 @@ def load_model(
 ) -> nnx.Module:
     """Builds `config`'s model with the weights in `model_dir`, in `dtype`.
 
-    With a mesh, each parameter is placed with its sharding as it is read, so
-    no device ever holds the whole model unsharded.
+    With a mesh, each device reads its own shard of each parameter from the files
+    (`_read_sharded`), so no device ever holds the whole model unsharded.
     """
     cls = get_model_class(config.architecture)
     graphdef, abstract = nnx.split(
@@ -90,32 +115,30 @@ def load_model(
     with contextlib.ExitStack() as stack:
         handles: dict[str, object] = {}
 
-        def read(name: str) -> jax.Array:
-            file = files[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(file, framework="flax"))
-            return handles[file].get_tensor(name)
-
-        def read_one(name: str, transpose: bool) -> jax.Array:
+        def open_slice(name: str):
             if name not in files:
                 raise ValueError(f"checkpoint in {model_dir!r} has no tensor {name!r}")
             used.add(name)
-            x = read(name)
-            return x.T if transpose else x
+            file = files[name]
+            if file not in handles:
+                # numpy: slices are read into host memory, never onto a device.
+                handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
+            return handles[file].get_slice(name)
 
         def load(tree_path, leaf, sharding=None):
             name, transpose = cls.checkpoint_key(_path_of(tree_path))
-            if "{}" in name:  # stacked: one tensor per index of the first axis
-                x = jnp.stack([read_one(name.format(i), transpose) for i in range(leaf.shape[0])])
-            else:
-                x = read_one(name, transpose)
-            if x.shape != leaf.shape:
+            stacked = "{}" in name  # one tensor per index of the first axis
+            parts = [name.format(i) for i in range(leaf.shape[0])] if stacked else [name]
+            slices = [open_slice(part) for part in parts]
+            shape = tuple(slices[0].get_shape())
+            shape = shape[::-1] if transpose else shape  # HF stores linears [out, in]
+            shape = (len(parts), *shape) if stacked else shape
+            if shape != leaf.shape:
                 raise ValueError(
-                    f"tensor {name!r} has shape {x.shape}, the model expects {leaf.shape} "
+                    f"tensor {name!r} has shape {shape}, the model expects {leaf.shape} "
                     "(does config.json match the weights?)"
                 )
-            x = x.astype(leaf.dtype)
-            return jax.device_put(x, sharding) if sharding is not None else x
+            return _read_sharded(slices, leaf, sharding, stacked=stacked, transpose=transpose)
 
         if shardings is None:
             state = jax.tree.map_with_path(load, abstract)

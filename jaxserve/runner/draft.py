@@ -24,8 +24,8 @@ acceptance depends on it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import logging
 import time
 
@@ -33,13 +33,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxserve import parallel
 from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.request import Sequence
 from jaxserve.runner.input_batch import SeqWork, StepShapes, build_batch, pick_bucket
 from jaxserve.runner.sampler import argmax
-from jaxserve.runner.step import ModelDef, StepInput, forward
+from jaxserve.runner.step import ModelDef, StepInput, StepPrograms
 from pallas_kernels import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -57,8 +59,7 @@ class ProposeInput:
     num_seqs: jax.Array  # [1] i32
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=2)
-def propose_step(
+def _propose(
     model_def: ModelDef,
     weights: list[jax.Array],
     kv_caches: list[jax.Array],
@@ -99,10 +100,37 @@ def propose_step(
     return out, kv_caches
 
 
+propose_step = jax.jit(_propose, static_argnums=(0, 4), donate_argnums=2)
+
+
+def place_propose_step(mesh: Mesh | None, weights, kv_caches):
+    """`propose_step` with explicit shardings on a mesh (as `StepPrograms.place`)."""
+    if mesh is None:
+        return propose_step
+    rep = NamedSharding(mesh, PartitionSpec())
+    kv = [x.sharding for x in kv_caches]
+    return jax.jit(
+        _propose,
+        static_argnums=(0, 4),
+        donate_argnums=2,
+        in_shardings=([x.sharding for x in weights], kv, rep),
+        out_shardings=(rep, kv),
+    )
+
+
 class DraftRunner:
     """Owns the draft model's weights and KV arrays; proposes tokens for sequences."""
 
-    def __init__(self, config: EngineConfig, *, num_pages: int, shapes: StepShapes, compiles):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        num_pages: int,
+        shapes: StepShapes,
+        compiles,
+        mesh: Mesh | None = None,
+    ):
+        """`mesh`: the target's; the draft is sharded over it the same way."""
         spec = config.speculative
         self.config, self.k, self.shapes, self.compiles = (
             config,
@@ -117,7 +145,9 @@ class DraftRunner:
             draft_config,
             dtype=config.dtype,
             attention_backend=config.attention_backend,
+            mesh=mesh,
         )
+        self.mesh = mesh
         self.model_def, self.weights = ModelDef.split(model)
         shape = (
             num_pages,
@@ -125,8 +155,15 @@ class DraftRunner:
             2 * draft_config.num_kv_heads,
             draft_config.head_dim,
         )
-        dtype = jnp.dtype(config.kv_dtype)
-        self.kv_caches = [jnp.zeros(shape, dtype) for _ in range(draft_config.num_layers)]
+        self.kv_caches = parallel.zeros_kv(
+            mesh,
+            draft_config.num_layers,
+            shape,
+            jnp.dtype(config.kv_dtype),
+            draft_config.num_kv_heads,
+        )
+        self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches)
+        self.propose_step = place_propose_step(mesh, self.weights, self.kv_caches)
         logger.info(
             "draft model %s (%s, %d layers) loaded in %.1fs; its KV: %.1f MiB on the "
             "target's page tables",
@@ -156,9 +193,10 @@ class DraftRunner:
             last[i], position[i], steps[i] = seq.token_ids[-1], seq.num_tokens - 1, n
             page_indices[i, : len(seq.pages)] = seq.pages
         inp = ProposeInput(last, position, steps, page_indices, np.array([len(wanted)], np.int32))
-        out, self.kv_caches = propose_step(
-            self.model_def, self.weights, self.kv_caches, inp, self.k
-        )
+        with self._on_mesh():
+            out, self.kv_caches = self.propose_step(
+                self.model_def, self.weights, self.kv_caches, inp, self.k
+            )
         self._check_compiles(before)
         out = np.asarray(out)
         for seq, n in wanted:
@@ -188,10 +226,15 @@ class DraftRunner:
                 seq_bucket=self.shapes.max_seqs,
                 num_rows=self.shapes.max_rows,
             )
-            _, _, self.kv_caches = forward(
-                self.model_def, self.weights, self.kv_caches, StepInput.from_host(batch)
-            )
+            with self._on_mesh():
+                _, _, self.kv_caches = self.programs.forward(
+                    self.model_def, self.weights, self.kv_caches, StepInput.from_host(batch)
+                )
             todo = [seq for seq in todo if seq.draft_computed < seq.num_tokens - 1]
+
+    def _on_mesh(self):
+        """The mesh as the steps' tracing context (as `ModelRunner._on_mesh`)."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _check_compiles(self, before: int) -> None:
         if self.warmed_up and self.config.compile_guard and self.compiles.count != before:
@@ -203,6 +246,12 @@ class DraftRunner:
         """The draft's programs, lowered from abstract shapes (`abstract(tree)` turns
         numpy arrays into ShapeDtypeStructs): a forward per token bucket, the proposer."""
         lowered = []
+        with self._on_mesh():
+            lowered += self._lower_all(abstract)
+        return lowered
+
+    def _lower_all(self, abstract) -> list:
+        lowered = []
         for t in self.shapes.token_buckets:
             batch = build_batch(
                 [],
@@ -213,7 +262,7 @@ class DraftRunner:
                 num_rows=self.shapes.max_rows,
             )
             lowered.append(
-                forward.lower(
+                self.programs.forward.lower(
                     self.model_def,
                     self.weights,
                     self.kv_caches,
@@ -224,6 +273,8 @@ class DraftRunner:
         zeros = np.zeros(s, np.int32)
         inp = ProposeInput(zeros, zeros, zeros, np.zeros((s, m), np.int32), np.zeros(1, np.int32))
         lowered.append(
-            propose_step.lower(self.model_def, self.weights, self.kv_caches, abstract(inp), self.k)
+            self.propose_step.lower(
+                self.model_def, self.weights, self.kv_caches, abstract(inp), self.k
+            )
         )
         return lowered

@@ -32,7 +32,7 @@ from jaxserve.runner.input_batch import (
     pick_bucket,
 )
 from jaxserve.runner.sampler import SamplerOutput
-from jaxserve.runner.step import ModelDef, StepInput, forward, logits_step, sample_step
+from jaxserve.runner.step import ModelDef, StepInput, StepPrograms
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +77,6 @@ def _fast_on_this_cpu(dtype: str) -> bool:
         return False
 
 
-def _device_memory() -> tuple[int, int] | None:
-    """(bytes limit, bytes in use) of the first device, where it reports them (not the CPU)."""
-    stats = jax.devices()[0].memory_stats()
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return stats["bytes_limit"], stats.get("bytes_in_use", 0)
-
-
 @dataclasses.dataclass(frozen=True)
 class PendingStep:
     """A dispatched step whose results are still on the device."""
@@ -98,13 +90,10 @@ class ModelRunner:
     """Runs steps of ragged batches against one pre-allocated paged KV cache."""
 
     def __init__(self, config: EngineConfig, mesh: Mesh | None = None):
-        if config.parallel.world_size > 1:
-            p = config.parallel
-            raise ValueError(
-                f"tensor_parallel_size={p.tensor_parallel_size}, data_parallel_size="
-                f"{p.data_parallel_size}: the engine serves on one device for now; "
-                "pass a jax.sharding.Mesh as mesh= to shard the model's weights"
-            )
+        """`mesh`: the devices to serve on (a data-parallel replica's slice); by default
+        `config.parallel.tensor_parallel_size` devices, the first ones."""
+        if mesh is None:
+            mesh = parallel.engine_mesh(config.parallel.tensor_parallel_size)
         self.config = config
         self.mesh = mesh
         t0 = time.perf_counter()
@@ -124,8 +113,18 @@ class ModelRunner:
         )
         self.model_def, self.weights = ModelDef.split(model)
         self.weight_bytes = sum(x.nbytes for x in self.weights)
-        self.num_pages = config.num_kv_pages(_device_memory())
-        self.kv_caches = self._allocate_kv(mesh)
+        self.num_pages = config.num_kv_pages(
+            parallel.smallest_device_memory(parallel.mesh_devices(mesh))
+        )
+        m = config.model
+        self.kv_caches = parallel.zeros_kv(
+            mesh,
+            m.num_layers,
+            (self.num_pages, config.cache.page_size, 2 * m.num_kv_heads, m.head_dim),
+            jnp.dtype(config.kv_dtype),
+            m.num_kv_heads,
+        )
+        self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches)
         sched = config.scheduler
         self.shapes = StepShapes.make(
             min_token_bucket=config.min_token_bucket,
@@ -156,16 +155,6 @@ class ModelRunner:
             config.max_model_len,
             self.kv_tokens / config.max_model_len,
         )
-
-    def _allocate_kv(self, mesh: Mesh | None) -> list[jax.Array]:
-        m = self.config.model
-        shape = (self.num_pages, self.config.cache.page_size, 2 * m.num_kv_heads, m.head_dim)
-        dtype = jnp.dtype(self.config.kv_dtype)
-        if mesh is None:
-            return [jnp.zeros(shape, dtype) for _ in range(m.num_layers)]
-        sharding = parallel.kv_cache_sharding(mesh, m.num_kv_heads)
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-        return [zeros() for _ in range(m.num_layers)]
 
     # ------------------------------------------------------- KV pages that travel
 
@@ -227,7 +216,7 @@ class ModelRunner:
 
     def _forward(self, batch: HostBatch, prev_tokens: jax.Array | None = None):
         with self._on_mesh():
-            selected, prompt_lp, self.kv_caches = forward(
+            selected, prompt_lp, self.kv_caches = self.programs.forward(
                 self.model_def,
                 self.weights,
                 self.kv_caches,
@@ -239,7 +228,7 @@ class ModelRunner:
         """Runs one step; returns the selected rows' logits (float32, on device)."""
         selected = self._forward(batch)[0]
         with self._on_mesh():
-            return logits_step(self.model_def, self.weights, selected)
+            return self.programs.logits_step(self.model_def, self.weights, selected)
 
     def dispatch(
         self,
@@ -265,7 +254,9 @@ class ModelRunner:
         if callable(sampling):
             sampling = sampling()
         with self._on_mesh():
-            out, tokens = sample_step(self.model_def, self.weights, selected, sampling, prev_tokens)
+            out, tokens = self.programs.sample_step(
+                self.model_def, self.weights, selected, sampling, prev_tokens
+            )
         if not (batch.prompt_targets >= 0).any():
             prompt_lp = None  # computed as zeros; not worth the transfer
         if self.warmed_up and self.compiles.count != before and self.config.compile_guard:
@@ -299,11 +290,13 @@ class ModelRunner:
         num_sampling = 2 * len(self.row_buckets)
         total = len(self.token_buckets) + num_sampling
         bar = tqdm(total=2 * total, desc=f"warm-up: tracing, then compiling {total} programs")
-        lowered = []
+        lowered, programs = [], self.programs
         with self._on_mesh():  # traced in the context the steps run in
             for t in self.token_buckets:
                 batch = _abstract_tree(StepInput.from_host(self.build([], token_bucket=t)))
-                lowered.append(forward.lower(self.model_def, self.weights, self.kv_caches, batch))
+                lowered.append(
+                    programs.forward.lower(self.model_def, self.weights, self.kv_caches, batch)
+                )
                 bar.update(1)
             selected = lowered[0].out_info[0]  # [R, D] whatever the token bucket
             no_prev = _abstract_tree(self._no_prev_tokens)
@@ -311,7 +304,9 @@ class ModelRunner:
                 for history in (False, True):
                     sampling = _abstract_tree(self.build_sampling([], b, with_history=history))
                     lowered.append(
-                        sample_step.lower(self.model_def, self.weights, selected, sampling, no_prev)
+                        programs.sample_step.lower(
+                            self.model_def, self.weights, selected, sampling, no_prev
+                        )
                     )
                     bar.update(1)
         num_extra = 0

@@ -20,13 +20,14 @@ to S * (1 + k) and a token and row bucket of 1 + k (a lone speculating sequence)
 from __future__ import annotations
 
 import dataclasses
-import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import PyTreeDef
 
 from jaxserve.runner.input_batch import HostBatch, SamplingMetadata
@@ -109,8 +110,7 @@ class ModelDef:
         )
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def forward(
+def _forward(
     model_def: ModelDef, weights: list[jax.Array], kv_caches: list[jax.Array], batch: StepInput
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], list[jax.Array]]:
     """One forward pass: the hidden states of the rows to sample [R, D], prompt
@@ -136,14 +136,12 @@ def forward(
     return hidden[batch.logits_indices], prompt_lp, kv_caches
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def logits_step(model_def: ModelDef, weights: list[jax.Array], hidden: jax.Array) -> jax.Array:
+def _logits(model_def: ModelDef, weights: list[jax.Array], hidden: jax.Array) -> jax.Array:
     """[B, D] -> logits [B, V] float32."""
     return model_def.merge(weights).compute_logits(hidden)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def sample_step(
+def _sample(
     model_def: ModelDef,
     weights: list[jax.Array],
     selected: jax.Array,
@@ -162,3 +160,53 @@ def sample_step(
     sampling = dataclasses.replace(sampling, history=jnp.where(history <= -2, in_flight, history))
     out = sample(model_def.merge(weights).compute_logits(selected[:b]), sampling)
     return out, jnp.pad(out.token_ids, (0, rows - b))
+
+
+# Unsharded (one device): the shardings follow the arguments.
+forward = jax.jit(_forward, static_argnums=0, donate_argnums=2)
+logits_step = jax.jit(_logits, static_argnums=0)
+sample_step = jax.jit(_sample, static_argnums=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPrograms:
+    """The step functions jitted for one placement of the weights and KV caches.
+
+    On a mesh every program states its shardings: weights and KV caches as placed
+    (`jaxserve.parallel`), the KV caches out exactly as in (so donation updates them
+    in place, step after step), and everything else replicated: the host's batch
+    arrays in (page tables and metadata are small), the hidden rows, logits and
+    sampled tokens out (sampling runs on the devices; only ids cross to the host).
+    """
+
+    forward: Callable
+    logits_step: Callable
+    sample_step: Callable
+
+    @classmethod
+    def place(
+        cls, mesh: Mesh | None, weights: list[jax.Array], kv_caches: list[jax.Array]
+    ) -> StepPrograms:
+        if mesh is None:
+            return UNSHARDED
+        rep = NamedSharding(mesh, PartitionSpec())
+        w = [x.sharding for x in weights]
+        kv = [x.sharding for x in kv_caches]
+        return cls(
+            forward=jax.jit(
+                _forward,
+                static_argnums=0,
+                donate_argnums=2,
+                in_shardings=(w, kv, rep),
+                out_shardings=(rep, rep, kv),
+            ),
+            logits_step=jax.jit(
+                _logits, static_argnums=0, in_shardings=(w, rep), out_shardings=rep
+            ),
+            sample_step=jax.jit(
+                _sample, static_argnums=0, in_shardings=(w, rep, rep, rep), out_shardings=rep
+            ),
+        )
+
+
+UNSHARDED = StepPrograms(forward, logits_step, sample_step)

@@ -1,7 +1,7 @@
 """Expert-parallel (and expert + tensor parallel) MoE equals one device (8 fake CPU devices)."""
 
 import pytest
-from test_sharding import run_on_8_devices
+from fake_devices import run_on_8_devices
 
 
 @pytest.mark.sharded

@@ -1,0 +1,42 @@
+"""Tensor parallelism through the engine (`LLM(tensor_parallel_size=N)`) on 8 fake CPU
+devices: greedy tokens, logprobs and seeded samples equal one device's
+(`tp_engine_check.py` runs in a subprocess)."""
+
+import pytest
+from fake_devices import run_on_8_devices
+from hf_models import CASES, make_hf_model
+
+# (architecture case, config overrides, TP sizes, scenario): every registered
+# architecture under TP; the odd shapes under every size and every feature.
+QWEN_ODD = dict(vocab_size=131)  # a vocabulary no TP size divides (the LM head replicated)
+RUNS = [
+    # 14 query / 2 KV heads: fewer KV heads than 4 and 8, the KV cache replicated.
+    ("qwen2_14_to_2", QWEN_ODD, "2,4,8", "basic"),
+    ("qwen2_14_to_2", QWEN_ODD, "4", "stress"),
+    ("qwen2_14_to_2", QWEN_ODD, "8", "ngram"),
+    # 4 KV heads: split over 2 and 4, replicated over 8.
+    ("llama2_mha", {}, "2,8", "stress"),
+    ("llama2_mha", {}, "4", "draft"),
+    ("llama2_mha", {}, "2", "guard"),
+    ("llama3_gqa_rope_scaling", {}, "2", "basic"),
+    ("mistral_sliding_window", {}, "2", "basic"),
+    ("qwen3_head_dim_mismatch", {}, "2", "basic"),
+    ("gemma2_window_softcap", {}, "2", "basic"),
+    ("gemma3_local_global_rope", {}, "2", "basic"),
+    ("mixtral_top2_of_8", {}, "4", "basic"),
+    ("qwen3_moe_top3_of_16", {}, "4", "basic"),
+    ("qwen2_moe_shared_expert", {}, "2", "basic"),
+]
+
+
+@pytest.mark.sharded
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case,overrides,tps,scenario", RUNS, ids=[f"{r[0]}-{r[3]}-tp{r[2]}" for r in RUNS]
+)
+def test_tensor_parallel_engine_equals_one_device(case, overrides, tps, scenario, tmp_path):
+    arch, base = CASES[case]
+    make_hf_model(tmp_path, arch, {**base, **overrides})
+    stdout = run_on_8_devices("tp_engine_check.py", tmp_path, tps, scenario)
+    for tp in tps.split(","):
+        assert f"{scenario} tp={tp}: " in stdout, stdout
