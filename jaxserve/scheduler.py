@@ -16,6 +16,13 @@ verifying costs more than it saves). Nobody is preempted for a draft. After the
 step, `on_computed` keeps only the accepted drafts' KV: `num_computed` stops at
 the first rejection and pages past the sequence's tokens go back to the pool, so
 an unverified token is never cached.
+
+Asynchronous scheduling: the engine plans a step while the one before is still
+on the device. Each sequence that step samples for has a placeholder
+(`Sequence.num_placeholders`): the plan computes it as the sequence's next token
+(the runner reads its id on the device), except for a sequence whose placeholder
+is its last allowed token (max_tokens), which waits for the step in flight to
+finish it. A page is cached once its tokens are all back on the host.
 """
 
 from __future__ import annotations
