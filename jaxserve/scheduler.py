@@ -22,6 +22,13 @@ device's cached pages into the tier: the pages found there (read and checked
 now) get fresh device pages, are cached under their names at once, and are
 listed in the plan's `loads` for the engine to copy in before the step; the
 sequence starts after them, as after any cached prefix.
+
+Asynchronous scheduling: the engine plans a step while the one before is still
+on the device. Each sequence that step samples for has a placeholder
+(`Sequence.num_placeholders`): the plan computes it as the sequence's next token
+(the runner reads its id on the device), except for a sequence whose placeholder
+is its last allowed token (max_tokens), which waits for the step in flight to
+finish it. A page is cached once its tokens are all back on the host.
 """
 
 from __future__ import annotations

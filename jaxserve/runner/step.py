@@ -15,6 +15,10 @@ So a configuration compiles len(token buckets) + 2 * len(row buckets) programs
 (26 for the defaults; `input_batch.StepShapes` lists the buckets), instead of
 one forward per (T, B) pair. Speculation with k drafts adds the row buckets up
 to S * (1 + k) and a token and row bucket of 1 + k (a lone speculating sequence).
+
+Asynchronous scheduling needs no program of its own: a step reads the tokens the
+host does not have yet from the previous step's sampled ids, an [R] array on the
+device (`StepInput.prev_tokens`, `sample_step`'s second output).
 """
 
 from __future__ import annotations
