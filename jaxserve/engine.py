@@ -208,6 +208,10 @@ class LLMEngine:
             weight_bytes=self.runner.weight_bytes,
             warmup_seconds=self.runner.warmup_seconds,
             max_logit_bias=c.max_logit_bias,
+            tensor_parallel_size=self.runner.layout["tp"],
+            num_devices=self.runner.layout["devices"],
+            num_processes=self.runner.layout["processes"],
+            kv_cache_bytes_per_device=self.runner.kv_bytes_per_device,
         )
 
     def stats(self) -> StatsSnapshot:

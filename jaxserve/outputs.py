@@ -50,3 +50,11 @@ class ModelInfo:
     weight_bytes: int  # the model's weights on the device(s)
     warmup_seconds: float  # compiling the step programs at start-up (0: no warm-up)
     max_logit_bias: int  # logit_bias entries a request may carry
+    # The mesh: devices one engine spans (tensor parallel), engine replicas side by
+    # side (data parallel), all the devices and processes serving, and the KV pool's
+    # bytes on each device.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    num_devices: int = 1
+    num_processes: int = 1
+    kv_cache_bytes_per_device: int = 0

@@ -82,14 +82,12 @@ def smallest_device_memory(devices) -> tuple[int, int] | None:
 
 
 def describe(mesh: Mesh | None) -> dict[str, int]:
-    """The mesh in numbers, for logs, metrics and model info."""
-    if mesh is None:
-        return {"tp": 1, "dp": 1, "devices": 1, "processes": jax.process_count()}
+    """One engine's mesh in numbers, for logs, metrics and model info."""
+    devices = mesh_devices(mesh)
     return {
-        "tp": mesh.shape["model"],
-        "dp": mesh.shape["data"],
-        "devices": mesh.devices.size,
-        "processes": len({d.process_index for d in mesh.devices.flat}),
+        "tp": mesh.shape["model"] if mesh is not None else 1,
+        "devices": len(devices),
+        "processes": len({d.process_index for d in devices}),
     }
 
 

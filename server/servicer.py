@@ -274,6 +274,11 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             max_num_seqs=info.max_num_seqs,
             dtype=info.dtype,
             block_size=info.block_size,
+            tensor_parallel_size=info.tensor_parallel_size,
+            data_parallel_size=info.data_parallel_size,
+            num_devices=info.num_devices,
+            num_processes=info.num_processes,
+            kv_cache_bytes_per_device=info.kv_cache_bytes_per_device,
         )
 
     # ------------------------------------------- disaggregated serving (disagg.py)

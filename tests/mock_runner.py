@@ -45,6 +45,9 @@ class MockRunner:
         )
         self.weight_bytes = 0
         self.warmup_seconds = 0.0
+        self.mesh = None
+        self.layout = {"tp": 1, "devices": 1, "processes": 1}
+        self.kv_bytes_per_device = 0
         self.compiles = types.SimpleNamespace(count=0)
         # What each page slot holds: (page, offset) -> token id; checks the KV bookkeeping.
         self.slots: dict[int, int] = {}

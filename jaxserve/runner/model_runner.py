@@ -112,6 +112,7 @@ class ModelRunner:
             mesh=mesh,
         )
         self.model_def, self.weights = ModelDef.split(model)
+        self.load_seconds = time.perf_counter() - t0
         self.weight_bytes = sum(x.nbytes for x in self.weights)
         self.num_pages = config.num_kv_pages(
             parallel.smallest_device_memory(parallel.mesh_devices(mesh))
@@ -142,16 +143,19 @@ class ModelRunner:
         self.warmup_seconds = 0.0
         m, page = config.model, config.cache.page_size
         self.kv_tokens = (self.num_pages - 1) * page
+        self.kv_bytes_per_device = self.num_pages * config.kv_bytes_per_page(per_device=True)
+        self.layout = parallel.describe(mesh)
         logger.info(
-            "loaded %s (%s) in %.1fs; KV cache: %d pages x %d tokens = %d tokens (%.1f MiB), "
-            "maximum concurrency at max_model_len %d: %.2fx",
+            "loaded %s (%s) in %.1fs on %s; KV cache: %d pages x %d tokens = %d tokens "
+            "(%.1f MiB per device), maximum concurrency at max_model_len %d: %.2fx",
             m.architecture,
             config.dtype,
-            time.perf_counter() - t0,
+            self.load_seconds,
+            ", ".join(f"{k}={v}" for k, v in self.layout.items()),
             self.num_pages - 1,
             page,
             self.kv_tokens,
-            self.num_pages * config.kv_bytes_per_page() / 2**20,
+            self.kv_bytes_per_device / 2**20,
             config.max_model_len,
             self.kv_tokens / config.max_model_len,
         )

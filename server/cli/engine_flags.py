@@ -44,6 +44,12 @@ flags.DEFINE_float(
     None,
     "KV cache budget as a fraction of device memory, less the weights (GPU/TPU).",
 )
+flags.DEFINE_integer(
+    "tensor_parallel_size", 1, "Devices one engine's weights and KV heads are sharded over."
+)
+flags.DEFINE_integer(
+    "data_parallel_size", 1, "Engine replicas, each on its own tensor_parallel_size devices."
+)
 flags.DEFINE_bool("enable_prefix_caching", True, "Reuse the KV pages of shared prefixes.")
 flags.DEFINE_integer(
     "kv_offload_bytes",
@@ -114,6 +120,8 @@ ENGINE_FLAGS = (
     "enable_prefix_caching",
     "kv_offload_bytes",
     "kv_offload_dir",
+    "tensor_parallel_size",
+    "data_parallel_size",
     "attention_backend",
     "seed",
     "async_scheduling",

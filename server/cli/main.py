@@ -14,6 +14,7 @@ COMMANDS = {
     "serve": ("server.cli.serve", "the gRPC server"),
     "client": ("server.client", "stream a completion from a server"),
     "bench": ("server.cli.bench", "throughput and latency benchmarks"),
+    "convert": ("server.cli.convert", "write a model directory as an orbax checkpoint"),
 }
 
 
