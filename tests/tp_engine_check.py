@@ -38,6 +38,14 @@ SCENARIOS = {
     "basic": {},
     # 16-token steps chunk every prompt; 12 pages of 8 cannot hold the batch: preemption.
     "stress": dict(max_num_batched_tokens=16, num_kv_pages=12, max_num_seqs=4),
+    # The same, with asynchronous scheduling and the KV tier taking evicted pages.
+    "async_tier": dict(
+        max_num_batched_tokens=16,
+        num_kv_pages=12,
+        max_num_seqs=4,
+        async_scheduling=True,
+        kv_offload_bytes=1 << 22,
+    ),
     "ngram": dict(speculative_config=dict(method="ngram", num_speculative_tokens=3)),
     "draft": "draft",
     "guard": dict(warmup=True, compile_guard=True, max_num_seqs=4, max_num_batched_tokens=32),
@@ -77,8 +85,10 @@ def serve(model_dir: str, tp: int, scenario: str):
     stats = llm.engine.stats()
     llm.engine.pool.check_invariant()
     assert llm.engine.pool.num_free == llm.engine.pool.capacity
-    if scenario == "stress":
+    if scenario in ("stress", "async_tier"):
         assert stats.num_preemptions > 0, stats
+    if scenario == "async_tier":
+        assert llm.engine.tier.stats.loads > 0, llm.engine.tier.stats
     if scenario in ("stress", "basic"):
         assert stats.prefix_cache_hits > 0, stats
     if scenario in ("ngram", "draft"):

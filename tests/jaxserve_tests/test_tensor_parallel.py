@@ -17,6 +17,8 @@ RUNS = [
     # 4 KV heads: split over 2 and 4, replicated over 8.
     ("llama2_mha", {}, "2,8", "stress"),
     ("llama2_mha", {}, "4", "draft"),
+    ("llama2_mha", {}, "2", "async_tier"),
+    ("qwen2_14_to_2", QWEN_ODD, "4", "async_tier"),
     ("llama2_mha", {}, "2", "guard"),
     ("llama3_gqa_rope_scaling", {}, "2", "basic"),
     ("mistral_sliding_window", {}, "2", "basic"),
