@@ -2,6 +2,7 @@
 
   jaxserve bench --mode=offline --workload=random --num_requests=128
   jaxserve bench --mode=offline --workload=shared-prefix --compare_prefix_caching
+  jaxserve bench --mode=serving --workload=shared-prefix --compare_kv_offload --num_kv_pages=80
   jaxserve bench --mode=serving --request_rate=4 --goodput=ttft:500,tpot:100
   jaxserve bench --mode=serving --target=host:50051     # against a running server
   jaxserve bench --mode=serving --target_protocol=http  # over the OpenAI HTTP API
@@ -55,6 +56,11 @@ flags.DEFINE_integer("suffix_len", 32, "shared-prefix: per-request suffix length
 flags.DEFINE_bool("ignore_eos", True, "Generate exactly the requested number of tokens.")
 flags.DEFINE_integer("bench_seed", 0, "Workload seed.")
 flags.DEFINE_bool("compare_prefix_caching", False, "Run twice, caching on and off.")
+flags.DEFINE_bool(
+    "compare_kv_offload",
+    False,
+    "Run twice, with the host KV tier (--kv_offload_bytes, default 1 GiB) and without.",
+)
 flags.DEFINE_bool("roofline", False, "Measure batch-1 decode against memory bandwidth.")
 flags.DEFINE_string("target", None, "serving: address of a running server (host:port).")
 flags.DEFINE_enum(
@@ -342,13 +348,20 @@ def main(argv) -> None:
     runs = {}
     if FLAGS.roofline:
         result["roofline"] = _roofline(LLM(model_dir, **{**kwargs, "warmup": False}))
-    variants = (
-        [("prefix caching on", True), ("prefix caching off", False)]
-        if FLAGS.compare_prefix_caching
-        else [("", kwargs["enable_prefix_caching"])]
-    )
-    for label, caching in variants:
-        run_kwargs = {**kwargs, "enable_prefix_caching": caching}
+    variants = [("", {})]
+    if FLAGS.compare_prefix_caching:
+        variants = [
+            ("prefix caching on", {"enable_prefix_caching": True}),
+            ("prefix caching off", {"enable_prefix_caching": False}),
+        ]
+    elif FLAGS.compare_kv_offload:
+        tier = kwargs["kv_offload_bytes"] or 1 << 30
+        variants = [
+            ("kv tier on", {"kv_offload_bytes": tier}),
+            ("kv tier off", {"kv_offload_bytes": 0, "kv_offload_dir": None}),
+        ]
+    for label, overrides in variants:
+        run_kwargs = {**kwargs, **overrides}
         if FLAGS.mode == "offline":
             llm = LLM(model_dir, **run_kwargs)
             reqs = _workload(llm.config.model.vocab_size, llm.config.max_model_len)
@@ -367,8 +380,8 @@ def main(argv) -> None:
                 asyncio.run_coroutine_threadsafe(server.stop(grace=1), loop).result()
     latencies = {name: r.pop("_latencies") for name, r in runs.items()}
     result["runs"] = runs
-    if FLAGS.compare_prefix_caching:
-        on, off = runs["prefix caching on"], runs["prefix caching off"]
+    if FLAGS.compare_prefix_caching or FLAGS.compare_kv_offload:
+        on, off = (runs[label] for label, _ in variants)
         result["ttft_mean_ratio_off_over_on"] = off["ttft_ms"]["mean"] / on["ttft_ms"]["mean"]
     report.save_json(FLAGS.output_json, result)
     if FLAGS.output_png:
@@ -403,7 +416,8 @@ def main(argv) -> None:
             "batch-1 decode roofline", [(k, f"{v:.3f}") for k, v in result["roofline"].items()]
         )
     if "ttft_mean_ratio_off_over_on" in result:
-        print(f"\nmean TTFT, caching off / on: {result['ttft_mean_ratio_off_over_on']:.2f}x")
+        what = "KV tier" if FLAGS.compare_kv_offload else "caching"
+        print(f"\nmean TTFT, {what} off / on: {result['ttft_mean_ratio_off_over_on']:.2f}x")
     print(
         f"\nresults: {FLAGS.output_json}"
         + (f", plot: {FLAGS.output_png}" if FLAGS.output_png else "")
