@@ -52,6 +52,23 @@ def test_a_page_round_trips_with_every_named_array():
     check_chain(back)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "int8"])
+def test_low_precision_pages_with_scales_round_trip(dtype):
+    layout = KVLayout(
+        "m", 4, (ArraySpec("kv", dtype, (2, 4, 2, 3)), ArraySpec("scale", "float32", (2, 4)))
+    )
+    arrays = {
+        "kv": np.arange(48).reshape(2, 4, 2, 3).astype(dtype),
+        "scale": np.ones((2, 4), np.float32),
+    }
+    page = Page(page_digest(ROOT_DIGEST, [1, 2, 3, 4]), ROOT_DIGEST, (1, 2, 3, 4), arrays)
+    back = decode_page(layout, encode_page(layout, page))
+    assert back.arrays["kv"].dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(
+        back.arrays["kv"].astype(np.float32), arrays["kv"].astype(np.float32)
+    )
+
+
 def test_digests_chain_over_the_prefix_and_the_salt():
     a = page_digest(ROOT_DIGEST, [1, 2, 3, 4])
     assert a == page_digest(ROOT_DIGEST, [1, 2, 3, 4])
