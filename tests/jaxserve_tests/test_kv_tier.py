@@ -455,3 +455,16 @@ def test_the_tier_composes_with_a_draft_model():
             out = llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0]
             assert out.outputs[0].token_ids == w
     assert llm.engine.stats().kv_tier_loads > 0
+
+
+def test_pages_still_on_the_device_are_saved_at_shutdown(tmp_path):
+    rs = random.Random(6)
+    prompt = [rs.randrange(1, VOCAB) for _ in range(30)]
+    engine = tier_engine(tmp_path, num_pages=64)  # nothing is evicted
+    run(engine, {"a": (prompt, params(3), {})})
+    assert engine.tier.stats.stores == 0
+    engine.save_kv_tier()
+    assert engine.tier.stats.stores == 8  # 32 of the 33 tokens computed: 8 full pages
+    again = tier_engine(tmp_path, kv_offload_bytes=0)
+    done = run(again, {"b": (prompt, params(3), {})})
+    assert done["b"].num_cached_tokens == 28
