@@ -157,6 +157,8 @@ class AsyncLLMEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.save_kv_tier()  # a restart with the same kv_offload_dir finds them
 
     def _send(self, command) -> None:
         self._commands.put(command)

@@ -259,6 +259,13 @@ class LLMEngine:
         gathered = self.runner.gather_pages([n[0] for n in named])
         return [data for _, data in encode_gathered(self.kv_layout, named, gathered)]
 
+    def save_kv_tier(self) -> None:
+        """Copies every cached page the tier lacks into it (and its disk), waiting for
+        it: at shutdown, so that a restart with the same kv_offload_dir finds them."""
+        if self.kv_connector is not None:
+            self.kv_connector.flush()
+            self.kv_connector.save(self.pool.named_pages())
+
     def import_pages(self, pages: list[bytes]) -> int:
         """Checks pushed pages and keeps them in the KV tier, where admission finds them
         (any thread). Raises KVTransferError (a ValueError) naming the first bad page,

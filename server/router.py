@@ -16,7 +16,7 @@ so a failure up to then is retried:
     of them, the whole request colocated on the prefill instance (a full
     engine, which holds the prompt's pages in its prefix cache);
   - requests that cannot be split (min_tokens > 1, structured output) run
-    colocated from the start, on a decode instance;
+    colocated from the start, on a decode instance (a prefill one if none answers);
   - a prefill instance that fails (down, or dies mid-transfer): the next one;
     with none left the request fails with UNAVAILABLE naming the cause;
   - a failure after the client has output: UNAVAILABLE, the stream ends.
@@ -120,8 +120,10 @@ class RouterServicer(pb_grpc.JaxServeServicer):
 
     def _attempts(self, split: bool) -> list[tuple[str | None, str | None]]:
         """(prefill, decode) pairs to try in order; None for a colocated run's other role."""
-        if not split:
-            return [(None, d) for d in self._order(self.decode_targets)]
+        if not split:  # whole, on a decode instance, else on a prefill instance
+            return [(None, t) for t in self._order(self.decode_targets)] + [
+                (None, t) for t in self._order(self.prefill_targets)
+            ]
         attempts = []
         for prefill in self._order(self.prefill_targets):
             attempts += [(prefill, d) for d in self._order(self.decode_targets)]

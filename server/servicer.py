@@ -291,6 +291,11 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{why}: run this request on one instance"
             )
+        engine = await self._ready(context)
+        try:  # the whole request, before the one-token run that checks only its first token
+            engine.validate((await self._prompt(gen, context)).token_ids, params)
+        except ValueError as e:
+            await self._invalid(context, str(e))
         final, rid = None, ""
         async for request_id, out in self._stream(gen, context, disagg.first_token_params(params)):
             final, rid = out, request_id

@@ -53,6 +53,12 @@ class KVConnector:
         except Exception:  # a lost page is only recomputed; never take the engine down
             logger.exception("offloading %d KV pages to the tier failed", len(evicted))
 
+    def save(self, named: list[NamedPage]) -> None:
+        """Stores these device pages in the tier now (those it lacks), e.g. at shutdown."""
+        named = [n for n in named if not self.tier.contains(n[1])]
+        if named:
+            self._store(named, self.runner.gather_pages([n[0] for n in named]))
+
     def flush(self) -> None:
         """Waits for the offloads in flight (tests, shutdown)."""
         for f in self._pending:

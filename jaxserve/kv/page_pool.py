@@ -174,6 +174,10 @@ class PagePool:
         name = self._name_of_page.get(page)
         return None if name is None else name[0]
 
+    def named_pages(self) -> list[tuple[int, bytes, bytes, tuple[int, ...]]]:
+        """Every cached page that has a name: (page, digest, parent, tokens)."""
+        return [(p, *name, self._key_of_page[p][1]) for p, name in self._name_of_page.items()]
+
     def take_evicted(self) -> list[tuple[int, bytes, bytes, tuple[int, ...]]]:
         """The named pages evicted since the last call: (page, digest, parent, tokens)."""
         evicted, self.evicted = self.evicted, []

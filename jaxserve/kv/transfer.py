@@ -30,6 +30,7 @@ import json
 import struct
 from collections.abc import Hashable, Sequence
 
+import ml_dtypes  # noqa: F401  (names numpy's bfloat16 and float8 dtypes, as KV dtypes)
 import numpy as np
 
 MAGIC = b"JXKV\x01"

@@ -2,6 +2,7 @@
 
   jaxserve bench --mode=offline --workload=random --num_requests=128
   jaxserve bench --mode=offline --workload=shared-prefix --compare_prefix_caching
+  jaxserve bench --mode=serving --workload=shared-prefix --compare_kv_offload --num_kv_pages=80
   jaxserve bench --mode=serving --request_rate=4 --goodput=ttft:500,tpot:100
   jaxserve bench --mode=serving --target=host:50051     # against a running server
   jaxserve bench --mode=serving --target_protocol=http  # over the OpenAI HTTP API
@@ -59,6 +60,11 @@ flags.DEFINE_bool(
     "compare_async_scheduling",
     False,
     "Run twice, synchronous then asynchronous scheduling (--async_scheduling ignored).",
+)
+flags.DEFINE_bool(
+    "compare_kv_offload",
+    False,
+    "Run twice, with the host KV tier (--kv_offload_bytes, default 1 GiB) and without.",
 )
 flags.DEFINE_bool("roofline", False, "Measure batch-1 decode against memory bandwidth.")
 flags.DEFINE_string("target", None, "serving: address of a running server (host:port).")
@@ -359,6 +365,12 @@ def main(argv) -> None:
             ("sync scheduling", {"async_scheduling": False}),
             ("async scheduling", {"async_scheduling": True}),
         ]
+    elif FLAGS.compare_kv_offload:
+        tier = kwargs["kv_offload_bytes"] or 1 << 30
+        variants = [
+            ("kv tier on", {"kv_offload_bytes": tier}),
+            ("kv tier off", {"kv_offload_bytes": 0, "kv_offload_dir": None}),
+        ]
     for label, overrides in variants:
         run_kwargs = {**kwargs, **overrides}
         if FLAGS.mode == "offline":
@@ -379,8 +391,8 @@ def main(argv) -> None:
                 asyncio.run_coroutine_threadsafe(server.stop(grace=1), loop).result()
     latencies = {name: r.pop("_latencies") for name, r in runs.items()}
     result["runs"] = runs
-    if FLAGS.compare_prefix_caching:
-        on, off = runs["prefix caching on"], runs["prefix caching off"]
+    if FLAGS.compare_prefix_caching or FLAGS.compare_kv_offload:
+        on, off = (runs[label] for label, _ in variants)
         result["ttft_mean_ratio_off_over_on"] = off["ttft_ms"]["mean"] / on["ttft_ms"]["mean"]
     if FLAGS.compare_async_scheduling:
         sync, asyn = runs["sync scheduling"], runs["async scheduling"]
@@ -420,7 +432,8 @@ def main(argv) -> None:
             "batch-1 decode roofline", [(k, f"{v:.3f}") for k, v in result["roofline"].items()]
         )
     if "ttft_mean_ratio_off_over_on" in result:
-        print(f"\nmean TTFT, caching off / on: {result['ttft_mean_ratio_off_over_on']:.2f}x")
+        what = "KV tier" if FLAGS.compare_kv_offload else "caching"
+        print(f"\nmean TTFT, {what} off / on: {result['ttft_mean_ratio_off_over_on']:.2f}x")
     if "output_throughput_ratio_async_over_sync" in result:
         ratio = result["output_throughput_ratio_async_over_sync"]
         print(f"\noutput tokens/s, async / sync scheduling: {ratio:.3f}x")

@@ -52,6 +52,23 @@ def test_a_page_round_trips_with_every_named_array():
     check_chain(back)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "int8"])
+def test_low_precision_pages_with_scales_round_trip(dtype):
+    layout = KVLayout(
+        "m", 4, (ArraySpec("kv", dtype, (2, 4, 2, 3)), ArraySpec("scale", "float32", (2, 4)))
+    )
+    arrays = {
+        "kv": np.arange(48).reshape(2, 4, 2, 3).astype(dtype),
+        "scale": np.ones((2, 4), np.float32),
+    }
+    page = Page(page_digest(ROOT_DIGEST, [1, 2, 3, 4]), ROOT_DIGEST, (1, 2, 3, 4), arrays)
+    back = decode_page(layout, encode_page(layout, page))
+    assert back.arrays["kv"].dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(
+        back.arrays["kv"].astype(np.float32), arrays["kv"].astype(np.float32)
+    )
+
+
 def test_digests_chain_over_the_prefix_and_the_salt():
     a = page_digest(ROOT_DIGEST, [1, 2, 3, 4])
     assert a == page_digest(ROOT_DIGEST, [1, 2, 3, 4])
@@ -359,3 +376,95 @@ def test_moving_pages_compiles_nothing_after_warm_up(tiny_model_dir):
 def test_bad_tier_config_names_the_field(kw, match):
     with pytest.raises(ValueError, match=match):
         make_engine(**kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(speculative_config=dict(method="ngram", num_speculative_tokens=3)),
+        dict(max_num_batched_tokens=4, max_num_seqs=4, min_token_bucket=4),  # chunked prefill
+        dict(debug_preemption_rate=0.3),
+        dict(attention_backend="pallas_tpu_interpret"),
+        dict(attention_backend="pallas_gpu_interpret"),
+    ],
+    ids=["ngram", "chunked", "preemption", "pallas_tpu", "pallas_gpu"],
+)
+def test_the_tier_composes(tiny_model_dir, tiny_reference, kw):
+    from test_engine import make_llm
+
+    llm = make_llm(tiny_model_dir, num_kv_pages=9, kv_offload_bytes=64 << 20, **kw)
+    for _ in range(2):
+        for kind in ("greedy", "seeded"):
+            outs = [llm.generate([p], SAMPLING[kind], use_tqdm=False)[0] for p in tiny_prompts()]
+            assert [o.outputs[0].token_ids for o in outs] == tiny_reference[kind]
+    assert llm.engine.stats().kv_tier_loads > 0
+    llm.engine.pool.check_invariant()
+    assert llm.engine.pool.num_free == llm.engine.pool.capacity
+
+
+@pytest.mark.slow
+def test_the_tier_composes_with_n_samples_and_structured_output(tiny_model_dir):
+    from test_engine import make_llm
+
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    requests = [
+        (tiny_prompts()[0], SamplingParams(n=3, seed=4, max_tokens=5, ignore_eos=True)),
+        (
+            tiny_prompts()[1],
+            SamplingParams(
+                seed=9, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{3,6}")
+            ),
+        ),
+    ]
+    want = [
+        [c.token_ids for c in make_llm(tiny_model_dir).generate([p], sp, use_tqdm=False)[0].outputs]
+        for p, sp in requests
+    ]
+    llm = make_llm(tiny_model_dir, num_kv_pages=9, kv_offload_bytes=64 << 20)
+    for _ in range(2):
+        for (p, sp), w in zip(requests, want, strict=True):
+            outs = llm.generate([p], sp, use_tqdm=False)[0].outputs
+            assert [c.token_ids for c in outs] == w
+            llm.generate(tiny_prompts()[2:], SAMPLING["greedy"], use_tqdm=False)  # evicts
+    assert llm.engine.stats().kv_tier_loads > 0
+
+
+@pytest.mark.slow
+def test_the_tier_composes_with_a_draft_model():
+    from jaxserve import LLM
+
+    base = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, warmup=False)
+    prompts = [[3 + (7 * i + j) % 200 for j in range(40)] for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [
+        o.outputs[0].token_ids
+        for o in LLM(**base).generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    ]
+    spec = dict(method="draft_model", model="demo-model-tiny", num_speculative_tokens=3)
+    llm = LLM(
+        **base,
+        speculative_config=spec,
+        block_size=8,
+        num_kv_pages=9,
+        kv_offload_bytes=64 << 20,
+    )
+    for _ in range(2):
+        for p, w in zip(prompts, want, strict=True):
+            out = llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0]
+            assert out.outputs[0].token_ids == w
+    assert llm.engine.stats().kv_tier_loads > 0
+
+
+def test_pages_still_on_the_device_are_saved_at_shutdown(tmp_path):
+    rs = random.Random(6)
+    prompt = [rs.randrange(1, VOCAB) for _ in range(30)]
+    engine = tier_engine(tmp_path, num_pages=64)  # nothing is evicted
+    run(engine, {"a": (prompt, params(3), {})})
+    assert engine.tier.stats.stores == 0
+    engine.save_kv_tier()
+    assert engine.tier.stats.stores == 8  # 32 of the 33 tokens computed: 8 full pages
+    again = tier_engine(tmp_path, kv_offload_bytes=0)
+    done = run(again, {"b": (prompt, params(3), {})})
+    assert done["b"].num_cached_tokens == 28
