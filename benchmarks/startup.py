@@ -3,7 +3,11 @@
   python benchmarks/startup.py --model=DIR --cache_dir=/tmp/xla-cache [--workload]
 
 Builds `LLM(model, warmup=True)` (every step program compiled before it returns)
-and reports the seconds to ready, the programs compiled, and the compile seconds.
+and reports the seconds to ready, the programs compiled, and the compile seconds;
+from the process's start: imports done, weights loaded (from safetensors or an
+orbax model directory, `jaxserve convert`), ready, and the first token of one
+short request. With --serve it instead starts `jaxserve serve` with the same engine
+settings and reports the seconds from launching it to the gRPC health check's SERVING.
 Run it twice with the same --cache_dir: the first run is cold, the second reuses
 JAX's persistent compilation cache (each run is its own process, as a restart
 is). With --workload it then times one `generate` of the start-up workload: 48
@@ -29,6 +33,66 @@ def _cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+def _since_process_start() -> float:
+    """Seconds since this process started (Linux: /proc/self/stat field 22)."""
+    import os
+
+    with open("/proc/self/stat") as f:
+        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def time_to_serving(args) -> dict:
+    """Launches `jaxserve serve` on a free port; seconds until its health is SERVING."""
+    import socket
+    import subprocess
+    import sys
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.cli.main",
+        "serve",
+        f"--model={args.model}",
+        f"--port={port}",
+        f"--dtype={args.dtype}",
+        f"--max_num_seqs={args.max_num_seqs}",
+        f"--max_num_batched_tokens={args.max_num_batched_tokens}",
+        f"--max_model_len={args.max_model_len}",
+        f"--tensor_parallel_size={args.tensor_parallel_size}",
+        f"--compilation_cache_dir={args.cache_dir}",
+    ]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while proc.poll() is None:
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return {
+                            "model": args.model,
+                            "cpu": _cpu_name(),
+                            "to_serving_s": time.perf_counter() - t0,
+                        }
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        raise RuntimeError(f"jaxserve serve exited with status {proc.returncode}")
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
 def workload(vocab: int, n: int = 48, seed: int = 0):
     rs = np.random.RandomState(seed)
     prompts = [
@@ -47,10 +111,18 @@ def main() -> None:
     p.add_argument("--max_model_len", type=int, default=1024)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--workload", action="store_true")
+    p.add_argument("--tensor_parallel_size", type=int, default=1)
+    p.add_argument("--serve", action="store_true", help="time `jaxserve serve` to SERVING")
     args = p.parse_args()
+    if args.serve:
+        print(json.dumps(time_to_serving(args), indent=1))
+        return
 
     t0 = time.perf_counter()
+    since_start = _since_process_start()
     from jaxserve import LLM, SamplingParams
+
+    imported = _since_process_start()
 
     llm = LLM(
         args.model,
@@ -60,15 +132,29 @@ def main() -> None:
         max_model_len=args.max_model_len,
         warmup=True,
         compilation_cache_dir=args.cache_dir or None,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     ready = time.perf_counter() - t0
     engine = llm.engine
+    first = llm.generate(
+        [{"prompt_token_ids": list(range(16, 48))}],
+        SamplingParams(temperature=0.0, max_tokens=1),
+        use_tqdm=False,
+    )
+    assert len(first[0].outputs[0].token_ids) == 1
     result = {
         "model": args.model,
         "cpu": _cpu_name(),
         "ready_s": ready,
         "programs_compiled_at_start": engine.stats().num_compiles,
         "warmup_s": engine.model_info().warmup_seconds,
+        "load_weights_s": engine.runner.load_seconds,
+        "from_process_start": {
+            "python_started_s": since_start,
+            "imports_done_s": imported,
+            "ready_s": since_start + ready,
+            "first_token_s": _since_process_start(),
+        },
     }
     if args.workload:
         prompts, lens = workload(llm.config.model.vocab_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 from collections.abc import Mapping, Sequence
@@ -11,6 +12,7 @@ from tqdm import tqdm
 
 from jaxserve.assets import DEFAULT_MODEL, EMBEDDED_MODELS
 from jaxserve.config import ModelConfig, engine_config
+from jaxserve.data_parallel import DataParallelEngine, replica_engines
 from jaxserve.engine import LLMEngine
 from jaxserve.inputs import PromptType, parse_prompt
 from jaxserve.outputs import RequestOutput
@@ -99,7 +101,16 @@ class LLM:
         self.tokenizer = (
             None if skip_tokenizer_init else Tokenizer(resolve_model_dir(tokenizer or model_dir))
         )
-        self.engine = LLMEngine(self.config, self.tokenizer, mesh)
+        if self.config.parallel.data_parallel_size > 1:
+            if mesh is not None:
+                raise ValueError(
+                    "mesh= is one engine's devices; with data_parallel_size="
+                    f"{self.config.parallel.data_parallel_size} each replica takes its own slice"
+                )
+            # Replicas behind a router, each with its engine thread (jaxserve.data_parallel).
+            self.engine = DataParallelEngine(replica_engines(self.config, self.tokenizer))
+        else:
+            self.engine = LLMEngine(self.config, self.tokenizer, mesh)
         self._ids = itertools.count()
 
     def generate(
@@ -138,6 +149,10 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         request_ids = [str(next(self._ids)) for _ in parsed]
+        if isinstance(self.engine, DataParallelEngine):
+            return self._generate_on_replicas(
+                request_ids, parsed, params, priority, cache_salt, use_tqdm
+            )
         for i, (request_id, p, sp) in enumerate(zip(request_ids, parsed, params, strict=True)):
             try:
                 self.engine.add_request(
@@ -163,3 +178,34 @@ class LLM:
         ) as bar:
             self.engine.run(keep, progress=bar)
         return [results[request_id] for request_id in request_ids]
+
+    def _generate_on_replicas(self, request_ids, parsed, params, priority, cache_salt, use_tqdm):
+        """`generate` over data-parallel replicas: every request routed and streamed
+        through the `DataParallelEngine`, all at once; results in the prompts' order."""
+        for i, (p, sp) in enumerate(zip(parsed, params, strict=True)):
+            try:  # all validated before any is queued
+                self.engine.validate(p.token_ids, sp)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from e
+
+        async def run_all(bar) -> list[RequestOutput]:
+            async def one(i: int) -> RequestOutput:
+                last = None
+                async for out in self.engine.generate(
+                    request_ids[i],
+                    parsed[i].token_ids,
+                    params[i],
+                    prompt=parsed[i].text,
+                    priority=0 if priority is None else priority[i],
+                    cache_salt=cache_salt,
+                ):
+                    last = out
+                bar.update(1)
+                return last
+
+            return list(await asyncio.gather(*(one(i) for i in range(len(parsed)))))
+
+        with tqdm(
+            total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm, mininterval=1
+        ) as bar:
+            return asyncio.run(run_all(bar))

@@ -69,7 +69,8 @@ class AttentionBackend:
             mesh=mesh,
             in_specs=(heads, heads, heads, cache, P()),
             out_specs=(heads, cache),
-            axis_names={HEAD_AXIS},
+            # Manual over every mesh axis (Mosaic refuses a partly automatic one); the
+            # others ('data') see the step replicated, as the engine places it.
             check_vma=False,  # the kernels' loops carry replicated values into per-device ones
         )(queries, keys, values, kv_cache, md)
 

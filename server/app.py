@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.async_engine import AsyncLLMEngine
+from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.engine import LLMEngine
 from jaxserve.tokenizer import Tokenizer
 from server import jaxserve_pb2 as pb
@@ -227,7 +228,10 @@ class JaxServeServer:
         """Builds (and warms up) the engine off the event loop, then serves."""
         engine, tokenizer = await asyncio.to_thread(self._make_engine)
         self.state.tokenizer = tokenizer
-        self.state.engine = AsyncLLMEngine(engine)
+        # Data-parallel replicas come with their own front (jaxserve.data_parallel).
+        self.state.engine = (
+            engine if isinstance(engine, DataParallelEngine) else AsyncLLMEngine(engine)
+        )
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watch = asyncio.create_task(self._watch_engine())
         self.ready.set()

@@ -105,22 +105,28 @@ def test_kv_write_equals_the_reference_exactly(kernel, dtype):
 TPU_KINDS = ["TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite"]
 
 
+def abstract_mesh(platform: str, kind: str = "TPU v5 lite", tp: int = 1) -> AbstractMesh:
+    """A mesh of devices that are not here: ('x',) of one device, or the engine's
+    ('data', 'model') of `tp` (kernels that query the TPU generation need the kind)."""
+    shape, names = ((1,), ("x",)) if tp == 1 else ((1, tp), ("data", "model"))
+    if platform != "tpu":
+        return AbstractMesh(shape, names)
+    device = AbstractDevice(device_kind=kind, num_cores=1, platform="tpu")
+    return AbstractMesh(shape, names, abstract_device=device)
+
+
 def tpu_context(kind):
-    return jax.sharding.use_abstract_mesh(
-        AbstractMesh(
-            (1,),
-            ("x",),
-            abstract_device=AbstractDevice(device_kind=kind, num_cores=1, platform="tpu"),
-        )
-    )
+    return jax.sharding.use_abstract_mesh(abstract_mesh("tpu", kind))
 
 
-def lower(fn, args, platform, kind="TPU v5 lite"):
-    if platform == "tpu":
-        with tpu_context(kind):
+def lower(fn, args, platform, kind="TPU v5 lite", tp=1):
+    """Exports `fn` for `platform`; with tp > 1 traced under an abstract ('data',
+    'model') mesh of tp devices (the args carry their shardings on it)."""
+    with jax.sharding.use_abstract_mesh(abstract_mesh(platform, kind, tp)):
+        if platform == "tpu":
             return export.export(jax.jit(fn), platforms=["tpu"])(*args)
-    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
+        checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+        return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
 
 
 def kernel_args(head_dim, dtype, t=64, n=8, k=2, p=64, s=16, b=8, m=16):
@@ -170,10 +176,13 @@ def test_gpu_kernels_lower(head_dim, dtype):
     assert lower(gpu.write_kv, write_args, "cuda").mlir_module()
 
 
-def lower_engine_step(config, backend: str, platform: str) -> str:
+def lower_engine_step(config, backend: str, platform: str, tp: int = 1) -> str:
     """The engine's forward step for `config` (abstract bf16 weights, a prefill and a
     decode in one batch) lowered for `platform`; asserts the Pallas kernel is in it
-    and returns the MLIR text."""
+    and returns the MLIR text. With tp > 1 the weights and KV caches are sharded as
+    the engine shards them (`jaxserve.parallel`) over an abstract mesh of tp devices,
+    and the kernels must run inside a shard_map (XLA cannot partition them)."""
+    from jaxserve import parallel
     from jaxserve.checkpoint import abstract_model
     from jaxserve.runner.input_batch import SeqWork, build_batch
     from jaxserve.runner.step import ModelDef, StepInput, forward
@@ -193,17 +202,30 @@ def lower_engine_step(config, backend: str, platform: str) -> str:
         )
     )
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    if tp > 1:
+        mesh = abstract_mesh(platform, tp=tp)
+        state = model_def.state(weights)
+        shardings = jax.tree.leaves(parallel.state_shardings(state, mesh))
+        weights = [
+            jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=s)
+            for w, s in zip(weights, shardings, strict=True)
+        ]
+        kv_sharding = parallel.kv_cache_sharding(mesh, config.num_kv_heads)
+        kv = [jax.ShapeDtypeStruct(kv_shape, jnp.bfloat16, sharding=kv_sharding)] * len(kv)
 
     def step(weights, kv, batch):
         return forward(model_def, weights, kv, batch)
 
-    text = lower(step, (weights, kv, batch), platform).mlir_module()
+    text = lower(step, (weights, kv, batch), platform, tp=tp).mlir_module()
     assert ("tpu_custom_call" in text) if platform == "tpu" else ("triton" in text)
+    if tp > 1:
+        assert "sdy.manual_computation" in text or "shard_map" in text, "kernel not in shard_map"
     return text
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("backend,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
-def test_the_engine_step_lowers_with_the_pallas_backend(backend, platform):
+def test_the_engine_step_lowers_with_the_pallas_backend(backend, platform, tp):
     from jaxserve.config import ModelConfig
 
     config = ModelConfig.from_hf(
@@ -219,7 +241,7 @@ def test_the_engine_step_lowers_with_the_pallas_backend(backend, platform):
             max_position_embeddings=512,
         )
     )
-    lower_engine_step(config, backend, platform)
+    lower_engine_step(config, backend, platform, tp=tp)
 
 
 def test_backend_selection():

@@ -1,0 +1,208 @@
+"""Data parallelism: M engine replicas, each on its own slice of the devices, behind
+one front that the servers use like an `AsyncLLMEngine`.
+
+Replica i serves on devices [i * tp, (i + 1) * tp) (tp = tensor_parallel_size), with
+its own scheduler, page pool and engine thread; the scheduler never knows it has
+siblings. `DataParallelEngine` routes each request to a replica:
+
+- prefix affinity: `PrefixRouter` remembers, per replica, the chained keys of the
+  full prompt pages it sent there (the same keys the page pool caches under), so a
+  request whose prompt starts with pages a replica has already computed goes there,
+  where the prefix cache can hit;
+- load: otherwise (or when that replica is busier than the least-loaded one by more
+  than `max_imbalance` requests) the replica with the fewest requests in flight.
+
+Metrics come per replica (`replica_stats()`) and in total (`stats()`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from collections.abc import AsyncIterator, Hashable, Sequence
+
+import jax
+
+from jaxserve import parallel
+from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.kv.page_pool import ROOT_UID
+from jaxserve.metrics import StatsSnapshot
+from jaxserve.outputs import ModelInfo, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import Tokenizer
+
+
+class PrefixRouter:
+    """Picks a replica for each prompt: the one that computed its longest prefix of
+    full pages, unless that one is too busy; else the least loaded. Pure host logic.
+
+    Each replica remembers at most `capacity` page keys (least recently routed
+    forgotten first), about what its page pool can keep cached.
+    """
+
+    def __init__(self, num_replicas: int, *, page_size: int, capacity: int, max_imbalance: int = 8):
+        self.page_size, self.capacity, self.max_imbalance = page_size, capacity, max_imbalance
+        self._keys = [collections.OrderedDict() for _ in range(num_replicas)]
+        self.routed = [0] * num_replicas
+        self.affinity_hits = 0  # requests sent where a prefix of theirs was
+
+    def page_keys(self, token_ids: Sequence[int], salt: Hashable = None) -> list[Hashable]:
+        """The chained keys of the prompt's full pages but the last token's page (as
+        the scheduler looks up: the last prompt token is always computed)."""
+        keys, parent = [], ROOT_UID
+        for start in range(0, len(token_ids) - self.page_size, self.page_size):
+            parent = hash((parent, tuple(token_ids[start : start + self.page_size]), salt))
+            keys.append(parent)
+        return keys
+
+    def route(self, token_ids: Sequence[int], loads: Sequence[int], salt: Hashable = None) -> int:
+        keys = self.page_keys(token_ids, salt)
+        matched = []
+        for held in self._keys:
+            n = 0
+            while n < len(keys) and keys[n] in held:
+                n += 1
+            matched.append(n)
+        least = min(range(len(loads)), key=lambda i: (loads[i], self.routed[i]))
+        best = max(range(len(loads)), key=lambda i: (matched[i], -loads[i]))
+        choice = least
+        if matched[best] > 0 and loads[best] - loads[least] <= self.max_imbalance:
+            choice = best
+            self.affinity_hits += 1
+        held = self._keys[choice]
+        for key in keys:
+            held[key] = None
+            held.move_to_end(key)
+        while len(held) > self.capacity:
+            held.popitem(last=False)
+        self.routed[choice] += 1
+        return choice
+
+
+def replica_engines(
+    config: EngineConfig, tokenizer: Tokenizer | None, devices=None
+) -> list[LLMEngine]:
+    """`config.parallel.data_parallel_size` engines, replica i on devices
+    [i * tp, (i + 1) * tp) of `devices` (default: all of them)."""
+    p = config.parallel
+    devices = list(jax.devices() if devices is None else devices)
+    if p.world_size > len(devices):
+        raise ValueError(
+            f"data_parallel_size={p.data_parallel_size} x tensor_parallel_size="
+            f"{p.tensor_parallel_size} needs {p.world_size} devices; {len(devices)} are "
+            f"available ({devices[0].platform})"
+        )
+    tp = p.tensor_parallel_size
+    return [
+        LLMEngine(config, tokenizer, parallel.make_mesh(1, tp, devices[i * tp : (i + 1) * tp]))
+        for i in range(p.data_parallel_size)
+    ]
+
+
+class DataParallelEngine:
+    """M `AsyncLLMEngine`s behind the `AsyncLLMEngine` interface the front ends use."""
+
+    def __init__(self, engines: list[LLMEngine]):
+        if not engines:
+            raise ValueError("a data-parallel engine needs at least one replica")
+        self.replicas = [AsyncLLMEngine(e) for e in engines]
+        first = engines[0]
+        c = first.config
+        self.router = PrefixRouter(
+            len(engines),
+            page_size=c.cache.page_size,
+            capacity=first.pool.capacity,
+            max_imbalance=c.scheduler.max_num_seqs,
+        )
+        self._lock = threading.Lock()  # routing may come from several event loops
+        self._owner: dict[str, int] = {}  # request id -> its replica, while it runs
+        info = self.replicas[0].model_info
+        self.model_info: ModelInfo = dataclasses.replace(
+            info,
+            kv_cache_tokens=sum(r.model_info.kv_cache_tokens for r in self.replicas),
+            data_parallel_size=len(engines),
+            num_devices=sum(r.model_info.num_devices for r in self.replicas),
+        )
+
+    @property
+    def healthy(self) -> bool:
+        return all(r.healthy for r in self.replicas)
+
+    @property
+    def error(self) -> BaseException | None:
+        return next((r.error for r in self.replicas if r.error is not None), None)
+
+    @property
+    def num_requests(self) -> int:
+        return sum(r.num_requests for r in self.replicas)
+
+    def replica_stats(self) -> list[StatsSnapshot]:
+        return [r.stats() for r in self.replicas]
+
+    def stats(self) -> StatsSnapshot:
+        """The replicas' counters summed; fractions averaged; compilations counted once
+        (every replica's counter sees the whole process's)."""
+        parts = self.replica_stats()
+        total = {}
+        for field in dataclasses.fields(StatsSnapshot):
+            values = [getattr(s, field.name) for s in parts]
+            if field.name in ("kv_cache_usage", "kv_waste_at_peak"):
+                total[field.name] = sum(values) / len(values)
+            elif field.name == "num_compiles":
+                total[field.name] = max(values)
+            elif isinstance(values[0], list | tuple):
+                width = max(len(v) for v in values)
+                total[field.name] = type(values[0])(
+                    sum(v[i] for v in values if i < len(v)) for i in range(width)
+                )
+            else:
+                total[field.name] = sum(values)
+        return StatsSnapshot(**total)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.replicas[0].validate(prompt_token_ids, params)  # the replicas are identical
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Routes the request to a replica and streams its outputs from there."""
+        if not self.healthy:
+            raise EngineDeadError(f"a data-parallel replica stopped: {self.error!r}")
+        with self._lock:
+            if request_id in self._owner:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            loads = [r.num_requests for r in self.replicas]
+            i = self.router.route(list(prompt_token_ids), loads, cache_salt)
+            self._owner[request_id] = i
+        try:
+            async for out in self.replicas[i].generate(
+                request_id,
+                prompt_token_ids,
+                params,
+                prompt=prompt,
+                priority=priority,
+                cache_salt=cache_salt,
+            ):
+                yield out
+        finally:
+            with self._lock:
+                self._owner.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        i = self._owner.get(request_id)
+        if i is not None:
+            self.replicas[i].abort(request_id)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        for r in self.replicas:
+            r.shutdown(timeout)

@@ -1,0 +1,41 @@
+"""Data parallelism: replicas behind one front (`jaxserve.data_parallel`)."""
+
+import pytest
+from fake_devices import run_on_8_devices
+
+from jaxserve.data_parallel import PrefixRouter
+
+
+def test_router_sends_a_prefix_where_it_went_and_others_to_the_least_loaded():
+    router = PrefixRouter(2, page_size=4, capacity=100)
+    a, b = list(range(10, 22)), list(range(50, 62))
+    assert router.route(a + [1], [0, 0]) == 0
+    assert router.route(b + [2], [1, 0]) == 1  # no shared prefix: the least loaded
+    assert router.route(a + [3, 4], [1, 1]) == 0  # shares a's three pages
+    assert router.route(b[:5] + [9] * 8, [2, 1]) == 1  # shares b's first page
+    assert router.affinity_hits == 2
+    # The prompt's last token is always computed: a prompt of exactly one page has
+    # no page to share.
+    assert router.page_keys(a[:4]) == []
+    # Too busy: affinity gives way to load beyond max_imbalance.
+    busy = PrefixRouter(2, page_size=4, capacity=100, max_imbalance=2)
+    assert busy.route(a + [1], [0, 0]) == 0
+    assert busy.route(a + [1], [5, 0]) == 1
+    # A salt (cache_salt) separates tenants' prefixes.
+    assert router.page_keys(a, salt="t1") != router.page_keys(a, salt="t2")
+
+
+def test_router_forgets_the_least_recently_routed_pages():
+    router = PrefixRouter(2, page_size=2, capacity=3)
+    router.route([1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 0])  # 4 pages: the first forgotten
+    assert router.route([1, 2, 3], [0, 0]) in (0, 1)
+    assert router.affinity_hits == 0
+
+
+@pytest.mark.sharded
+@pytest.mark.slow
+@pytest.mark.parametrize("dp,tp", [(2, 4)])
+def test_replicas_answer_each_request_once_like_one_engine(dp, tp, hf_model_dir):
+    path, _ = hf_model_dir("llama2_mha")
+    stdout = run_on_8_devices("dp_check.py", path, dp, tp)
+    assert f"dp={dp} tp={tp}: 30 requests answered once, equal to one engine" in stdout
