@@ -22,6 +22,7 @@ from pallas_kernels import ragged_paged_attention as reference
 from pallas_kernels import ragged_paged_attention_gpu as gpu
 from pallas_kernels import ragged_paged_attention_tpu as tpu
 from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.quantization import QuantizedKV, quantize_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,14 +36,21 @@ class AttentionBackend:
         queries: jax.Array,  # [T, N, H]
         keys: jax.Array,  # [T, K, H]
         values: jax.Array,  # [T, K, H]
-        kv_cache: jax.Array,  # [P, S, 2K, H]
+        kv_cache: jax.Array | QuantizedKV,  # [P, S, 2K, H]
         md: AttentionMetadata,
         *,
         sm_scale: float,
         sliding_window: int | None = None,
         soft_cap: float | None = None,
-    ) -> tuple[jax.Array, jax.Array]:  # [T, N, H], the updated cache
-        """Writes this step's K/V into the pages, then attends over them."""
+    ) -> tuple[jax.Array, jax.Array | QuantizedKV]:  # [T, N, H], the updated cache
+        """Writes this step's K/V into the pages (quantized first for an int8/fp8
+        cache, whose scales every backend writes with the reference's scatter),
+        then attends over them."""
+        scales = None
+        if isinstance(kv_cache, QuantizedKV):
+            keys, values, new_scales = quantize_kv(keys, values, kv_cache.dtype)
+            scales = reference.write_slots(kv_cache.scales, new_scales, md.slot_mapping)
+            kv_cache = kv_cache.pages
         kv_cache = self.write_kv(kv_cache, keys, values, md.slot_mapping)
         out = self.ragged_paged_attention(
             queries,
@@ -51,11 +59,12 @@ class AttentionBackend:
             md.page_indices,
             md.cu_q_lens,
             md.num_seqs,
+            scales,
             sm_scale=sm_scale,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
         )
-        return out, kv_cache
+        return out, kv_cache if scales is None else QuantizedKV(kv_cache, scales)
 
 
 def _tpu_attention(queries, kv_cache, *args, interpret=False, **kwargs):
