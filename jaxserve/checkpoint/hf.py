@@ -27,6 +27,7 @@ from safetensors.flax import save_file
 from jaxserve import parallel
 from models import get_model_class
 from models.config import ModelConfig
+from models.layers import quantize_weights
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +57,20 @@ def _path_of(tree_path) -> tuple:
     return tuple(getattr(k, "key", None) for k in tree_path if hasattr(k, "key"))
 
 
-def abstract_model(config: ModelConfig, *, dtype: str, attention_backend: str) -> nnx.Module:
-    """The model with ShapeDtypeStructs for weights: nothing allocated."""
+def abstract_model(
+    config: ModelConfig, *, dtype: str, attention_backend: str, quantization: str | None = None
+) -> nnx.Module:
+    """The model with ShapeDtypeStructs for weights: nothing allocated (with
+    `quantization`, the quantized model's weights)."""
     cls = get_model_class(config.architecture)
-    return nnx.eval_shape(
-        lambda: cls(
+
+    def build():
+        model = cls(
             config, dtype=jnp.dtype(dtype), attention_backend=attention_backend, rngs=nnx.Rngs(0)
         )
-    )
+        return quantize_weights(model, quantization) if quantization else model
+
+    return nnx.eval_shape(build)
 
 
 def load_model(
@@ -72,13 +79,20 @@ def load_model(
     *,
     dtype: str = "float32",
     attention_backend: str = "reference",
+    quantization: str | None = None,
     mesh: Mesh | None = None,
 ) -> nnx.Module:
     """Builds `config`'s model with the weights in `model_dir`, in `dtype`.
 
     With a mesh, each parameter is placed with its sharding as it is read, so
-    no device ever holds the whole model unsharded.
+    no device ever holds the whole model unsharded. `quantization="int8"`
+    quantizes the loaded weights (`models.layers.quantize_weights`).
     """
+    if quantization is not None and mesh is not None:
+        raise ValueError(
+            f"quantization={quantization!r} with a device mesh (tensor_parallel_size > 1) is "
+            "not supported yet: the int8 layers carry no sharding annotations"
+        )
     cls = get_model_class(config.architecture)
     graphdef, abstract = nnx.split(
         abstract_model(config, dtype=dtype, attention_backend=attention_backend)
@@ -134,7 +148,8 @@ def load_model(
             len(unused),
             ", ".join(unused[:8]),
         )
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    return quantize_weights(model, quantization) if quantization else model
 
 
 def save_weights(model: nnx.Module, model_dir: str, *, dtype: str | None = None) -> str:

@@ -40,6 +40,7 @@ from jaxserve.request import Sequence
 from jaxserve.runner.input_batch import SeqWork, StepShapes, build_batch, pick_bucket
 from jaxserve.runner.step import ModelDef, StepInput, forward
 from pallas_kernels import AttentionMetadata
+from pallas_kernels.quantization import zeros_kv
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class DraftRunner:
             draft_config,
             dtype=config.dtype,
             attention_backend=config.attention_backend,
+            quantization=config.quantization,
         )
         self.model_def, self.weights = ModelDef.split(model)
         shape = (
@@ -124,8 +126,7 @@ class DraftRunner:
             2 * draft_config.num_kv_heads,
             draft_config.head_dim,
         )
-        dtype = jnp.dtype(config.kv_dtype)
-        self.kv_caches = [jnp.zeros(shape, dtype) for _ in range(draft_config.num_layers)]
+        self.kv_caches = [zeros_kv(shape, config.kv_dtype) for _ in range(draft_config.num_layers)]
         logger.info(
             "draft model %s (%s, %d layers) loaded in %.1fs; its KV: %.1f MiB on the "
             "target's page tables",

@@ -10,9 +10,8 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from jaxserve import parallel
@@ -29,6 +28,7 @@ from jaxserve.runner.input_batch import (
     pick_bucket,
 )
 from jaxserve.runner.step import ModelDef, StepInput, forward, logits_step, sample_step
+from pallas_kernels.quantization import QuantizedKV, zeros_kv
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ class ModelRunner:
             config.model,
             dtype=config.dtype,
             attention_backend=config.attention_backend,
+            quantization=config.quantization,
             mesh=mesh,
         )
         self.model_def, self.weights = ModelDef.split(model)
@@ -129,27 +130,33 @@ class ModelRunner:
         m, page = config.model, config.cache.page_size
         self.kv_tokens = (self.num_pages - 1) * page
         logger.info(
-            "loaded %s (%s) in %.1fs; KV cache: %d pages x %d tokens = %d tokens (%.1f MiB), "
-            "maximum concurrency at max_model_len %d: %.2fx",
+            "loaded %s (%s, weights %.1f MiB%s) in %.1fs; KV cache: %d pages x %d tokens = "
+            "%d tokens (%.1f MiB, %s), maximum concurrency at max_model_len %d: %.2fx",
             m.architecture,
             config.dtype,
+            self.weight_bytes / 2**20,
+            f", {config.quantization}" if config.quantization else "",
             time.perf_counter() - t0,
             self.num_pages - 1,
             page,
             self.kv_tokens,
             self.num_pages * config.kv_bytes_per_page() / 2**20,
+            config.kv_dtype,
             config.max_model_len,
             self.kv_tokens / config.max_model_len,
         )
 
-    def _allocate_kv(self, mesh: Mesh | None) -> list[jax.Array]:
+    def _allocate_kv(self, mesh: Mesh | None) -> list[jax.Array | QuantizedKV]:
+        """One cache per layer: an array, or int8/fp8 pages with their scales."""
         m = self.config.model
         shape = (self.num_pages, self.config.cache.page_size, 2 * m.num_kv_heads, m.head_dim)
-        dtype = jnp.dtype(self.config.kv_dtype)
+        kv_dtype = self.config.kv_dtype
         if mesh is None:
-            return [jnp.zeros(shape, dtype) for _ in range(m.num_layers)]
+            return [zeros_kv(shape, kv_dtype) for _ in range(m.num_layers)]
         sharding = parallel.kv_cache_sharding(mesh, m.num_kv_heads)
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        if self.config.cache.quantized:  # the scales [P, S, 2K] split as the pages' heads
+            sharding = QuantizedKV(sharding, NamedSharding(mesh, PartitionSpec(*sharding.spec[:3])))
+        zeros = jax.jit(lambda: zeros_kv(shape, kv_dtype), out_shardings=sharding)
         return [zeros() for _ in range(m.num_layers)]
 
     # ------------------------------------------------------------------ inputs
