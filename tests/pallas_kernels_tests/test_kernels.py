@@ -170,19 +170,24 @@ def test_gpu_kernels_lower(head_dim, dtype):
     assert lower(gpu.write_kv, write_args, "cuda").mlir_module()
 
 
-def lower_engine_step(config, backend: str, platform: str) -> str:
-    """The engine's forward step for `config` (abstract bf16 weights, a prefill and a
-    decode in one batch) lowered for `platform`; asserts the Pallas kernel is in it
-    and returns the MLIR text."""
+def lower_engine_step(
+    config, backend: str, platform: str, *, kv_dtype: str = "bfloat16", quantization=None
+) -> str:
+    """The engine's forward step for `config` (abstract bf16 weights, or int8 ones with
+    `quantization`; a prefill and a decode in one batch; a `kv_dtype` cache) lowered
+    for `platform`; asserts the Pallas kernel is in it and returns the MLIR text."""
     from jaxserve.checkpoint import abstract_model
     from jaxserve.runner.input_batch import SeqWork, build_batch
     from jaxserve.runner.step import ModelDef, StepInput, forward
+    from pallas_kernels.quantization import zeros_kv
 
     model_def, weights = ModelDef.split(
-        abstract_model(config, dtype="bfloat16", attention_backend=backend)
+        abstract_model(
+            config, dtype="bfloat16", attention_backend=backend, quantization=quantization
+        )
     )
     kv_shape = (32, 16, 2 * config.num_kv_heads, config.head_dim)
-    kv = [jax.ShapeDtypeStruct(kv_shape, jnp.bfloat16)] * config.num_layers
+    kv = [jax.eval_shape(lambda: zeros_kv(kv_shape, kv_dtype))] * config.num_layers
     batch = StepInput.from_host(
         build_batch(
             [SeqWork(list(range(20)), 0, [1, 2]), SeqWork([5], 40, [3, 4, 5])],
@@ -202,24 +207,33 @@ def lower_engine_step(config, backend: str, platform: str) -> str:
     return text
 
 
+QWEN2_SMALL = dict(
+    architectures=["Qwen2ForCausalLM"],
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=512,
+)
+
+
 @pytest.mark.parametrize("backend,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
-def test_the_engine_step_lowers_with_the_pallas_backend(backend, platform):
+@pytest.mark.parametrize(
+    "kv_dtype,quantization",
+    [("bfloat16", None), ("int8", "int8"), ("fp8_e4m3", None), ("fp8_e5m2", "int8")],
+)
+def test_the_engine_step_lowers_with_the_pallas_backend(backend, platform, kv_dtype, quantization):
     from jaxserve.config import ModelConfig
 
-    config = ModelConfig.from_hf(
-        dict(
-            architectures=["Qwen2ForCausalLM"],
-            vocab_size=1024,
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            max_position_embeddings=512,
-        )
+    config = ModelConfig.from_hf(QWEN2_SMALL)
+    text = lower_engine_step(
+        config, backend, platform, kv_dtype=kv_dtype, quantization=quantization
     )
-    lower_engine_step(config, backend, platform)
+    if quantization:  # weight-only int8 off the CPU: int8 weights converted in the step
+        assert "xi8" in text
 
 
 def test_backend_selection():
