@@ -226,7 +226,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "kv_cache_tokens", "max_num_seqs", "dtype", "block_size")
+    __slots__ = ("model", "max_model_len", "vocab_size", "kv_cache_tokens", "max_num_seqs", "dtype", "block_size", "kv_cache_dtype", "quantization")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,8 @@ class ModelInfo(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -241,4 +243,6 @@ class ModelInfo(_message.Message):
     max_num_seqs: int
     dtype: str
     block_size: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    kv_cache_dtype: str
+    quantization: str
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...

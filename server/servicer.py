@@ -261,4 +261,6 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             max_num_seqs=info.max_num_seqs,
             dtype=info.dtype,
             block_size=info.block_size,
+            kv_cache_dtype=info.kv_cache_dtype,
+            quantization=info.quantization or "",
         )
