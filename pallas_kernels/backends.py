@@ -126,3 +126,18 @@ def get_backend(name: str | AttentionBackend) -> AttentionBackend:
         raise ValueError(
             f"attention_backend must be one of {sorted([*BACKENDS, 'auto'])}, got {name!r}"
         ) from None
+
+
+def check_kv_dtype(name: str, kv_dtype: str, device: jax.Device | None = None) -> None:
+    """Raises ValueError naming kv_cache_dtype where backend `name` cannot read a cache
+    of `kv_dtype` on `device` (default: the first device): the Triton kernel's fp8
+    loads need a GPU of compute capability 8.9 or newer (Ada, Hopper)."""
+    if resolve_backend_name(name) != "pallas_gpu" or not kv_dtype.startswith("fp8"):
+        return
+    capability = getattr(device or jax.devices()[0], "compute_capability", None)
+    if capability is not None and float(capability) < 8.9:
+        raise ValueError(
+            f"kv_cache_dtype={kv_dtype!r} needs a GPU of compute capability >= 8.9 for the "
+            f"pallas_gpu attention backend (fp8 in Triton); this one is {capability}: "
+            "use kv_cache_dtype='int8'"
+        )

@@ -28,6 +28,7 @@ from jaxserve.runner.input_batch import (
     pick_bucket,
 )
 from jaxserve.runner.step import ModelDef, StepInput, forward, logits_step, sample_step
+from pallas_kernels.backends import check_kv_dtype
 from pallas_kernels.quantization import QuantizedKV, zeros_kv
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class ModelRunner:
             )
         self.config = config
         self.mesh = mesh
+        check_kv_dtype(config.attention_backend, config.kv_dtype)
         t0 = time.perf_counter()
         if jax.default_backend() == "cpu" and not _fast_on_this_cpu(config.dtype):
             logger.warning(

@@ -177,6 +177,22 @@ def test_backend_writes_quantized_kv_then_attends(kernel, kv_dtype):
     np.testing.assert_array_equal(np.asarray(want_cache.scales)[3, 0], scales[4])
 
 
+def test_fp8_on_a_gpu_without_fp8_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from pallas_kernels.backends import check_kv_dtype
+
+    a100, h100 = (
+        SimpleNamespace(compute_capability="8.0"),
+        SimpleNamespace(compute_capability="9.0"),
+    )
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e4m3' needs a GPU of compute"):
+        check_kv_dtype("pallas_gpu", "fp8_e4m3", a100)
+    check_kv_dtype("pallas_gpu", "fp8_e4m3", h100)
+    check_kv_dtype("pallas_gpu", "int8", a100)
+    check_kv_dtype("reference", "fp8_e5m2", a100)
+
+
 # ------------------------------------------------------------------------- lowering
 
 
