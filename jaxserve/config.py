@@ -23,6 +23,8 @@ from typing import Any
 from models.config import ModelConfig, RopeConfig, normalize_dtype
 
 __all__ = [
+    "QUANTIZATION_METHODS",
+    "QUANTIZED_KV_DTYPES",
     "CacheConfig",
     "EngineConfig",
     "ModelConfig",
@@ -33,6 +35,16 @@ __all__ = [
     "engine_config",
     "normalize_dtype",
 ]
+
+
+# kv_cache_dtype values stored in one byte per value, with a float32 scale per
+# (token, KV head) beside the pages (`pallas_kernels.quantization`). "fp8" is
+# vLLM's name for e4m3.
+QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
+_KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
+KV_SCALE_BYTES = 4
+# Weight quantization at load time (`models.layers.QuantizedLinear`).
+QUANTIZATION_METHODS = ("int8",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +62,9 @@ class CacheConfig:
     num_pages: int | None = None
     memory_bytes: int = 1 << 30  # per device, as vLLM's kv_cache_memory_bytes
     memory_fraction: float | None = None  # like vLLM's gpu_memory_utilization
-    dtype: str = "auto"  # vLLM's kv_cache_dtype; "auto": the model's compute dtype
+    # vLLM's kv_cache_dtype; "auto": the model's compute dtype; or one of
+    # QUANTIZED_KV_DTYPES (pages of one byte a value, quantized as they are written)
+    dtype: str = "auto"
     # The prefix cache's second tier (kv/tier.py): full pages evicted from the device
     # move to host memory (at most `offload_bytes`, LRU) and, with `offload_dir`, to disk.
     offload_bytes: int = 0
@@ -85,10 +99,22 @@ class CacheConfig:
             not isinstance(self.offload_dir, str) or not self.offload_dir
         ):
             raise ValueError(f"kv_offload_dir must be a directory path, got {self.offload_dir!r}")
-        if self.dtype is None or self.dtype == "auto":
-            object.__setattr__(self, "dtype", "auto")
-        else:
-            object.__setattr__(self, "dtype", normalize_dtype(self.dtype, field="kv_cache_dtype"))
+        key = "auto" if self.dtype is None else str(self.dtype).lower()
+        key = _KV_DTYPE_ALIASES.get(key, key)
+        if key not in ("auto", *QUANTIZED_KV_DTYPES):
+            try:
+                key = normalize_dtype(self.dtype, field="kv_cache_dtype")
+            except ValueError:
+                raise ValueError(
+                    "kv_cache_dtype must be one of ('auto', 'float32', 'bfloat16', 'float16', "
+                    f"'int8', 'fp8', 'fp8_e4m3', 'fp8_e5m2') (or an alias), got {self.dtype!r}"
+                ) from None
+        object.__setattr__(self, "dtype", key)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pages hold int8 / fp8 values with scales beside them."""
+        return self.dtype in QUANTIZED_KV_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +259,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig | None = None
+    quantization: str | None = None  # vLLM's `quantization`: "int8" weights, or None
     attention_backend: str = "auto"  # pallas_tpu on TPU, pallas_gpu on GPU, else reference
     seed: int = 0
     min_token_bucket: int = 1  # 1: a lone decode computes one row, not a padded 16
@@ -253,6 +280,11 @@ class EngineConfig:
             raise ValueError(
                 f"min_token_bucket must be in [1, max_num_batched_tokens], "
                 f"got {self.min_token_bucket}"
+            )
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_METHODS} or None, "
+                f"got {self.quantization!r}"
             )
         if self.max_logit_bias <= 0:
             raise ValueError(f"max_logit_bias must be positive, got {self.max_logit_bias}")
@@ -286,24 +318,29 @@ class EngineConfig:
 
     def kv_bytes_per_page(self, per_device: bool = False) -> int:
         """Bytes one page holds over every layer: the target's, and a draft model's
-        (its KV arrays share the target's page tables, so each page has both).
+        (its KV arrays share the target's page tables, so each page has both). A
+        quantized cache stores a byte a value plus a float32 scale per K or V row.
 
         `per_device`: the share of one device of the tensor-parallel group. A model's
         KV heads split over the group where its size divides them; fewer heads (or
         a count it does not divide) are replicated on every device
         (`jaxserve.parallel.kv_cache_sharding`)."""
-        itemsize = 4 if self.kv_dtype == "float32" else 2
         tp = self.parallel.tensor_parallel_size if per_device else 1
         models = [self.model]
         if self.speculative is not None and self.speculative.draft is not None:
             models.append(self.speculative.draft)
+
+        def row_bytes(head_dim: int) -> int:  # one token's K (or V) of one head
+            if self.cache.quantized:
+                return head_dim + KV_SCALE_BYTES
+            return head_dim * (4 if self.kv_dtype == "float32" else 2)
+
         return sum(
             m.num_layers
             * self.cache.page_size
             * 2
             * m.num_kv_heads
-            * m.head_dim
-            * itemsize
+            * row_bytes(m.head_dim)
             // (tp if m.num_kv_heads % tp == 0 else 1)
             for m in models
         )

@@ -203,6 +203,7 @@ class LLMEngine:
             max_num_seqs=c.scheduler.max_num_seqs,
             dtype=c.dtype,
             kv_cache_dtype=c.kv_dtype,
+            quantization=c.quantization,
             block_size=c.cache.page_size,
             kv_cache_tokens=self.runner.kv_tokens,
             weight_bytes=self.runner.weight_bytes,

@@ -45,6 +45,7 @@ class ModelInfo:
     max_num_seqs: int
     dtype: str
     kv_cache_dtype: str
+    quantization: str | None  # weight quantization ("int8"), None for none
     block_size: int  # tokens per KV page
     kv_cache_tokens: int  # tokens the KV pool holds
     weight_bytes: int  # the model's weights on the device(s)

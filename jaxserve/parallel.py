@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from pallas_kernels import quantization
+from pallas_kernels.quantization import QuantizedKV
 
 # Tensor parallelism in the Megatron style: attention heads, the MLP's hidden
 # dimension and the vocabulary split over 'model'; the model dimension stays whole.
@@ -125,12 +127,16 @@ def kv_cache_sharding(mesh: Mesh, num_kv_heads: int, rules=DEFAULT_RULES) -> Nam
 
 
 def zeros_kv(
-    mesh: Mesh | None, num_layers: int, shape: tuple[int, ...], dtype, num_kv_heads: int
-) -> list[jax.Array]:
-    """One zeroed [P, S, 2K, H] KV array per layer, each created in place on its
-    devices (`kv_cache_sharding`), never whole on one device first."""
+    mesh: Mesh | None, num_layers: int, shape: tuple[int, ...], kv_dtype: str, num_kv_heads: int
+) -> list[jax.Array | QuantizedKV]:
+    """One zeroed [P, S, 2K, H] KV cache per layer (for a quantized `kv_dtype`, int8 /
+    fp8 pages with their [P, S, 2K] scales), each created in place on its devices
+    (`kv_cache_sharding`, the scales split as the pages' heads), never whole on one
+    device first."""
     if mesh is None:
-        return [jnp.zeros(shape, dtype) for _ in range(num_layers)]
+        return [quantization.zeros_kv(shape, kv_dtype) for _ in range(num_layers)]
     sharding = kv_cache_sharding(mesh, num_kv_heads)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    if kv_dtype in quantization.QUANTIZED_DTYPES:
+        sharding = QuantizedKV(sharding, NamedSharding(mesh, PartitionSpec(*sharding.spec[:3])))
+    zeros = jax.jit(lambda: quantization.zeros_kv(shape, kv_dtype), out_shardings=sharding)
     return [zeros() for _ in range(num_layers)]

@@ -1,5 +1,6 @@
 """Building blocks shared by the model families: RMSNorm (Llama's and Gemma's),
-rotary embeddings, linears, soft-capping (the MoE MLP is in `models.moe`).
+rotary embeddings, linears and their int8 variants, soft-capping (the MoE MLP is
+in `models.moe`).
 
 Parameters carry logical axis names (the `out_sharding` metadata; eager
 sharding off); the engine maps them to mesh axes (`jaxserve.parallel`), so a
@@ -19,6 +20,7 @@ from flax import nnx
 from jax import lax
 
 from models.config import RopeConfig
+from pallas_kernels.quantization import quantize
 
 INIT = nnx.initializers.normal(0.02)
 
@@ -189,3 +191,96 @@ class GemmaRMSNorm(nnx.Module):
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     """cap * tanh(x / cap): bounds logits smoothly to (-cap, cap) (Gemma 2); None: x."""
     return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+# ----------------------------------------------------------------------------
+# int8 weights (`quantization="int8"`): layer variants built from loaded layers.
+# ----------------------------------------------------------------------------
+
+
+def int8_dot(x: jax.Array, q: jax.Array, scale: jax.Array, dimension_numbers) -> jax.Array:
+    """x [M, in] times int8 weights q (per-output-channel `scale`) -> float32 [M, out].
+
+    On GPU and TPU the weights are converted to x's dtype inside the dot (XLA fuses
+    the convert into the matmul: weight-only int8). XLA:CPU does not fuse it: it
+    materialises the converted weights (slower than float32), and a float x int8
+    dot converts too. So on the CPU the activations are quantized as well, per
+    row (dynamic, symmetric): an int8 x int8 dot accumulating in int32, which
+    XLA:CPU runs several times faster than a converted dot, and faster than a
+    float32 one from two rows up; a one-row dot is padded to two (its one-row
+    path is slow). Both scales apply to the int32 result.
+    """
+
+    def weight_only(x):
+        return dot_f32(x, q.astype(x.dtype), dimension_numbers)
+
+    def w8a8(x):
+        pad = x.shape[0] == 1
+        if pad:
+            x = jnp.pad(x, ((0, 1), (0, 0)))
+        xq, xs = quantize(x, jnp.int8, axis=1)
+        acc = lax.dot_general(xq, q, dimension_numbers, preferred_element_type=jnp.int32)
+        out = acc.astype(jnp.float32) * xs[:, None]
+        return out[:1] if pad else out
+
+    out = lax.platform_dependent(x, cpu=w8a8, default=weight_only)
+    return out * scale.astype(jnp.float32)
+
+
+class QuantizedLinear(nnx.Module):
+    """`linear`'s int8 variant: kernel int8 [in, out], a scale per output channel in
+    the compute dtype, the bias as it was."""
+
+    def __init__(self, layer: nnx.Linear):
+        q, scale = quantize(layer.kernel[...], jnp.int8, axis=0)
+        self.kernel = nnx.Param(q)
+        self.scale = nnx.Param(scale.astype(layer.kernel.dtype))
+        self.bias = layer.bias
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = int8_dot(x, self.kernel[...], self.scale[...], (((x.ndim - 1,), (0,)), ((), ())))
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y.astype(x.dtype)
+
+
+class QuantizedEmbed(nnx.Module):
+    """`nnx.Embed`'s int8 variant: each vocabulary row [D] with its own scale, which is
+    also the tied LM head's per-output-channel scale."""
+
+    def __init__(self, layer: nnx.Embed):
+        q, scale = quantize(layer.embedding[...], jnp.int8, axis=1)
+        self.embedding = nnx.Param(q)
+        self.scale = nnx.Param(scale.astype(layer.embedding.dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:  # [T] -> [T, D]
+        rows = self.embedding[...][ids].astype(jnp.float32) * self.scale[...][ids, None]
+        return rows.astype(self.scale.dtype)
+
+
+def lm_head_logits(hidden: jax.Array, head: nnx.Module) -> jax.Array:
+    """hidden [B, D] -> float32 logits [B, V] through an LM head: a Linear ([D, V]), an
+    Embed (tied, [V, D]: its D contracted in place, no transpose) or their int8
+    variants."""
+    tied = isinstance(head, (nnx.Embed, QuantizedEmbed))
+    w = head.embedding[...] if tied else head.kernel[...]
+    dims = (((1,), (1 if tied else 0,)), ((), ()))
+    if isinstance(head, (QuantizedEmbed, QuantizedLinear)):
+        return int8_dot(hidden.astype(head.scale.dtype), w, head.scale[...], dims)
+    return dot_f32(hidden.astype(w.dtype), w, dims)
+
+
+def quantize_weights(model: nnx.Module, method: str = "int8") -> nnx.Module:
+    """Replaces, in place, every `nnx.Linear` (attention and MLP projections, MoE
+    routers, an untied LM head) and `nnx.Embed` (the embedding, tied LM head
+    included) by its int8 variant; returns the model. Weights that are plain
+    parameters (an MoE layer's stacked experts) stay as they are."""
+    if method != "int8":
+        raise ValueError(f"quantization must be 'int8', got {method!r}")
+    variants = {nnx.Linear: QuantizedLinear, nnx.Embed: QuantizedEmbed}
+    for _, module in list(nnx.iter_modules(model)):
+        for name, child in list(vars(module).items()):
+            variant = variants.get(type(child))
+            if variant is not None:
+                setattr(module, name, variant(child))
+    return model

@@ -19,8 +19,8 @@ from models.layers import (
     INIT,
     RMSNorm,
     apply_rope,
-    dot_f32,
     linear,
+    lm_head_logits,
     rope_frequencies,
     soft_cap,
 )
@@ -195,12 +195,8 @@ class LlamaForCausalLM(nnx.Module):
         return self.model(kv_caches, input_ids, positions, attention_metadata)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [B, D] -> [B, V] float32
-        if self.config.tie_word_embeddings:  # [V, D]: contract its D, no transpose
-            w, dims = self.model.embed_tokens.embedding[...], (((1,), (1,)), ((), ()))
-        else:  # [D, V]
-            w, dims = self.lm_head.kernel[...], (((1,), (0,)), ((), ()))
-        logits = dot_f32(hidden.astype(w.dtype), w, dims)
-        return soft_cap(logits, self.config.final_logit_softcap)
+        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        return soft_cap(lm_head_logits(hidden, head), self.config.final_logit_softcap)
 
     @classmethod
     def checkpoint_key(cls, path: tuple) -> tuple[str, bool]:

@@ -23,6 +23,7 @@ from pallas_kernels import ragged_paged_attention as reference
 from pallas_kernels import ragged_paged_attention_gpu as gpu
 from pallas_kernels import ragged_paged_attention_tpu as tpu
 from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.quantization import QuantizedKV, quantize_kv
 
 # The mesh axis attention heads are sharded over: `jaxserve.parallel` maps the
 # models' q_heads / kv_heads logical axes to it.
@@ -40,14 +41,16 @@ class AttentionBackend:
         queries: jax.Array,  # [T, N, H]
         keys: jax.Array,  # [T, K, H]
         values: jax.Array,  # [T, K, H]
-        kv_cache: jax.Array,  # [P, S, 2K, H]
+        kv_cache: jax.Array | QuantizedKV,  # [P, S, 2K, H]
         md: AttentionMetadata,
         *,
         sm_scale: float,
         sliding_window: int | None = None,
         soft_cap: float | None = None,
-    ) -> tuple[jax.Array, jax.Array]:  # [T, N, H], the updated cache
-        """Writes this step's K/V into the pages, then attends over them.
+    ) -> tuple[jax.Array, jax.Array | QuantizedKV]:  # [T, N, H], the updated cache
+        """Writes this step's K/V into the pages (quantized first for an int8/fp8
+        cache, whose scales every backend writes with the reference's scatter),
+        then attends over them.
 
         Traced under a mesh with a `HEAD_AXIS` (`jax.set_mesh`, as the engine's steps
         are), it runs in a `shard_map` over that axis: XLA cannot partition a Pallas
@@ -64,6 +67,8 @@ class AttentionBackend:
         split = keys.shape[1] % mesh.shape[HEAD_AXIS] == 0  # then the q heads split too
         heads = P(None, HEAD_AXIS, None) if split else P()
         cache = P(None, None, HEAD_AXIS, None) if split else P()
+        if isinstance(kv_cache, QuantizedKV):  # scales [P, S, 2K] split as the pages' heads
+            cache = QuantizedKV(cache, P(None, None, HEAD_AXIS) if split else P())
         return jax.shard_map(
             functools.partial(self._write_and_attend, **kw),
             mesh=mesh,
@@ -75,11 +80,23 @@ class AttentionBackend:
         )(queries, keys, values, kv_cache, md)
 
     def _write_and_attend(self, queries, keys, values, kv_cache, md, **kw):
+        scales = None
+        if isinstance(kv_cache, QuantizedKV):
+            keys, values, new_scales = quantize_kv(keys, values, kv_cache.dtype)
+            scales = reference.write_slots(kv_cache.scales, new_scales, md.slot_mapping)
+            kv_cache = kv_cache.pages
         kv_cache = self.write_kv(kv_cache, keys, values, md.slot_mapping)
         out = self.ragged_paged_attention(
-            queries, kv_cache, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, **kw
+            queries,
+            kv_cache,
+            md.kv_lens,
+            md.page_indices,
+            md.cu_q_lens,
+            md.num_seqs,
+            scales,
+            **kw,
         )
-        return out, kv_cache
+        return out, kv_cache if scales is None else QuantizedKV(kv_cache, scales)
 
 
 def _tpu_attention(queries, kv_cache, *args, interpret=False, **kwargs):
@@ -141,3 +158,18 @@ def get_backend(name: str | AttentionBackend) -> AttentionBackend:
         raise ValueError(
             f"attention_backend must be one of {sorted([*BACKENDS, 'auto'])}, got {name!r}"
         ) from None
+
+
+def check_kv_dtype(name: str, kv_dtype: str, device: jax.Device | None = None) -> None:
+    """Raises ValueError naming kv_cache_dtype where backend `name` cannot read a cache
+    of `kv_dtype` on `device` (default: the first device): the Triton kernel's fp8
+    loads need a GPU of compute capability 8.9 or newer (Ada, Hopper)."""
+    if resolve_backend_name(name) != "pallas_gpu" or not kv_dtype.startswith("fp8"):
+        return
+    capability = getattr(device or jax.devices()[0], "compute_capability", None)
+    if capability is not None and float(capability) < 8.9:
+        raise ValueError(
+            f"kv_cache_dtype={kv_dtype!r} needs a GPU of compute capability >= 8.9 for the "
+            f"pallas_gpu attention backend (fp8 in Triton); this one is {capability}: "
+            "use kv_cache_dtype='int8'"
+        )

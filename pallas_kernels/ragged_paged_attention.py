@@ -53,19 +53,29 @@ def write_kv(
     """Scatters this step's keys and values into their pages; returns the cache.
 
     Under a jit whose KV argument is donated, XLA performs the scatter in place.
+    Quantized pages take already quantized keys and values (`quantization.quantize_kv`).
     """
-    num_pages, page_size, kv2, head_dim = kv_cache.shape
-    t = keys.shape[0]
-    new = jnp.stack([keys, values], axis=2).reshape(t, kv2, head_dim)  # [T, 2K, H]
-    flat = kv_cache.reshape(num_pages * page_size, kv2, head_dim)
-    new = new.astype(kv_cache.dtype)
-    if t == 1:
+    t, _, head_dim = keys.shape
+    new = jnp.stack([keys, values], axis=2).reshape(t, -1, head_dim)  # [T, 2K, H]
+    return write_slots(kv_cache, new, slot_mapping)
+
+
+def write_slots(
+    cache: jax.Array,  # [P, S, ...]: pages, or a quantized cache's scales [P, S, 2K]
+    new: jax.Array,  # [T, ...]
+    slot_mapping: jax.Array,  # [T] int32
+) -> jax.Array:
+    """Sets slot `slot_mapping[t]` (page * S + offset) of `cache` to `new[t]`."""
+    num_pages, page_size, *rest = cache.shape
+    flat = cache.reshape(num_pages * page_size, *rest)
+    new = new.astype(cache.dtype)
+    if new.shape[0] == 1:
         # XLA rewrites a one-row scatter as a bounds-checked update that reads the old
         # row, which it cannot do in place: it would copy the whole cache every step.
         flat = lax.dynamic_update_slice_in_dim(flat, new, slot_mapping[0], axis=0)
     else:
         flat = flat.at[slot_mapping].set(new, mode="promise_in_bounds")
-    return flat.reshape(kv_cache.shape)
+    return flat.reshape(cache.shape)
 
 
 def ragged_paged_attention(
@@ -75,6 +85,7 @@ def ragged_paged_attention(
     page_indices: jax.Array,  # [B, M] int32
     cu_q_lens: jax.Array,  # [B + 1] int32
     num_seqs: jax.Array,  # [1] int32
+    kv_scales: jax.Array | None = None,  # [P, S, 2K] float32 for int8 / fp8 pages
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -90,6 +101,8 @@ def ragged_paged_attention(
     tokens of one longer sequence, each over the pages its causal range needs.
 
     Args:
+      kv_scales: for a quantized cache (`quantization.QuantizedKV`), the scale of
+        each page row; each block of pages is dequantized as it is read.
       sm_scale: multiplies q.k before the softmax (usually head_dim ** -0.5).
       sliding_window: if set, a query at position p sees kv positions > p - window.
       soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
@@ -100,7 +113,7 @@ def ragged_paged_attention(
     Returns:
       The attention output; rows of padding tokens are zero.
     """
-    validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+    validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales)
     num_tokens = queries.shape[0]
     page_size = kv_cache.shape[1]
     # Every sequence has at least one query token, so at most T of the B entries are
@@ -118,6 +131,7 @@ def ragged_paged_attention(
             *args,
             **kwargs,
             kv_cache=kv_cache,
+            kv_scales=kv_scales,
             pages_per_block=min(ppb, pages_per_seq),
             sm_scale=sm_scale,
             sliding_window=sliding_window,
@@ -195,6 +209,7 @@ def _attend(
     row_valid: jax.Array,  # [X, Q]
     kv_range: tuple[jax.Array | int, jax.Array | int],  # the kv positions any row sees
     kv_cache: jax.Array,
+    kv_scales: jax.Array | None,
     pages_per_block: int,
     sm_scale: float,
     sliding_window: int | None,
@@ -216,9 +231,10 @@ def _attend(
     def body(j, carry):
         m, denom, acc = carry  # [X, K, R], [X, K, R], [X, K, R, H]
         block = lax.dynamic_slice_in_dim(pages, j * pages_per_block, pages_per_block, 1)
-        kv = kv_cache[block]
+        kv = kv_cache[block].astype(jnp.float32)  # [X, pages_per_block, S, 2K, H]
+        if kv_scales is not None:
+            kv = kv * kv_scales[block][..., None]
         kv = kv.reshape(x, block_tokens, num_kv_heads, 2, head_dim)
-        kv = kv.astype(jnp.float32)
         k, v = kv[..., 0, :], kv[..., 1, :]  # [X, L, K, H]
         kv_pos = j * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)  # [L]
         # Zero the slots past the kv length before they meet the softmax weights:
@@ -268,7 +284,9 @@ def pad_page_table(page_indices: jax.Array, pages_per_block: int) -> jax.Array:
     return jnp.pad(page_indices, ((0, 0), (0, -(-m // pages_per_block) * pages_per_block - m)))
 
 
-def validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
+def validate_inputs(
+    queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales=None
+) -> None:
     """Checks shapes and dtypes; raises ValueError naming the argument and what it saw."""
     if queries.ndim != 3:
         raise ValueError(f"queries must be [T, N, H], got shape {queries.shape}")
@@ -280,6 +298,19 @@ def validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seq
         raise ValueError(f"kv_cache head_dim {kv_cache.shape[3]} != queries head_dim {head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads {num_heads} not a multiple of kv heads {num_kv_heads}")
+    quantized = not jnp.issubdtype(kv_cache.dtype, jnp.floating) or kv_cache.dtype.itemsize == 1
+    if quantized != (kv_scales is not None):
+        raise ValueError(
+            f"kv_scales must be given for int8/fp8 pages and only for them; kv_cache is "
+            f"{kv_cache.dtype}, kv_scales {None if kv_scales is None else kv_scales.dtype}"
+        )
+    if kv_scales is not None and (
+        kv_scales.shape != kv_cache.shape[:3] or kv_scales.dtype != jnp.float32
+    ):
+        raise ValueError(
+            f"kv_scales must be float32 [P, S, 2K] = {kv_cache.shape[:3]}, got "
+            f"{kv_scales.dtype} {kv_scales.shape}"
+        )
     b = kv_lens.shape
     if len(b) != 1:
         raise ValueError(f"kv_lens must be [B], got shape {kv_lens.shape}")
@@ -316,6 +347,7 @@ def ragged_paged_attention_jit(
     page_indices,
     cu_q_lens,
     num_seqs,
+    kv_scales=None,
     *,
     sm_scale,
     sliding_window=None,
@@ -331,6 +363,7 @@ def ragged_paged_attention_jit(
         page_indices,
         cu_q_lens,
         num_seqs,
+        kv_scales,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,

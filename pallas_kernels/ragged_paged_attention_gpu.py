@@ -74,13 +74,8 @@ def _kernel(
     q_ref,
     k_ref,
     v_ref,
-    pages_ref,
-    kv_lens_ref,
-    cu_ref,
-    num_seqs_ref,
-    zeros_ref,
-    o_ref,
-    *,
+    *refs,
+    quantized,
     sm_scale,
     sliding_window,
     soft_cap,
@@ -89,6 +84,10 @@ def _kernel(
     group,
     true_head_dim,
 ):
+    if quantized:  # the K and V scales of head k, [P, S] each
+        ks_ref, vs_ref, pages_ref, kv_lens_ref, cu_ref, num_seqs_ref, _, o_ref = refs
+    else:
+        pages_ref, kv_lens_ref, cu_ref, num_seqs_ref, _, o_ref = refs
     b, i = pl.program_id(0), pl.program_id(1)
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]  # head_dim: padded to a power of 2
     block_kv = pages_per_block * page_size
@@ -117,6 +116,11 @@ def _kernel(
             pages = pages_ref[pl.ds(j * pages_per_block, pages_per_block)]
             k = k_ref[pages].reshape(block_kv, head_dim)
             v = v_ref[pages].reshape(block_kv, head_dim)
+            if quantized:  # dequantize the tile, into the queries' dtype
+                ks = ks_ref[pages].reshape(block_kv, 1)
+                vs = vs_ref[pages].reshape(block_kv, 1)
+                k = (k.astype(jnp.float32) * ks).astype(q_ref.dtype)
+                v = (v.astype(jnp.float32) * vs).astype(q_ref.dtype)
             kv_pos = j * block_kv + jnp.arange(block_kv)
             lanes = jnp.arange(head_dim)[None, :] < true_head_dim  # padded lanes read junk
             k = jnp.where(lanes, k, jnp.zeros_like(k))
@@ -172,6 +176,7 @@ def ragged_paged_attention(
     page_indices: jax.Array,  # [B, M] int32
     cu_q_lens: jax.Array,  # [B + 1] int32
     num_seqs: jax.Array,  # [1] int32
+    kv_scales: jax.Array | None = None,  # [P, S, 2K] float32 for int8 / fp8 pages
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -179,7 +184,8 @@ def ragged_paged_attention(
     block_sizes: GpuBlockSizes = GpuBlockSizes(),
     interpret: bool = False,
 ) -> jax.Array:  # [T, N, H]
-    validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+    validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales)
+    quantized = kv_scales is not None
     t, n, h = queries.shape
     p, s, kv2, _ = kv_cache.shape
     k_heads = kv2 // 2
@@ -209,8 +215,16 @@ def ragged_paged_attention(
         pages_per_block=ppb,
         group=group,
         true_head_dim=h,
+        quantized=quantized,
     )
     whole = lambda *shape: pl.BlockSpec(shape, lambda b, i, k: (0,) * len(shape))
+    scale_specs, scales = [], []
+    if quantized:  # [P, S, K, 2]: head k's K scales, then its V scales
+        scale_specs = [
+            pl.BlockSpec((p, s, None, None), lambda b, i, k, half=half: (0, 0, k, half))
+            for half in (0, 1)
+        ]
+        scales = [kv_scales.reshape(p, s, k_heads, 2)] * 2
     out = pl.pallas_call(
         kernel,
         grid=(num_seqs_b, pl.cdiv(t, bq), k_heads),
@@ -218,6 +232,7 @@ def ragged_paged_attention(
             pl.BlockSpec((t_pad, None, group, hp), lambda b, i, k: (0, k, 0, 0)),
             pl.BlockSpec((p, s, None, None, hp), lambda b, i, k: (0, 0, k, 0, 0)),
             pl.BlockSpec((p, s, None, None, hp), lambda b, i, k: (0, 0, k, 1, 0)),
+            *scale_specs,
             pl.BlockSpec((None, m_pad), lambda b, i, k: (b, 0)),
             whole(num_seqs_b),
             whole(num_seqs_b + 1),
@@ -228,13 +243,13 @@ def ragged_paged_attention(
         out_shape=jax.ShapeDtypeStruct((t_pad, k_heads, group, hp), queries.dtype),
         # The output starts as zeros: rows of padding tokens, which no program owns,
         # come out zero as in the reference.
-        input_output_aliases={7: 0},
+        input_output_aliases={7 + len(scales): 0},
         compiler_params=plgpu.CompilerParams(
             num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
         ),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(q, kv, kv, pages, kv_lens, cu_q_lens, num_seqs, jnp.zeros_like(q))
+    )(q, kv, kv, *scales, pages, kv_lens, cu_q_lens, num_seqs, jnp.zeros_like(q))
     return out[:t, :, :, :h].reshape(t, n, h)
 
 

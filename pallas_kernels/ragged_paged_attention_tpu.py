@@ -71,26 +71,22 @@ def _kernel(
     pages_ref,
     cu_ref,
     num_seqs_ref,
-    # inputs (HBM); zeros_hbm is the output's initial value (aliased)
+    # inputs (HBM): queries, pages, [scales,] the output's initial value (aliased);
+    # the output (HBM); scratch: q, k, v, [scales,] o in VMEM, DMA semaphores
     q_hbm,
     kv_hbm,
-    zeros_hbm,
-    # output (HBM)
-    o_hbm,
-    # scratch
-    q_vmem,
-    k_vmem,
-    v_vmem,
-    o_vmem,
-    sems,
-    *,
+    *refs,
     sm_scale,
     sliding_window,
     soft_cap,
     pages_per_block,
     pages_per_seq,
+    quantized,
 ):
-    del zeros_hbm
+    if quantized:
+        scales_hbm, _, o_hbm, q_vmem, k_vmem, v_vmem, s_vmem, o_vmem, sems = refs
+    else:
+        _, o_hbm, q_vmem, k_vmem, v_vmem, o_vmem, sems = refs
     b, i, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group, block_q, _ = q_vmem.shape
     page_size = k_vmem.shape[1]
@@ -123,12 +119,19 @@ def _kernel(
                     copies.append(
                         pltpu.make_async_copy(kv_hbm.at[page, :, k, half, :], buf.at[p], sems.at[1])
                     )
+                if quantized:  # this page's K and V scales of head k: [S, 2]
+                    src = scales_hbm.at[page, :, k, :]
+                    copies.append(pltpu.make_async_copy(src, s_vmem.at[p], sems.at[1]))
             for c in copies:
                 c.start()
             for c in copies:
                 c.wait()
             kk = k_vmem[...].reshape(block_kv, -1)
             vv = v_vmem[...].reshape(block_kv, -1)
+            if quantized:  # dequantize in VMEM, into the queries' dtype
+                sc = s_vmem[...].reshape(block_kv, 2)
+                kk = (kk.astype(jnp.float32) * sc[:, 0:1]).astype(q_vmem.dtype)
+                vv = (vv.astype(jnp.float32) * sc[:, 1:2]).astype(q_vmem.dtype)
             kv_pos = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
             # Slots at or past the sequence's length may hold anything (NaN included).
             vv = jnp.where(kv_pos.reshape(block_kv, 1) < kv_len, vv, jnp.zeros_like(vv))
@@ -194,6 +197,7 @@ def ragged_paged_attention(
     page_indices: jax.Array,  # [B, M] int32
     cu_q_lens: jax.Array,  # [B + 1] int32
     num_seqs: jax.Array,  # [1] int32
+    kv_scales: jax.Array | None = None,  # [P, S, 2K] float32 for int8 / fp8 pages
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -201,7 +205,8 @@ def ragged_paged_attention(
     block_sizes: TpuBlockSizes = TpuBlockSizes(),
     interpret: bool = False,
 ) -> jax.Array:  # [T, N, H]
-    validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+    validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales)
+    quantized = kv_scales is not None
     t, n, h = queries.shape
     p, s, kv2, _ = kv_cache.shape
     k_heads = kv2 // 2
@@ -223,26 +228,31 @@ def ragged_paged_attention(
         soft_cap=soft_cap,
         pages_per_block=ppb,
         pages_per_seq=m_pad,
+        quantized=quantized,
     )
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    # A quantized cache adds its scales [P, S, K, 2] (an input) and a VMEM block of them.
+    scales = [kv_scales.reshape(p, s, k_heads, 2)] if quantized else []
+    scales_vmem = [pltpu.VMEM((ppb, s, 2), jnp.float32)] if quantized else []
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(num_seqs_b, pl.cdiv(t, bq), k_heads),
-            in_specs=[any_spec, any_spec, any_spec],
+            in_specs=[any_spec] * (3 + len(scales)),
             out_specs=any_spec,
             scratch_shapes=[
                 pltpu.VMEM((group, bq, h), queries.dtype),
                 pltpu.VMEM((ppb, s, h), kv_cache.dtype),
                 pltpu.VMEM((ppb, s, h), kv_cache.dtype),
+                *scales_vmem,
                 pltpu.VMEM((group, bq, h), queries.dtype),
                 pltpu.SemaphoreType.DMA((2,)),
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(q.shape, queries.dtype),
         # The output starts as zeros (rows of padding tokens stay zero).
-        input_output_aliases={6: 0},
+        input_output_aliases={6 + len(scales): 0},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary", "arbitrary", "arbitrary")
         ),
@@ -255,6 +265,7 @@ def ragged_paged_attention(
         num_seqs,
         q,
         kv_cache.reshape(p, s, k_heads, 2, h),
+        *scales,
         jnp.zeros_like(q),
     )
     return out.transpose(2, 0, 1, 3)[:t].reshape(t, n, h)

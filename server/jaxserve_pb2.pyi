@@ -278,7 +278,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "kv_cache_tokens", "max_num_seqs", "dtype", "block_size", "tensor_parallel_size", "data_parallel_size", "num_devices", "num_processes", "kv_cache_bytes_per_device")
+    __slots__ = ("model", "max_model_len", "vocab_size", "kv_cache_tokens", "max_num_seqs", "dtype", "block_size", "tensor_parallel_size", "data_parallel_size", "num_devices", "num_processes", "kv_cache_bytes_per_device", "kv_cache_dtype", "quantization")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,8 @@ class ModelInfo(_message.Message):
     NUM_DEVICES_FIELD_NUMBER: _ClassVar[int]
     NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_PER_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -303,4 +305,6 @@ class ModelInfo(_message.Message):
     num_devices: int
     num_processes: int
     kv_cache_bytes_per_device: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., num_devices: _Optional[int] = ..., num_processes: _Optional[int] = ..., kv_cache_bytes_per_device: _Optional[int] = ...) -> None: ...
+    kv_cache_dtype: str
+    quantization: str
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., num_devices: _Optional[int] = ..., num_processes: _Optional[int] = ..., kv_cache_bytes_per_device: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...

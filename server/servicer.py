@@ -279,6 +279,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             num_devices=info.num_devices,
             num_processes=info.num_processes,
             kv_cache_bytes_per_device=info.kv_cache_bytes_per_device,
+            kv_cache_dtype=info.kv_cache_dtype,
+            quantization=info.quantization or "",
         )
 
     # ------------------------------------------- disaggregated serving (disagg.py)

@@ -40,3 +40,31 @@ def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list
     engine.pool.check_invariant()
     assert engine.pool.num_free == engine.pool.capacity
     return [results[str(i)] for i in range(len(prompts))]
+
+
+def demo_validation_ids(num_tokens: int) -> list[int]:
+    """The first `num_tokens` token ids of the demo models' held-out validation text
+    (the documents `tools/train_demo_model.py` sets aside, tokenized as it does).
+
+    Computed in a subprocess: the training script defines absl flags that would
+    clash with the CLI's in this process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from jaxserve.assets import EMBEDDED_MODELS
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tokenizer = os.path.join(EMBEDDED_MODELS["demo-model"], "tokenizer.json")
+    code = (
+        "import json, sys; sys.path.insert(0, 'tools'); import train_demo_model as t\n"
+        "from tokenizers import Tokenizer\n"
+        f"tok = Tokenizer.from_file({tokenizer!r})\n"
+        "_, val = t.split(t.build_corpus())\n"
+        f"print(json.dumps(t.encode(tok, val)[:{num_tokens}].tolist()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout)

@@ -9,6 +9,7 @@ from jax.sharding import Mesh
 from jaxserve.checkpoint.hf import abstract_model, load_hf_model, save_weights
 from jaxserve.checkpoint.orbax_io import convert, is_orbax_dir, restore
 from models.config import ModelConfig
+from models.layers import quantize_weights
 
 __all__ = ["abstract_model", "convert", "is_orbax_dir", "load_model", "save_weights"]
 
@@ -19,10 +20,19 @@ def load_model(
     *,
     dtype: str = "float32",
     attention_backend: str = "reference",
+    quantization: str | None = None,
     mesh: Mesh | None = None,
 ) -> nnx.Module:
     """`config`'s model with the weights in `model_dir`, in `dtype`, each parameter
     placed with its sharding on `mesh`: from an orbax model directory if `jaxserve
-    convert` wrote one, else from the Hugging Face safetensors files."""
+    convert` wrote one, else from the Hugging Face safetensors files.
+    `quantization="int8"` quantizes the loaded weights
+    (`models.layers.quantize_weights`)."""
+    if quantization is not None and mesh is not None:
+        raise ValueError(
+            f"quantization={quantization!r} with a device mesh (tensor_parallel_size > 1) is "
+            "not supported yet: the int8 layers carry no sharding annotations"
+        )
     load = restore if is_orbax_dir(model_dir) else load_hf_model
-    return load(model_dir, config, dtype=dtype, attention_backend=attention_backend, mesh=mesh)
+    model = load(model_dir, config, dtype=dtype, attention_backend=attention_backend, mesh=mesh)
+    return quantize_weights(model, quantization) if quantization else model

@@ -28,6 +28,7 @@ from safetensors.flax import save_file
 from jaxserve import parallel
 from models import get_model_class
 from models.config import ModelConfig
+from models.layers import quantize_weights
 
 logger = logging.getLogger(__name__)
 
@@ -81,14 +82,20 @@ def _read_sharded(slices, leaf, sharding, *, stacked: bool, transpose: bool) -> 
     return jax.make_array_from_callback(leaf.shape, sharding, read, dtype=dtype)
 
 
-def abstract_model(config: ModelConfig, *, dtype: str, attention_backend: str) -> nnx.Module:
-    """The model with ShapeDtypeStructs for weights: nothing allocated."""
+def abstract_model(
+    config: ModelConfig, *, dtype: str, attention_backend: str, quantization: str | None = None
+) -> nnx.Module:
+    """The model with ShapeDtypeStructs for weights: nothing allocated (with
+    `quantization`, the quantized model's weights)."""
     cls = get_model_class(config.architecture)
-    return nnx.eval_shape(
-        lambda: cls(
+
+    def build():
+        model = cls(
             config, dtype=jnp.dtype(dtype), attention_backend=attention_backend, rngs=nnx.Rngs(0)
         )
-    )
+        return quantize_weights(model, quantization) if quantization else model
+
+    return nnx.eval_shape(build)
 
 
 def load_hf_model(

@@ -146,6 +146,7 @@ class DraftRunner:
             dtype=config.dtype,
             attention_backend=config.attention_backend,
             mesh=mesh,
+            quantization=config.quantization,
         )
         self.mesh = mesh
         self.model_def, self.weights = ModelDef.split(model)
@@ -159,7 +160,7 @@ class DraftRunner:
             mesh,
             draft_config.num_layers,
             shape,
-            jnp.dtype(config.kv_dtype),
+            config.kv_dtype,
             draft_config.num_kv_heads,
         )
         self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches)

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
@@ -33,6 +32,7 @@ from jaxserve.runner.input_batch import (
 )
 from jaxserve.runner.sampler import SamplerOutput
 from jaxserve.runner.step import ModelDef, StepInput, StepPrograms
+from pallas_kernels.backends import check_kv_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class ModelRunner:
             mesh = parallel.engine_mesh(config.parallel.tensor_parallel_size)
         self.config = config
         self.mesh = mesh
+        check_kv_dtype(config.attention_backend, config.kv_dtype)
         t0 = time.perf_counter()
         if jax.default_backend() == "cpu" and not _fast_on_this_cpu(config.dtype):
             logger.warning(
@@ -109,6 +110,7 @@ class ModelRunner:
             config.model,
             dtype=config.dtype,
             attention_backend=config.attention_backend,
+            quantization=config.quantization,
             mesh=mesh,
         )
         self.model_def, self.weights = ModelDef.split(model)
@@ -122,7 +124,7 @@ class ModelRunner:
             mesh,
             m.num_layers,
             (self.num_pages, config.cache.page_size, 2 * m.num_kv_heads, m.head_dim),
-            jnp.dtype(config.kv_dtype),
+            config.kv_dtype,
             m.num_kv_heads,
         )
         self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches)
@@ -146,16 +148,20 @@ class ModelRunner:
         self.kv_bytes_per_device = self.num_pages * config.kv_bytes_per_page(per_device=True)
         self.layout = parallel.describe(mesh)
         logger.info(
-            "loaded %s (%s) in %.1fs on %s; KV cache: %d pages x %d tokens = %d tokens "
-            "(%.1f MiB per device), maximum concurrency at max_model_len %d: %.2fx",
+            "loaded %s (%s, weights %.1f MiB%s) in %.1fs on %s; KV cache: %d pages x %d "
+            "tokens = %d tokens (%.1f MiB per device, %s), maximum concurrency at "
+            "max_model_len %d: %.2fx",
             m.architecture,
             config.dtype,
+            self.weight_bytes / 2**20,
+            f", {config.quantization}" if config.quantization else "",
             self.load_seconds,
             ", ".join(f"{k}={v}" for k, v in self.layout.items()),
             self.num_pages - 1,
             page,
             self.kv_tokens,
             self.kv_bytes_per_device / 2**20,
+            config.kv_dtype,
             config.max_model_len,
             self.kv_tokens / config.max_model_len,
         )

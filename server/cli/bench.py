@@ -303,10 +303,8 @@ def _roofline(llm: LLM) -> dict:
     step = float(np.median(np.diff(times)))
     probes.append(report.memory_bandwidth())
     bandwidth = max(probes)
-    m = llm.config.model
-    kv_token = (
-        m.num_layers * 2 * m.num_kv_heads * m.head_dim * np.dtype(llm.config.kv_dtype).itemsize
-    )
+    # every layer's K and V of one token, scales of a quantized cache included
+    kv_token = llm.config.kv_bytes_per_page() / llm.config.cache.page_size
     kv = kv_token * (32 + 32)  # the average kv length over the decode
     moved = weights + kv
     return {

@@ -36,8 +36,15 @@ flags.DEFINE_integer("kv_cache_memory_bytes", 1 << 30, "KV cache budget in bytes
 flags.DEFINE_enum(
     "kv_cache_dtype",
     "auto",
-    ["auto", "float32", "bfloat16", "float16"],
-    "KV cache element type ('auto': the compute dtype).",
+    ["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    "KV cache element type ('auto': the compute dtype; int8/fp8*: one byte a value with "
+    "a scale per token and KV head, 4x the tokens of float32).",
+)
+flags.DEFINE_enum(
+    "quantization",
+    None,
+    ["int8"],
+    "Weight quantization at load time (int8: symmetric, per output channel; off by default).",
 )
 flags.DEFINE_float(
     "kv_cache_memory_fraction",
@@ -117,6 +124,7 @@ ENGINE_FLAGS = (
     "kv_cache_memory_bytes",
     "kv_cache_memory_fraction",
     "kv_cache_dtype",
+    "quantization",
     "enable_prefix_caching",
     "kv_offload_bytes",
     "kv_offload_dir",

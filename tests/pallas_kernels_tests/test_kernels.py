@@ -8,7 +8,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh
+from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_reference import make_case
 
 from pallas_kernels import ragged_paged_attention as ref
@@ -176,22 +177,34 @@ def test_gpu_kernels_lower(head_dim, dtype):
     assert lower(gpu.write_kv, write_args, "cuda").mlir_module()
 
 
-def lower_engine_step(config, backend: str, platform: str, tp: int = 1) -> str:
-    """The engine's forward step for `config` (abstract bf16 weights, a prefill and a
-    decode in one batch) lowered for `platform`; asserts the Pallas kernel is in it
-    and returns the MLIR text. With tp > 1 the weights and KV caches are sharded as
-    the engine shards them (`jaxserve.parallel`) over an abstract mesh of tp devices,
-    and the kernels must run inside a shard_map (XLA cannot partition them)."""
+def lower_engine_step(
+    config,
+    backend: str,
+    platform: str,
+    *,
+    tp: int = 1,
+    kv_dtype: str = "bfloat16",
+    quantization=None,
+) -> str:
+    """The engine's forward step for `config` (abstract bf16 weights, or int8 ones with
+    `quantization`; a prefill and a decode in one batch; a `kv_dtype` cache) lowered
+    for `platform`; asserts the Pallas kernel is in it and returns the MLIR text. With
+    tp > 1 the weights and KV caches are sharded as the engine shards them
+    (`jaxserve.parallel`) over an abstract mesh of tp devices, and the kernels must
+    run inside a shard_map (XLA cannot partition them)."""
     from jaxserve import parallel
     from jaxserve.checkpoint import abstract_model
     from jaxserve.runner.input_batch import SeqWork, build_batch
     from jaxserve.runner.step import ModelDef, StepInput, forward
+    from pallas_kernels.quantization import QuantizedKV, zeros_kv
 
     model_def, weights = ModelDef.split(
-        abstract_model(config, dtype="bfloat16", attention_backend=backend)
+        abstract_model(
+            config, dtype="bfloat16", attention_backend=backend, quantization=quantization
+        )
     )
     kv_shape = (32, 16, 2 * config.num_kv_heads, config.head_dim)
-    kv = [jax.ShapeDtypeStruct(kv_shape, jnp.bfloat16)] * config.num_layers
+    kv = [jax.eval_shape(lambda: zeros_kv(kv_shape, kv_dtype))] * config.num_layers
     batch = StepInput.from_host(
         build_batch(
             [SeqWork(list(range(20)), 0, [1, 2]), SeqWork([5], 40, [3, 4, 5])],
@@ -210,8 +223,15 @@ def lower_engine_step(config, backend: str, platform: str, tp: int = 1) -> str:
             jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=s)
             for w, s in zip(weights, shardings, strict=True)
         ]
-        kv_sharding = parallel.kv_cache_sharding(mesh, config.num_kv_heads)
-        kv = [jax.ShapeDtypeStruct(kv_shape, jnp.bfloat16, sharding=kv_sharding)] * len(kv)
+        shardings = parallel.kv_cache_sharding(mesh, config.num_kv_heads)
+        if isinstance(kv[0], QuantizedKV):
+            scales = NamedSharding(mesh, P(*shardings.spec[:3]))
+            shardings = QuantizedKV(shardings, scales)
+        kv = [
+            jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), kv[0], shardings
+            )
+        ] * len(kv)
 
     def step(weights, kv, batch):
         return forward(model_def, weights, kv, batch)
@@ -223,25 +243,42 @@ def lower_engine_step(config, backend: str, platform: str, tp: int = 1) -> str:
     return text
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+QWEN2_SMALL = dict(
+    architectures=["Qwen2ForCausalLM"],
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=512,
+)
+
+
 @pytest.mark.parametrize("backend,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
-def test_the_engine_step_lowers_with_the_pallas_backend(backend, platform, tp):
+@pytest.mark.parametrize(
+    "tp,kv_dtype,quantization",
+    [
+        (1, "bfloat16", None),
+        (1, "int8", "int8"),
+        (1, "fp8_e4m3", None),
+        (1, "fp8_e5m2", "int8"),
+        (2, "bfloat16", None),
+        (2, "int8", None),
+    ],
+)
+def test_the_engine_step_lowers_with_the_pallas_backend(
+    backend, platform, tp, kv_dtype, quantization
+):
     from jaxserve.config import ModelConfig
 
-    config = ModelConfig.from_hf(
-        dict(
-            architectures=["Qwen2ForCausalLM"],
-            vocab_size=1024,
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            max_position_embeddings=512,
-        )
+    config = ModelConfig.from_hf(QWEN2_SMALL)
+    text = lower_engine_step(
+        config, backend, platform, tp=tp, kv_dtype=kv_dtype, quantization=quantization
     )
-    lower_engine_step(config, backend, platform, tp=tp)
+    if quantization:  # weight-only int8 off the CPU: int8 weights converted in the step
+        assert "xi8" in text
 
 
 def test_backend_selection():

@@ -129,6 +129,7 @@ def test_model_info(served):
         8,
     )
     assert info.kv_cache_tokens == 255 * 8
+    assert (info.kv_cache_dtype, info.quantization) == ("float32", "")
 
 
 def test_cancelled_stream_is_aborted_and_frees_its_pages(served):
