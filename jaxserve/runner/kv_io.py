@@ -1,7 +1,8 @@
 """The device side of KV transfer: one gather of pages to the host, one scatter back.
 
-A page leaves as one array "kv" [L, page, 2K, H] (every layer's slice of it),
-the layout `jaxserve.kv.transfer` encodes. Page counts are padded to a power of
+A page leaves as one array "kv" [L, page, 2K, H] (every layer's slice of it) and,
+for an int8 / fp8 cache, its "scales" [L, page, 2K] beside it: the layout
+`jaxserve.kv.transfer` encodes. Page counts are padded to a power of
 two with the null page (0), so a handful of programs serve every batch: a gather
 reads the null page for padding (ignored), a scatter writes padding into it
 (the null page holds garbage by design: padding tokens write there anyway).
@@ -21,6 +22,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.kv.transfer import ArraySpec, KVLayout
+from pallas_kernels.quantization import QuantizedKV, kv_element_dtype
 
 _SAMPLE = 4096  # elements of each weight hashed into the model's fingerprint
 
@@ -39,11 +41,15 @@ def kv_layout(config: EngineConfig, weights: list[jax.Array]) -> KVLayout:
         h.update(str((w.shape, str(w.dtype))).encode())
         h.update(np.ascontiguousarray(flat[:: max(1, flat.size // _SAMPLE)]).tobytes())
     shape = (m.num_layers, config.cache.page_size, 2 * m.num_kv_heads, m.head_dim)
-    return KVLayout(
-        model_id=h.hexdigest(),
-        page_size=config.cache.page_size,
-        arrays=(ArraySpec("kv", str(np.dtype(config.kv_dtype)), shape),),
-    )
+    arrays = [ArraySpec("kv", str(np.dtype(kv_element_dtype(config.kv_dtype))), shape)]
+    if config.cache.quantized:
+        arrays.append(ArraySpec("scales", "float32", shape[:3]))
+    return KVLayout(model_id=h.hexdigest(), page_size=config.cache.page_size, arrays=tuple(arrays))
+
+
+def _named(kv: jax.Array | QuantizedKV) -> dict[str, jax.Array]:
+    """One layer's cache as the layout's named arrays."""
+    return {"kv": kv.pages, "scales": kv.scales} if isinstance(kv, QuantizedKV) else {"kv": kv}
 
 
 def _padded(pages: list[int]) -> np.ndarray:
@@ -52,42 +58,52 @@ def _padded(pages: list[int]) -> np.ndarray:
 
 
 @jax.jit
-def _gather(kv_caches: list[jax.Array], pages: jax.Array) -> jax.Array:
-    return jnp.stack([kv[pages] for kv in kv_caches], axis=1)  # [n, L, page, 2K, H]
+def _gather(kv_caches: list, pages: jax.Array) -> dict[str, jax.Array]:
+    layers = [_named(kv) for kv in kv_caches]  # each [n, L, page, 2K(, H)]
+    return {name: jnp.stack([a[name][pages] for a in layers], axis=1) for name in layers[0]}
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _scatter(kv_caches: list[jax.Array], pages: jax.Array, data: jax.Array) -> list[jax.Array]:
-    return [kv.at[pages].set(data[:, i].astype(kv.dtype)) for i, kv in enumerate(kv_caches)]
+def _scatter(kv_caches: list, pages: jax.Array, data: dict[str, jax.Array]) -> list:
+    out = []
+    for i, kv in enumerate(kv_caches):
+        new = {
+            name: a.at[pages].set(data[name][:, i].astype(a.dtype))
+            for name, a in _named(kv).items()
+        }
+        out.append(QuantizedKV(new["kv"], new["scales"]) if "scales" in new else new["kv"])
+    return out
 
 
-def lower_all(kv_caches: list[jax.Array], num_pages: int) -> list:
+def lower_all(kv_caches: list, num_pages: int) -> list:
     """The gather and scatter programs for every padded page count up to `num_pages`,
     lowered for warm-up (a serving loop then compiles nothing when pages move)."""
     lowered, n = [], 1
     while True:
         pages = jax.ShapeDtypeStruct((n,), jnp.int32)
-        data = jax.ShapeDtypeStruct(
-            (n, len(kv_caches), *kv_caches[0].shape[1:]), kv_caches[0].dtype
-        )
+        data = {
+            name: jax.ShapeDtypeStruct((n, len(kv_caches), *a.shape[1:]), a.dtype)
+            for name, a in _named(kv_caches[0]).items()
+        }
         lowered += [_gather.lower(kv_caches, pages), _scatter.lower(kv_caches, pages, data)]
         if n >= num_pages:
             return lowered
         n *= 2
 
 
-def gather_pages(kv_caches: list[jax.Array], pages: list[int]) -> dict[str, jax.Array]:
+def gather_pages(kv_caches: list, pages: list[int]) -> dict[str, jax.Array]:
     """Starts copying `pages` out (asynchronous: dispatched before the next step, which
-    may overwrite them); {"kv": [n', L, page, 2K, H]} on the device, n' >= n."""
-    return {"kv": _gather(kv_caches, _padded(pages))}
+    may overwrite them); {"kv": [n', L, page, 2K, H] (, "scales": [n', L, page, 2K])}
+    on the device, n' >= n."""
+    return _gather(kv_caches, _padded(pages))
 
 
-def scatter_pages(
-    kv_caches: list[jax.Array], pages: list[int], arrays: list[dict[str, np.ndarray]]
-) -> list[jax.Array]:
+def scatter_pages(kv_caches: list, pages: list[int], arrays: list[dict[str, np.ndarray]]) -> list:
     """Writes each page's arrays into `pages`; returns the new caches (donated)."""
     idx = _padded(pages)
-    data = np.zeros((len(idx), *arrays[0]["kv"].shape), arrays[0]["kv"].dtype)
-    for i, a in enumerate(arrays):
-        data[i] = a["kv"]
+    data = {}
+    for name, first in arrays[0].items():
+        data[name] = np.zeros((len(idx), *first.shape), first.dtype)
+        for i, a in enumerate(arrays):
+            data[name][i] = a[name]
     return _scatter(kv_caches, idx, data)
