@@ -46,6 +46,15 @@ SCENARIOS = {
         async_scheduling=True,
         kv_offload_bytes=1 << 22,
     ),
+    # ... with an int8 KV cache (its scales sharded as the pages' heads).
+    "async_tier_int8": dict(
+        max_num_batched_tokens=16,
+        num_kv_pages=12,
+        max_num_seqs=4,
+        async_scheduling=True,
+        kv_offload_bytes=1 << 22,
+        kv_cache_dtype="int8",
+    ),
     "ngram": dict(speculative_config=dict(method="ngram", num_speculative_tokens=3)),
     "draft": "draft",
     "guard": dict(warmup=True, compile_guard=True, max_num_seqs=4, max_num_batched_tokens=32),
@@ -85,9 +94,9 @@ def serve(model_dir: str, tp: int, scenario: str):
     stats = llm.engine.stats()
     llm.engine.pool.check_invariant()
     assert llm.engine.pool.num_free == llm.engine.pool.capacity
-    if scenario in ("stress", "async_tier"):
+    if scenario.startswith(("stress", "async_tier")):
         assert stats.num_preemptions > 0, stats
-    if scenario == "async_tier":
+    if scenario.startswith("async_tier"):
         assert llm.engine.tier.stats.loads > 0, llm.engine.tier.stats
     if scenario in ("stress", "basic"):
         assert stats.prefix_cache_hits > 0, stats

@@ -108,7 +108,7 @@ def place_propose_step(mesh: Mesh | None, weights, kv_caches):
     if mesh is None:
         return propose_step
     rep = NamedSharding(mesh, PartitionSpec())
-    kv = [x.sharding for x in kv_caches]
+    kv = jax.tree.map(lambda x: x.sharding, kv_caches)  # (a QuantizedKV: both parts)
     return jax.jit(
         _propose,
         static_argnums=(0, 4),

@@ -195,7 +195,7 @@ class StepPrograms:
             return UNSHARDED
         rep = NamedSharding(mesh, PartitionSpec())
         w = [x.sharding for x in weights]
-        kv = [x.sharding for x in kv_caches]
+        kv = jax.tree.map(lambda x: x.sharding, kv_caches)  # (a QuantizedKV: both parts)
         return cls(
             forward=jax.jit(
                 _forward,
