@@ -2,8 +2,8 @@
 
   python benchmarks/async_scheduling.py --model=DIR [--rounds=6] [--num_requests=32]
 
-Two engines on the same weights and compiled programs, one with
-`async_scheduling=True`, run the same seeded workload (greedy, EOS ignored)
+Two engines on one model runner (the same weights, KV arrays and compiled
+programs), one with `async_scheduling=True`, run the same seeded workload (greedy, EOS ignored)
 in alternating rounds (sync, async, async, sync, ...), so that a machine whose
 load drifts (shared cores) affects both alike. Reports each round's output
 tokens/s, the median ratio async / sync, and the engines' host share of the step:
@@ -14,6 +14,7 @@ the seconds the host spends outside waiting for the device over all step seconds
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -37,6 +38,7 @@ def main() -> None:
     import numpy as np
 
     from jaxserve import LLM, SamplingParams
+    from jaxserve.engine import LLMEngine
 
     kw = dict(
         max_num_seqs=args.max_num_seqs,
@@ -45,10 +47,15 @@ def main() -> None:
         enable_prefix_caching=False,  # every round computes the same work
         compilation_cache_dir=args.cache_dir or None,
     )
-    llms = {
-        mode: LLM(args.model, async_scheduling=mode == "async", **kw) for mode in ("sync", "async")
-    }
-    vocab = llms["sync"].config.model.vocab_size
+    llm = LLM(args.model, **kw)
+    # The async engine drives the same runner (weights, KV arrays, programs): one copy
+    # of the model in memory, and the engines never run at the same time.
+    config = llm.engine.config
+    config = dataclasses.replace(
+        config, scheduler=dataclasses.replace(config.scheduler, async_scheduling=True)
+    )
+    engines = {"sync": llm.engine, "async": LLMEngine(config, runner=llm.engine.runner)}
+    vocab = config.model.vocab_size
     rs = np.random.RandomState(0)
     lo, hi = args.input_len // 2, args.input_len * 3 // 2
     prompts = [
@@ -64,14 +71,17 @@ def main() -> None:
     outputs = {}
     order = ["sync", "async", "async", "sync"] * ((args.rounds + 1) // 2)
     for mode in order[: 2 * args.rounds]:
+        engine, done = engines[mode], {}
         t0 = time.perf_counter()
-        outs = llms[mode].generate(prompts, params, use_tqdm=False)
+        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(str(i), prompt["prompt_token_ids"], sp)
+        engine.run(lambda out, done=done: done.__setitem__(out.request_id, out))
         rates[mode].append(tokens / (time.perf_counter() - t0))
-        outputs[mode] = [o.outputs[0].token_ids for o in outs]
+        outputs[mode] = [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
     assert outputs["sync"] == outputs["async"], "async scheduling changed the outputs"
     host = {}
-    for mode, llm in llms.items():
-        s = llm.engine.stats()
+    for mode, engine in engines.items():
+        s = engine.stats()
         host[mode] = s.host_seconds / (s.host_seconds + s.device_seconds)
     ratios = [a / s for s, a in zip(rates["sync"], rates["async"], strict=True)]
     result = {

@@ -132,9 +132,9 @@ class MockRunner:
                 i, row = next(rows)
                 upto = end - w.num_samples + k + 1
                 # (-2 - r: a token in flight, the previous step's sampled row r)
-                # (a row's history is the whole sequence's; a chunk short of the end
-                # has computed only its first `upto` tokens)
-                expected = [t if t >= 0 else int(prev.tokens[-2 - t]) for t in row.token_ids[:upto]]
+                # (a chunk short of the end has computed only its row's first `upto`)
+                known = row.token_ids[:upto]
+                expected = [t if t >= 0 else int(prev.tokens[-2 - t]) for t in known]
                 assert history[:upto] == expected, "KV holds wrong tokens"
                 token_ids[i] = sum(history[:upto]) % self.vocab
                 accepted[i] = row.draft == token_ids[i]

@@ -295,50 +295,40 @@ class ModelRunner:
         (shapes only), so warm-up computes nothing; the programs land in the jit
         caches (and the persistent compilation cache) that steps then use. Tracing
         is Python and goes one program at a time; XLA compiles (or loads from the
-        persistent cache) on a few threads, each program as soon as it is traced."""
+        persistent cache) on a few threads."""
         t0, before, hits = time.perf_counter(), self.compiles.count, self.compiles.cache_hits
         num_sampling = 2 * len(self.row_buckets)
         total = len(self.token_buckets) + num_sampling
-        bar = tqdm(total=2 * total, desc=f"warm-up: tracing and compiling {total} programs")
-        threads = min(4, os.cpu_count() or 1)
-        pool = concurrent.futures.ThreadPoolExecutor(threads)
-        compiling = []
-
-        def compile_soon(program) -> None:
-            # Each program compiles (or loads from the persistent cache) on the pool as
-            # soon as it is traced, while the next one traces: a warm start overlaps
-            # its cache reads with the tracing instead of following it.
-            compiling.append(pool.submit(program.compile))
-            bar.update(1)
-
-        with bar, pool:
-            with self._on_mesh():  # traced in the context the steps run in
-                selected = None
-                for t in self.token_buckets:
-                    batch = _abstract_tree(StepInput.from_host(self.build([], token_bucket=t)))
-                    program = self.programs.forward.lower(
-                        self.model_def, self.weights, self.kv_caches, batch
-                    )
-                    selected = program.out_info[0]  # [R, D] whatever the token bucket
-                    compile_soon(program)
-                no_prev = _abstract_tree(self._no_prev_tokens)
-                for b in self.row_buckets:
-                    for history in (False, True):
-                        sampling = _abstract_tree(self.build_sampling([], b, with_history=history))
-                        compile_soon(
-                            self.programs.sample_step.lower(
-                                self.model_def, self.weights, selected, sampling, no_prev
-                            )
+        bar = tqdm(total=2 * total, desc=f"warm-up: tracing, then compiling {total} programs")
+        lowered = []
+        with self._on_mesh():  # traced in the context the steps run in
+            for t in self.token_buckets:
+                batch = _abstract_tree(StepInput.from_host(self.build([], token_bucket=t)))
+                lowered.append(
+                    self.programs.forward.lower(self.model_def, self.weights, self.kv_caches, batch)
+                )
+                bar.update(1)
+            selected = lowered[0].out_info[0]  # [R, D] whatever the token bucket
+            no_prev = _abstract_tree(self._no_prev_tokens)
+            for b in self.row_buckets:
+                for history in (False, True):
+                    sampling = _abstract_tree(self.build_sampling([], b, with_history=history))
+                    lowered.append(
+                        self.programs.sample_step.lower(
+                            self.model_def, self.weights, selected, sampling, no_prev
                         )
-            num_extra = 0
-            if extra is not None:
-                more = extra(_abstract_tree)
-                num_extra, total = len(more), total + len(more)
-                bar.total = 2 * total
-                for program in more:
-                    compile_soon(program)
-            for done in concurrent.futures.as_completed(compiling):
-                done.result()
+                    )
+                    bar.update(1)
+        num_extra = 0
+        if extra is not None:
+            more = extra(_abstract_tree)
+            num_extra, total = len(more), total + len(more)
+            lowered += more
+            bar.total = 2 * total
+            bar.update(num_extra)
+        threads = min(4, os.cpu_count() or 1)
+        with bar, concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            for _ in pool.map(lambda program: program.compile(), lowered):
                 bar.update(1)
         self.warmed_up = True
         self.warmup_seconds = time.perf_counter() - t0

@@ -6,7 +6,12 @@ import time
 
 import pytest
 from mock_runner import expected_tokens
-from test_scheduler import VOCAB, assert_idle, make_engine
+from test_scheduler import (
+    VOCAB,
+    assert_idle,
+    make_engine,
+    scheduling,  # noqa: F401  (every test, sync and async scheduling)
+)
 
 from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.sampling_params import SamplingParams
