@@ -122,3 +122,29 @@ def test_a_decode_killed_mid_run_falls_back_or_fails_cleanly(processes):
     assert [collect(router, req) for _ in range(3)] == [want] * 3
     for _, _, metrics in (procs[0], procs[2]):
         wait_baseline(metrics)
+
+
+@pytest.mark.slow
+def test_a_prefill_killed_mid_run_fails_cleanly(processes):
+    """Runs last: it kills the only prefill instance."""
+    procs, router = processes
+    req = request(LONG, max_tokens=4, ignore_eos=True)
+    want = collect(procs[0][1], req)
+
+    def one(_):
+        try:
+            return collect(router, req)
+        except grpc.RpcError as e:
+            return e.code(), e.details()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(one, i) for i in range(4)]
+        time.sleep(0.5)
+        procs[0][0].kill()
+        results = [f.result() for f in running]
+    for r in results:
+        assert r == want or (r[0] == grpc.StatusCode.UNAVAILABLE and procs[0][1] in r[1]), r
+    with pytest.raises(grpc.RpcError) as e:
+        collect(router, req)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and procs[0][1] in e.value.details()
+    wait_baseline(procs[2][2])  # the surviving decode instance holds no page
