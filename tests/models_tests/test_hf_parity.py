@@ -93,7 +93,6 @@ def test_greedy_generation_matches_transformers(case, hf_model_dir):
 
 
 def test_config_features_are_parsed(hf_model_dir):
-
     mistral = ModelConfig.from_pretrained(hf_model_dir("mistral_sliding_window")[0])
     assert mistral.sliding_windows == (8, 8)
     llama3 = ModelConfig.from_pretrained(hf_model_dir("llama3_gqa_rope_scaling")[0])
