@@ -71,7 +71,9 @@ def smallest_device_memory(devices) -> tuple[int, int] | None:
     devices report their memory (GPU, TPU; not the CPU): every device of a mesh holds
     an equal share of the KV pool, so the smallest one bounds it."""
     best = None
-    for device in devices:
+    # Only this process's devices can be asked; hosts of one mesh are alike (or the
+    # pool is given in pages: num_kv_pages), so every process sizes the same pool.
+    for device in [d for d in devices if d.process_index == jax.process_index()]:
         stats = device.memory_stats()
         if not stats or "bytes_limit" not in stats:
             return None

@@ -124,6 +124,10 @@ class ModelRunner:
         self.token_buckets, self.row_buckets = self.shapes.token_buckets, self.shapes.row_buckets
         self.history_len = config.pages_per_seq * config.cache.page_size
         self.compiles = CompileCounter()
+        # Multi-host (`jaxserve.multihost.Leader`): each plan goes to the followers
+        # before its step, and a step must complete within `fetch_timeout` seconds.
+        self.plan_sink: Callable[[HostBatch, SamplingMetadata], None] | None = None
+        self.fetch_timeout: float | None = None
         self.warmed_up = False
         self.warmup_seconds = 0.0
         m, page = config.model, config.cache.page_size
@@ -212,6 +216,9 @@ class ModelRunner:
         dispatched, so that the host fills grammar bitmasks while the device runs.
         """
         before = self.compiles.count
+        if self.plan_sink is not None:  # multi-host leader: the followers run it too
+            sampling = sampling() if callable(sampling) else sampling
+            self.plan_sink(batch, sampling)
         selected, prompt_lp = self._forward(batch)
         if callable(sampling):
             sampling = sampling()
@@ -226,13 +233,18 @@ class ModelRunner:
             )
         return out, prompt_lp
 
-    @staticmethod
-    def fetch(pending):
+    def fetch(self, pending):
         """Waits for a dispatched step; returns (SamplerOutput, prompt logprobs) as numpy.
 
-        Only the sampled ids and logprobs cross back to the host.
+        Only the sampled ids and logprobs cross back to the host (they are replicated:
+        on a mesh over several processes, each reads its own copy). With a
+        `fetch_timeout` (multi-host), a step that does not complete in time raises.
         """
-        return jax.tree.map(np.asarray, pending)
+        if self.fetch_timeout is not None:
+            from jaxserve.multihost import wait_ready
+
+            wait_ready(pending, self.fetch_timeout)
+        return jax.tree.map(_to_host, pending)
 
     def execute_and_sample(self, batch: HostBatch, sampling: SamplingMetadata):
         return self.fetch(self.dispatch(batch, sampling))
@@ -292,6 +304,13 @@ class ModelRunner:
             self.compiles.count - before,
             self.compiles.cache_hits - hits,
         )
+
+
+def _to_host(x) -> np.ndarray:
+    """A replicated output as numpy (this process's copy where others hold theirs)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(x)
 
 
 def _abstract_tree(tree):
