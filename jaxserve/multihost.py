@@ -141,9 +141,7 @@ def run_follower(runner) -> int:
             runner.build([], token_bucket=int(tokens)),
             runner.build_sampling([], int(rows), with_history=bool(history)),
         )
-        arrays, sampling = multihost_utils.broadcast_one_to_all(
-            (_fields(template[0]), template[1])
-        )
+        arrays, sampling = multihost_utils.broadcast_one_to_all((_fields(template[0]), template[1]))
         runner.fetch(runner.dispatch(HostBatch(*arrays), sampling))
         steps += 1
 

@@ -131,7 +131,7 @@ def zeros_kv(
 ) -> list[jax.Array]:
     """One zeroed [P, S, 2K, H] KV array per layer, each created in place on its
     devices (`kv_cache_sharding`), never whole on one device first."""
-    if mesh is None:
+    if mesh is None:  # uncommitted, like the weights on one device (see StepPrograms)
         return [jnp.zeros(shape, dtype) for _ in range(num_layers)]
     sharding = kv_cache_sharding(mesh, num_kv_heads)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)

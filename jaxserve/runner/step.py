@@ -138,7 +138,9 @@ def _sample(
     return sample(model_def.merge(weights).compute_logits(hidden), sampling)
 
 
-# Unsharded (one device): the shardings follow the arguments.
+# Unsharded (one device): the shardings follow the arguments. Weights and KV caches
+# are uncommitted there (loaded with jnp.asarray), as warm-up's abstract arguments
+# are: a committed argument would be another jit cache entry, compiled again.
 forward = jax.jit(_forward, static_argnums=0, donate_argnums=2)
 logits_step = jax.jit(_logits, static_argnums=0)
 sample_step = jax.jit(_sample, static_argnums=0)
