@@ -5,6 +5,9 @@ and, with --http_port, the OpenAI-compatible HTTP API, in one process over one e
   jaxserve serve --http_port=8000                            (gRPC on 50051, HTTP on 8000)
   jaxserve serve --model=DIR --config=configs/gpu.toml --tls_cert=c.pem --tls_key=k.pem
 
+Multi-host (`--num_processes=N --process_id=I --coordinator_address=HOST:PORT`, the
+same command on every host): process 0 serves; the others only run its steps.
+
 SIGTERM (or Ctrl-C) drains: the server reports NOT_SERVING (HTTP /health: 503),
 refuses new calls (HTTP: 503) and lets running ones finish for --drain_grace_s
 seconds before it exits. If the model
@@ -71,6 +74,11 @@ async def _serve() -> None:
 
     model_dir = resolve_model_dir(FLAGS.model)
     kwargs = engine_kwargs()
+    if kwargs["process_id"] > 0:  # a multi-host follower: runs the leader's steps, no server
+        llm = await asyncio.to_thread(LLM, model_dir, **kwargs)
+        steps = await asyncio.to_thread(llm.follow)
+        logging.info("the leader stopped; ran %d steps", steps)
+        return
 
     def make_engine():
         llm = LLM(model_dir, **kwargs)
