@@ -20,19 +20,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from engine_utils import SMALL_LLM_IDS
+
 from jaxserve import LLM, SamplingParams
 
 STEP_TIMEOUT_S = 10.0
-BASE = dict(
-    max_model_len=128,
-    block_size=8,
-    num_kv_pages=64,
-    max_num_seqs=4,
-    max_num_batched_tokens=32,
-    skip_tokenizer_init=True,
-    compilation_cache_dir=None,
-    warmup=False,
-)
+BASE = dict(SMALL_LLM_IDS, max_num_seqs=4, max_num_batched_tokens=32)
 
 
 def prompts():
