@@ -160,12 +160,36 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Multi-host: one mesh over `num_processes` processes (jax.distributed); process 0
+    # (the leader) schedules and serves, the others only run its steps.
+    coordinator_address: str | None = None  # host:port of process 0's coordinator
+    num_processes: int = 1
+    process_id: int = 0
+    step_timeout_s: float = 60.0  # a step the followers do not join in time: fail
 
     def __post_init__(self):
-        for name in ("tensor_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "data_parallel_size", "num_processes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.process_id, int) or not 0 <= self.process_id < self.num_processes:
+            raise ValueError(
+                f"process_id must be in [0, num_processes={self.num_processes}), "
+                f"got {self.process_id!r}"
+            )
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ValueError(
+                f"num_processes={self.num_processes} needs coordinator_address "
+                "(host:port of process 0)"
+            )
+        if self.num_processes > 1 and self.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={self.data_parallel_size} with num_processes="
+                f"{self.num_processes}: replicas across hosts are not supported; run one "
+                "multi-host engine per replica"
+            )
+        if self.step_timeout_s <= 0:
+            raise ValueError(f"step_timeout_s must be positive, got {self.step_timeout_s}")
 
     @property
     def world_size(self) -> int:
@@ -294,6 +318,18 @@ class EngineConfig:
                 f"{self.cache.offload_dir!r}: the KV tier extends the prefix cache, and "
                 "enable_prefix_caching is off"
             )
+        if self.parallel.num_processes > 1 and self.cache.offload:
+            raise ValueError(
+                f"kv_offload_bytes={self.cache.offload_bytes}, kv_offload_dir="
+                f"{self.cache.offload_dir!r} with num_processes={self.parallel.num_processes}: "
+                "the KV tier's page copies are not sent to the followers yet"
+            )
+        if self.parallel.num_processes > 1 and self.speculative and self.speculative.model:
+            raise ValueError(
+                f"speculative_config.method 'draft_model' with num_processes="
+                f"{self.parallel.num_processes}: the draft model is not sent to the "
+                "followers yet; use 'ngram' across hosts"
+            )
         draft = self.speculative.draft if self.speculative else None
         if draft is not None and draft.vocab_size != self.model.vocab_size:
             raise ValueError(
@@ -388,6 +424,10 @@ _NESTED_ARGS: dict[str, tuple[str, str]] = {
     "async_scheduling": ("scheduler", "async_scheduling"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "data_parallel_size": ("parallel", "data_parallel_size"),
+    "coordinator_address": ("parallel", "coordinator_address"),
+    "num_processes": ("parallel", "num_processes"),
+    "process_id": ("parallel", "process_id"),
+    "step_timeout_s": ("parallel", "step_timeout_s"),
 }
 _SUB_CONFIGS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
 _TOP_LEVEL_ARGS = tuple(

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from jax.sharding import Mesh
 from tqdm import tqdm
 
+from jaxserve import multihost
 from jaxserve.assets import DEFAULT_MODEL, EMBEDDED_MODELS
 from jaxserve.config import ModelConfig, engine_config
 from jaxserve.data_parallel import DataParallelEngine, replica_engines
@@ -100,6 +101,13 @@ class LLM:
             compilation_cache_dir=compilation_cache_dir,
             **engine_args,
         )
+        parallel = self.config.parallel
+        multihost.initialize(parallel)  # before anything touches a device
+        self.follower = None
+        if parallel.process_id != 0:  # a follower: its shards and programs, no engine
+            self.tokenizer = self.engine = self.leader = None
+            self.follower = multihost.follower_runner(self.config)
+            return
         self.tokenizer = (
             None if skip_tokenizer_init else Tokenizer(resolve_model_dir(tokenizer or model_dir))
         )
@@ -113,7 +121,25 @@ class LLM:
             self.engine = DataParallelEngine(replica_engines(self.config, self.tokenizer))
         else:
             self.engine = LLMEngine(self.config, self.tokenizer, mesh)
+        # Multi-host: each step's plan goes to the followers first.
+        self.leader = (
+            multihost.Leader(self.engine.runner, self.config)
+            if parallel.num_processes > 1
+            else None
+        )
         self._ids = itertools.count()
+
+    def follow(self) -> int:
+        """A follower process (process_id > 0): runs the leader's steps until the
+        leader stops (`LLM.stop_followers` there); returns the steps run."""
+        if self.follower is None:
+            raise ValueError("follow() is for followers (process_id > 0)")
+        return multihost.run_follower(self.follower)
+
+    def stop_followers(self) -> None:
+        """The leader of a multi-host engine: let the followers' `follow()` return."""
+        if self.leader is not None:
+            self.leader.stop_followers()
 
     def generate(
         self,
@@ -131,6 +157,8 @@ class LLM:
         validated before any is queued, so a bad one changes nothing.
         If interrupted, the requests still running are aborted and their pages freed.
         """
+        if self.engine is None:
+            raise ValueError("this is a multi-host follower (process_id > 0): call follow()")
         if isinstance(prompts, str | Mapping):
             prompts = [prompts]
         prompts = list(prompts)

@@ -73,7 +73,9 @@ def smallest_device_memory(devices) -> tuple[int, int] | None:
     devices report their memory (GPU, TPU; not the CPU): every device of a mesh holds
     an equal share of the KV pool, so the smallest one bounds it."""
     best = None
-    for device in devices:
+    # Only this process's devices can be asked; hosts of one mesh are alike (or the
+    # pool is given in pages: num_kv_pages), so every process sizes the same pool.
+    for device in [d for d in devices if d.process_index == jax.process_index()]:
         stats = device.memory_stats()
         if not stats or "bytes_limit" not in stats:
             return None
@@ -133,7 +135,7 @@ def zeros_kv(
     fp8 pages with their [P, S, 2K] scales), each created in place on its devices
     (`kv_cache_sharding`, the scales split as the pages' heads), never whole on one
     device first."""
-    if mesh is None:
+    if mesh is None:  # uncommitted, like the weights on one device (see StepPrograms)
         return [quantization.zeros_kv(shape, kv_dtype) for _ in range(num_layers)]
     sharding = kv_cache_sharding(mesh, num_kv_heads)
     if kv_dtype in quantization.QUANTIZED_DTYPES:

@@ -18,19 +18,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from engine_utils import SMALL_LLM_IDS
+
 from jaxserve import LLM, SamplingParams
 from jaxserve.data_parallel import DataParallelEngine
 
-BASE = dict(
-    max_model_len=128,
-    block_size=8,
-    num_kv_pages=64,
-    max_num_seqs=8,
-    max_num_batched_tokens=64,
-    warmup=False,
-    skip_tokenizer_init=True,
-    compilation_cache_dir=None,
-)
+BASE = SMALL_LLM_IDS
 
 
 def workload(vocab: int):

@@ -11,6 +11,19 @@ from jaxserve.runner.input_batch import SeqWork
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 
+# `LLM(...)` arguments of a small test engine, compiling as shapes occur.
+SMALL_LLM = dict(
+    max_model_len=128,
+    block_size=8,
+    num_kv_pages=64,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    warmup=False,
+)
+# The same for check scripts run on token ids in a subprocess (no tokenizer; the
+# persistent compilation cache off, as in-process tests run).
+SMALL_LLM_IDS = dict(SMALL_LLM, skip_tokenizer_init=True, compilation_cache_dir=None)
+
 
 def engine_config(path: str, *, page_size=8, num_pages=64, max_model_len=128, **kw):
     """An EngineConfig for a test checkpoint; `kw` are flat engine arguments."""

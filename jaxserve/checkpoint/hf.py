@@ -77,8 +77,8 @@ def _read_sharded(slices, leaf, sharding, *, stacked: bool, transpose: bool) -> 
             reads[key] = x.astype(dtype, copy=False)
         return reads[key]
 
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if sharding is None:  # one device: uncommitted, as the KV caches and step inputs
+        return jnp.asarray(read(tuple(slice(None) for _ in leaf.shape)))
     return jax.make_array_from_callback(leaf.shape, sharding, read, dtype=dtype)
 
 

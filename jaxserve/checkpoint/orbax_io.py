@@ -22,8 +22,9 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh
 
 from jaxserve import parallel
 from jaxserve.checkpoint.hf import _path_of, abstract_model, load_hf_model
@@ -116,15 +117,14 @@ def restore(
     graphdef, abstract = nnx.split(
         abstract_model(config, dtype=dtype, attention_backend=attention_backend)
     )
-    if mesh is not None:
-        shardings = parallel.state_shardings(abstract, mesh)
+    if mesh is None:
+        targets = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), abstract)
     else:
-        shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
-    targets = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=s),
-        abstract,
-        shardings,
-    )
+        targets = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=s),
+            abstract,
+            parallel.state_shardings(abstract, mesh),
+        )
     flat = _flat_params(targets)
     path = os.path.abspath(os.path.join(model_dir, ARRAYS_DIR))
     stored = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
@@ -140,8 +140,14 @@ def restore(
                 f"array {name!r} has shape {tuple(stored[name].shape)}, the model expects "
                 f"{target.shape} (does config.json match the weights?)"
             )
-    with ocp.StandardCheckpointer() as ckptr:
-        arrays = ckptr.restore(path, flat)
+    if mesh is None:  # one device: through host memory, uncommitted (as the HF loader)
+        args = {k: ocp.RestoreArgs(restore_type=np.ndarray, dtype=x.dtype) for k, x in flat.items()}
+        with ocp.PyTreeCheckpointer() as ckptr:
+            host = ckptr.restore(path, restore_args=args)
+        arrays = {k: jnp.asarray(x) for k, x in host.items()}
+    else:
+        with ocp.StandardCheckpointer() as ckptr:
+            arrays = ckptr.restore(path, flat)
     leaves = [arrays[name] for name in _flat_params(targets)]
     state = jax.tree.unflatten(jax.tree.structure(targets), leaves)
     return nnx.merge(graphdef, state)

@@ -141,6 +141,10 @@ class ModelRunner:
         # A step's `prev_tokens` when no step before it is in flight.
         self._no_prev_tokens = np.zeros(self.shapes.max_rows, np.int32)
         self.compiles = CompileCounter()
+        # Multi-host (`jaxserve.multihost.Leader`): each plan goes to the followers
+        # before its step, and a step must complete within `fetch_timeout` seconds.
+        self.plan_sink: Callable[[HostBatch, SamplingMetadata], None] | None = None
+        self.fetch_timeout: float | None = None
         self.warmed_up = False
         self.warmup_seconds = 0.0
         m, page = config.model, config.cache.page_size
@@ -259,6 +263,9 @@ class ModelRunner:
         dispatched, so that the host fills grammar bitmasks while the device runs.
         """
         before = self.compiles.count
+        if self.plan_sink is not None:  # multi-host leader: the followers run it too
+            sampling = sampling() if callable(sampling) else sampling
+            self.plan_sink(batch, sampling)
         prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
         selected, prompt_lp = self._forward(batch, prev_tokens)
         if callable(sampling):
@@ -276,13 +283,18 @@ class ModelRunner:
             )
         return PendingStep(out, prompt_lp, tokens)
 
-    @staticmethod
-    def fetch(pending: PendingStep):
+    def fetch(self, pending: PendingStep):
         """Waits for a dispatched step; returns (SamplerOutput, prompt logprobs) as numpy.
 
-        Only the sampled ids and logprobs cross back to the host.
+        Only the sampled ids and logprobs cross back to the host (they are replicated:
+        on a mesh over several processes, each reads its own copy). With a
+        `fetch_timeout` (multi-host), a step that does not complete in time raises.
         """
-        return jax.tree.map(np.asarray, (pending.out, pending.prompt_lp))
+        if self.fetch_timeout is not None:
+            from jaxserve.multihost import wait_ready
+
+            wait_ready((pending.out, pending.prompt_lp), self.fetch_timeout)
+        return jax.tree.map(_to_host, (pending.out, pending.prompt_lp))
 
     def execute_and_sample(self, batch: HostBatch, sampling: SamplingMetadata):
         return self.fetch(self.dispatch(batch, sampling))
@@ -343,6 +355,13 @@ class ModelRunner:
             self.compiles.count - before,
             self.compiles.cache_hits - hits,
         )
+
+
+def _to_host(x) -> np.ndarray:
+    """A replicated output as numpy (this process's copy where others hold theirs)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(x)
 
 
 def _abstract_tree(tree):

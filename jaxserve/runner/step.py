@@ -166,7 +166,9 @@ def _sample(
     return out, jnp.pad(out.token_ids, (0, rows - b))
 
 
-# Unsharded (one device): the shardings follow the arguments.
+# Unsharded (one device): the shardings follow the arguments. Weights and KV caches
+# are uncommitted there (loaded with jnp.asarray), as warm-up's abstract arguments
+# are: a committed argument would be another jit cache entry, compiled again.
 forward = jax.jit(_forward, static_argnums=0, donate_argnums=2)
 logits_step = jax.jit(_logits, static_argnums=0)
 sample_step = jax.jit(_sample, static_argnums=0)

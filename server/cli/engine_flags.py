@@ -57,6 +57,18 @@ flags.DEFINE_integer(
 flags.DEFINE_integer(
     "data_parallel_size", 1, "Engine replicas, each on its own tensor_parallel_size devices."
 )
+flags.DEFINE_string(
+    "coordinator_address",
+    None,
+    "Multi-host: host:port of process 0's coordinator (jax.distributed); same on every host.",
+)
+flags.DEFINE_integer("num_processes", 1, "Multi-host: processes (hosts) the mesh spans.")
+flags.DEFINE_integer(
+    "process_id", 0, "Multi-host: this process (0: the leader, which serves; else a follower)."
+)
+flags.DEFINE_float(
+    "step_timeout_s", 60.0, "Multi-host: a step the followers do not join in time fails."
+)
 flags.DEFINE_bool("enable_prefix_caching", True, "Reuse the KV pages of shared prefixes.")
 flags.DEFINE_integer(
     "kv_offload_bytes",
@@ -130,6 +142,10 @@ ENGINE_FLAGS = (
     "kv_offload_dir",
     "tensor_parallel_size",
     "data_parallel_size",
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+    "step_timeout_s",
     "attention_backend",
     "seed",
     "async_scheduling",

@@ -17,6 +17,9 @@ default, and `prefill` are the same server; `decode` needs a host KV tier to
 receive pages in, 1 GiB unless --kv_offload_bytes says otherwise); the router
 loads no model.
 
+Multi-host (`--num_processes=N --process_id=I --coordinator_address=HOST:PORT`, the
+same command on every host): process 0 serves; the others only run its steps.
+
 SIGTERM (or Ctrl-C) drains: the server reports NOT_SERVING (HTTP /health: 503),
 refuses new calls (HTTP: 503) and lets running ones finish for --drain_grace_s
 seconds before it exits. If the model
@@ -138,6 +141,11 @@ async def _serve() -> None:
     kwargs = engine_kwargs()
     if FLAGS.role == "decode" and not kwargs["kv_offload_bytes"]:
         kwargs["kv_offload_bytes"] = DECODE_TIER_BYTES  # where pushed pages land
+    if kwargs["process_id"] > 0:  # a multi-host follower: runs the leader's steps, no server
+        llm = await asyncio.to_thread(LLM, model_dir, **kwargs)
+        steps = await asyncio.to_thread(llm.follow)
+        logging.info("the leader stopped; ran %d steps", steps)
+        return
 
     def make_engine():
         llm = LLM(model_dir, **kwargs)

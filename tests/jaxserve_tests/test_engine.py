@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from engine_utils import prompt_logits
+from engine_utils import SMALL_LLM, prompt_logits
 
 from jaxserve import LLM, SamplingParams
 
@@ -10,15 +10,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
 def make_llm(path, **kw):
-    defaults = dict(
-        max_model_len=128,
-        block_size=8,
-        num_kv_pages=64,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        warmup=False,
-    )
-    return LLM(path, **{**defaults, **kw})
+    return LLM(path, **{**SMALL_LLM, **kw})
 
 
 def shared_prefix_prompts(seed=0):
