@@ -62,6 +62,7 @@ def main(model_dir: str, coordinator: str, process_id: str, follower_pid: str = 
         num_processes=2,
         process_id=int(process_id),
         step_timeout_s=STEP_TIMEOUT_S,
+        async_scheduling=True,  # the followers read the step before's tokens on device
         **BASE,
     )
     if llm.follower is not None:
@@ -72,10 +73,21 @@ def main(model_dir: str, coordinator: str, process_id: str, follower_pid: str = 
     assert jax.process_count() == 2 and len(jax.devices()) == 8
     assert llm.engine.model_info().num_processes == 2
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts(), greedy, use_tqdm=False)]
-    one = LLM(model_dir, **BASE)  # one local device, no collectives
+    seeded = SamplingParams(
+        temperature=0.8, seed=3, max_tokens=8, frequency_penalty=0.5, ignore_eos=True
+    )
+
+    def outputs(engine: LLM) -> list[list[int]]:
+        return [
+            o.outputs[0].token_ids
+            for params in (greedy, seeded)
+            for o in engine.generate(prompts(), params, use_tqdm=False)
+        ]
+
+    got = outputs(llm)
+    one = LLM(model_dir, **BASE)  # one local device, no collectives, synchronous steps
     assert one.engine.runner.mesh is None
-    want = [o.outputs[0].token_ids for o in one.generate(prompts(), greedy, use_tqdm=False)]
+    want = outputs(one)
     assert got == want, (got, want)
     print(f"2 processes x 4 devices, TP 8: {len(got)} outputs equal to one device", flush=True)
     asyncio.run(kill_follower_mid_stream(llm, int(follower_pid)))
