@@ -57,6 +57,7 @@ def test_serve_client_and_sigterm_drain(tiny_model_dir):
             "--block_size=8",
             "--drain_grace_s=60",
             "--compilation_cache_dir=",
+            "--async_scheduling",  # (the flag, and a drain with a step in flight)
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
