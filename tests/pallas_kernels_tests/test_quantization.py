@@ -67,6 +67,15 @@ def test_zero_constant_and_extreme_rows(kv_dtype):
     np.testing.assert_allclose(np.abs(back[4]).max(), 1e-37, rtol=0.07)
 
 
+def test_the_configs_names_are_the_quantizers():
+    """jaxserve.config (no JAX) names the quantized KV dtypes and their scale size
+    itself; they must be the quantizer's."""
+    from jaxserve.config import KV_SCALE_BYTES, QUANTIZED_KV_DTYPES
+
+    assert sorted(QUANTIZED_KV_DTYPES) == KV_DTYPES
+    assert jnp.dtype(zeros_kv((1, 1, 2, 4), "int8").scales.dtype).itemsize == KV_SCALE_BYTES
+
+
 def test_unknown_dtype_is_refused():
     with pytest.raises(ValueError, match="no quantizer for dtype int16"):
         quantize(jnp.ones((2, 2)), jnp.int16)
