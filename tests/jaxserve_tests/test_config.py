@@ -161,12 +161,30 @@ def test_engine_config_maps_vllm_arguments_onto_the_nested_config():
     [
         (dict(page_size=12), "block_size must be a positive power of two"),
         (dict(num_pages=1), "num_kv_pages must be >= 2"),
-        (dict(dtype="fp8"), "kv_cache_dtype"),
+        (dict(dtype="fp4"), "kv_cache_dtype must be one of .* got 'fp4'"),
     ],
 )
 def test_bad_cache_configs(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CacheConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "name,dtype,row_bytes",  # row: one token's K (or V) of one head, H = 8
+    [
+        ("auto", "auto", 32),
+        ("bf16", "bfloat16", 16),
+        ("INT8", "int8", 8 + 4),
+        ("fp8", "fp8_e4m3", 8 + 4),
+        ("fp8_e5m2", "fp8_e5m2", 8 + 4),
+    ],
+)
+def test_kv_cache_dtypes_and_their_page_bytes(name, dtype, row_bytes):
+    assert CacheConfig(dtype=name).dtype == dtype
+    cfg = engine_config("x", ModelConfig.from_hf(LLAMA), kv_cache_dtype=name, block_size=8)
+    model = cfg.model  # 4 layers, 2 KV heads of 8
+    assert model.head_dim == 8
+    assert cfg.kv_bytes_per_page() == model.num_layers * 8 * 2 * model.num_kv_heads * row_bytes
 
 
 def test_pool_from_a_fraction_of_device_memory():
