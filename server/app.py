@@ -155,7 +155,9 @@ class JaxServeServer:
         self.options = options
         self._make_engine = make_engine
         self.state = ServingState(model_name=model_name, max_pending=options.max_pending)
-        self.metrics = ServerMetrics(model_name, self._stats)
+        self.metrics = ServerMetrics(
+            model_name, self._stats, info_fn=self._info, replicas_fn=self._replica_stats
+        )
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -169,6 +171,14 @@ class JaxServeServer:
     def _stats(self):
         engine = self.state.engine
         return None if engine is None else engine.stats()
+
+    def _info(self):
+        engine = self.state.engine
+        return None if engine is None else engine.model_info
+
+    def _replica_stats(self):
+        engine = self.state.engine
+        return engine.replica_stats() if isinstance(engine, DataParallelEngine) else None
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):

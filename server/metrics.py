@@ -29,8 +29,10 @@ _LATENCY_BUCKETS = (
 
 
 class _EngineCollector:
-    def __init__(self, stats_fn, model_name: str):
+    def __init__(self, stats_fn, model_name: str, info_fn=None, replicas_fn=None):
         self._stats_fn = stats_fn
+        self._info_fn = info_fn or (lambda: None)
+        self._replicas_fn = replicas_fn or (lambda: None)
         self._labels = ("model_name",), (model_name,)
 
     def _family(self, cls, name, doc, value):
@@ -99,6 +101,47 @@ class _EngineCollector:
         yield per_pos
         for name, doc in _TIER_COUNTERS:
             yield self._family(c, f"jaxserve:{name}", doc, getattr(s, name))
+        yield from self._mesh()
+
+    def _mesh(self):
+        """The mesh (tp, dp, processes as labels; devices the value), the KV bytes per
+        device, and with data-parallel replicas each one's queue and KV usage."""
+        info = self._info_fn()
+        if info is not None:
+            mesh = GaugeMetricFamily(
+                "jaxserve:mesh_devices",
+                "Devices serving, by tensor/data parallel size and process count.",
+                labels=(*self._labels[0], "tp", "dp", "processes"),
+            )
+            mesh.add_metric(
+                (
+                    *self._labels[1],
+                    str(info.tensor_parallel_size),
+                    str(info.data_parallel_size),
+                    str(info.num_processes),
+                ),
+                info.num_devices,
+            )
+            yield mesh
+            yield self._family(
+                GaugeMetricFamily,
+                "jaxserve:kv_cache_bytes_per_device",
+                "Bytes of KV cache on each device.",
+                info.kv_cache_bytes_per_device,
+            )
+        replicas = self._replicas_fn()
+        if replicas:
+            for name, doc, field in (
+                ("num_requests_running", "Requests running, per replica.", "num_running"),
+                ("num_requests_waiting", "Requests waiting, per replica.", "num_waiting"),
+                ("kv_cache_usage_perc", "KV pages in use (0-1), per replica.", "kv_cache_usage"),
+            ):
+                family = GaugeMetricFamily(
+                    f"jaxserve:replica_{name}", doc, labels=(*self._labels[0], "replica")
+                )
+                for i, r in enumerate(replicas):
+                    family.add_metric((*self._labels[1], str(i)), getattr(r, field))
+                yield family
 
 
 _TIER_COUNTERS = (
@@ -112,10 +155,12 @@ _TIER_COUNTERS = (
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats_fn):
-        """`stats_fn()` returns the engine's StatsSnapshot, or None before it exists."""
+    def __init__(self, model_name: str, stats_fn, *, info_fn=None, replicas_fn=None):
+        """`stats_fn()` returns the engine's StatsSnapshot, or None before it exists;
+        `info_fn()` its ModelInfo (the mesh), `replicas_fn()` each data-parallel
+        replica's StatsSnapshot (None: one engine)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats_fn, model_name))
+        self.registry.register(_EngineCollector(stats_fn, model_name, info_fn, replicas_fn))
         kw = dict(registry=self.registry, buckets=_LATENCY_BUCKETS)
         self.ttft = Histogram(
             "jaxserve:time_to_first_token_seconds",

@@ -474,3 +474,37 @@ def test_async_scheduling_over_grpc_and_http(tiny_model_dir):
         assert engine._inflight is None
     finally:
         server.stop()
+
+
+def test_metrics_show_the_mesh_and_each_replica():
+    import dataclasses
+
+    from prometheus_client import generate_latest
+
+    from jaxserve.metrics import StatsSnapshot
+    from jaxserve.outputs import ModelInfo
+    from server.metrics import ServerMetrics
+
+    zero = {
+        f.name: 0 for f in dataclasses.fields(StatsSnapshot) if f.default is dataclasses.MISSING
+    }
+    replicas = [
+        StatsSnapshot(**{**zero, "num_running": 3, "kv_cache_usage": 0.5}),
+        StatsSnapshot(**{**zero, "num_waiting": 2}),
+    ]
+    info = ModelInfo(
+        *["m", "Llama", 128, 64, 8, "float32", "float32", None, 16, 100, 0, 0.0, 300],
+        tensor_parallel_size=4,
+        data_parallel_size=2,
+        num_devices=8,
+        num_processes=1,
+        kv_cache_bytes_per_device=4096,
+    )
+    metrics = ServerMetrics(
+        "m", lambda: replicas[0], info_fn=lambda: info, replicas_fn=lambda: replicas
+    )
+    text = generate_latest(metrics.registry).decode()
+    assert 'jaxserve:mesh_devices{dp="2",model_name="m",processes="1",tp="4"} 8.0' in text
+    assert 'jaxserve:kv_cache_bytes_per_device{model_name="m"} 4096.0' in text
+    assert 'jaxserve:replica_num_requests_running{model_name="m",replica="0"} 3.0' in text
+    assert 'jaxserve:replica_num_requests_waiting{model_name="m",replica="1"} 2.0' in text
