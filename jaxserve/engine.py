@@ -25,8 +25,9 @@ from jaxserve.kv.connector import KVConnector, cached_prefix, encode_gathered
 from jaxserve.kv.tier import KVTier
 from jaxserve.kv.transfer import KVLayout, decode_page
 from jaxserve.metrics import EngineStats, StatsSnapshot
-from jaxserve.outputs import CompletionOutput, ModelInfo, RequestOutput
+from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.request import ResumedSample, Sequence, Status
+from jaxserve.request_state import RequestState, check_resume
 from jaxserve.runner.draft import DraftRunner
 from jaxserve.runner.input_batch import SampleRow, SeqWork
 from jaxserve.runner.model_runner import ModelRunner, PendingStep
@@ -39,34 +40,6 @@ from jaxserve.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 COMPILATION_CACHE_BYTES = 4 << 30  # the persistent compilation cache's bound
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    detoks: list[IncrementalDetokenizer | None]
-    logprobs: list[list[dict[int, float]]]
-    cumulative_logprob: list[float]
-    arrival_time: float
-    first_token_time: float | None = None
-    prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(
-        default_factory=lambda: [None]  # the first prompt token has no prediction
-    )
-    grammar: concurrent.futures.Future | None = None  # structured output: its compile
-    matchers: list[GrammarMatcher] | None = None  # one per sample, once compiled
-    # Its steps need the previous step's tokens on the host (asynchronous scheduling
-    # runs synchronous steps while such a request is live).
-    sync_only: bool = False
-    # Disaggregated decode: resumed samples' tokens, sent with their first output.
-    resumed: dict[int, list[int]] = dataclasses.field(default_factory=dict)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
 
 
 @dataclasses.dataclass(eq=False)
@@ -151,9 +124,9 @@ class LLMEngine:
                 compiles=self.runner.compiles,
                 mesh=self.runner.mesh,
             )
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None  # built at the first structured request
-        self._compiling: list[_Request] = []  # waiting for their grammar, not yet scheduled
+        self._compiling: list[RequestState] = []  # waiting for their grammar, not yet scheduled
         self.eos_token_ids = set(config.model.eos_token_ids)
         if not self.eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids = {tokenizer.eos_token_id}
@@ -365,7 +338,9 @@ class LLMEngine:
         ]
         max_tokens = self.validate(ids, params)
         indices = (
-            range(params.n) if resume is None else self._check_resume(resume, params, max_tokens)
+            range(params.n)
+            if resume is None
+            else check_resume(resume, params, max_tokens, self.config.model.vocab_size)
         )
         grammar = None
         if params.structured_outputs is not None:
@@ -397,7 +372,7 @@ class LLMEngine:
             else None
             for i in range(params.n)
         ]
-        self.requests[request_id] = _Request(
+        self.requests[request_id] = RequestState(
             request_id,
             prompt,
             ids,
@@ -414,61 +389,13 @@ class LLMEngine:
         )
         self._num_sync_only += self.requests[request_id].sync_only
         if resume is not None:
-            self._resume(self.requests[request_id], resume)
+            self.requests[request_id].resume(resume)
         self._stats.on_add()
         if grammar is not None:
             self._compiling.append(self.requests[request_id])  # scheduled once compiled
         else:
             for seq in seqs:
                 self.scheduler.add(seq)
-
-    def _check_resume(
-        self, resume: list[ResumedSample], params: SamplingParams, max_tokens: int
-    ) -> list[int]:
-        """The resumed samples' indexes; ValueError naming the field if they are bad."""
-        indices = [r.index for r in resume]
-        if (
-            not resume
-            or len(set(indices)) != len(indices)
-            or not set(indices) <= set(range(params.n))
-        ):
-            raise ValueError(
-                f"resume.samples must name distinct samples of n={params.n}, got {indices}"
-            )
-        if params.structured_outputs is not None:
-            raise ValueError("resume: structured output cannot be resumed (its grammar state)")
-        vocab = self.config.model.vocab_size
-        for r in resume:
-            if not r.token_ids or not all(0 <= t < vocab for t in r.token_ids):
-                raise ValueError(
-                    f"resume.samples[{r.index}].token_ids must be ids in [0, {vocab}), "
-                    f"got {r.token_ids[:5]}"
-                )
-            if len(r.token_ids) >= max_tokens:
-                raise ValueError(
-                    f"resume.samples[{r.index}] has {len(r.token_ids)} tokens; max_tokens "
-                    f"is {max_tokens}: nothing is left to generate"
-                )
-            if params.logprobs is not None and len(r.logprobs or ()) != len(r.token_ids):
-                raise ValueError(
-                    f"resume.samples[{r.index}].logprobs must have one entry per token"
-                )
-        return sorted(indices)
-
-    def _resume(self, req: _Request, resume: list[ResumedSample]) -> None:
-        """Gives resumed samples their tokens so far, as if this engine had sampled them."""
-        by_index = {r.index: r for r in resume}
-        for seq in req.seqs:
-            r = by_index[seq.index]
-            detok = req.detoks[seq.index]
-            for j, token in enumerate(r.token_ids):
-                seq.append(token)
-                if detok is not None:
-                    detok.add(token, check_stop=False)  # the other instance checked them
-                if req.params.logprobs is not None:
-                    req.logprobs[seq.index].append(dict(r.logprobs[j]))
-                    req.cumulative_logprob[seq.index] += r.logprobs[j][token]
-            req.resumed[seq.index] = list(r.token_ids)
 
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its pages; False if it is unknown or already done."""
@@ -484,7 +411,7 @@ class LLMEngine:
         self._stats.on_finish(aborted=True)
         return True
 
-    def _forget(self, request_id: str) -> _Request | None:
+    def _forget(self, request_id: str) -> RequestState | None:
         req = self.requests.pop(request_id, None)
         if req is not None and req.sync_only:
             self._num_sync_only -= 1
@@ -635,10 +562,11 @@ class LLMEngine:
         if prompt_lp is not None:
             offset = 0
             for item in step.plan.scheduled:
-                if not item.seq.finished:  # (an aborted request's entries are not wanted)
-                    self._record_prompt_logprobs(item, offset, prompt_lp)
+                seq = item.seq  # (an aborted request's entries are not wanted)
+                if seq.params.prompt_logprobs is not None and not seq.finished:
+                    self.requests[seq.request_id].record_prompt_logprobs(item, offset, prompt_lp)
                 offset += item.num_tokens
-        touched: dict[str, _Request] = {}
+        touched: dict[str, RequestState] = {}
         new_tokens: dict[Sequence, list[int]] = {}
         for item, first in step.sampled:
             seq = item.seq
@@ -657,7 +585,7 @@ class LLMEngine:
             for seq in new_tokens:
                 if not seq.finished:
                     seq.spec_token_ids = self._propose(seq) if speculate else []
-        outputs = [self._output(req, new_tokens) for req in touched.values()]
+        outputs = [req.output(new_tokens) for req in touched.values()]
         for o in outputs:
             if o.finished:
                 self._forget(o.request_id)
@@ -674,7 +602,7 @@ class LLMEngine:
             self._stats.log(self.stats())
         return outputs
 
-    def _emit(self, req: _Request, item, out, first: int, end: int) -> list[int]:
+    def _emit(self, req: RequestState, item, out, first: int, end: int) -> list[int]:
         """Appends what the sampler rows [first, end) of a sequence give: its accepted
         drafts, then the token of the first row that rejected (or of the last row,
         the bonus after a fully accepted run), up to a stop condition. Finishes the
@@ -689,8 +617,8 @@ class LLMEngine:
             seq.append(token)
             appended.append(token)
             if seq.params.logprobs is not None:
-                self._record_logprobs(req, seq, out, i, token)
-            reason = self._check_stop(req, seq, token)
+                req.record_logprobs(seq, out, i, token)
+            reason = req.check_stop(seq, token, self.eos_token_ids, self.config.max_model_len)
             if req.matchers is not None and reason is None:
                 reason = self._advance_grammar(req.matchers[seq.index], seq, token)
             if reason is not None:
@@ -733,25 +661,6 @@ class LLMEngine:
             return []
         nxt = seq.prompt_token_ids[item.start + 1 : item.start + item.num_tokens + 1]
         return nxt + [-1] * (item.num_tokens - len(nxt))
-
-    def _record_prompt_logprobs(self, item, offset: int, prompt_lp) -> None:
-        seq = item.seq
-        if seq.params.prompt_logprobs is None or seq.index != 0:
-            return
-        req = self.requests[seq.request_id]
-        chosen, top_ids, top_lp = prompt_lp
-        k = seq.params.prompt_logprobs
-        # Entry i is for prompt token i, predicted at position i - 1; a recomputation
-        # after preemption finds its entries already there.
-        for pos in range(item.start, min(item.start + item.num_tokens, seq.num_prompt_tokens - 1)):
-            if len(req.prompt_logprobs) != pos + 1:
-                continue
-            row = offset + pos - item.start
-            entry = {
-                int(t): float(v) for t, v in zip(top_ids[row, :k], top_lp[row, :k], strict=True)
-            }
-            entry[seq.prompt_token_ids[pos + 1]] = float(chosen[row])
-            req.prompt_logprobs.append(entry)
 
     def _sample_row(
         self, seq: Sequence, draft: tuple[int, ...] = (), j: int = 0, prev_row: int = -1
@@ -806,7 +715,7 @@ class LLMEngine:
             logger.error("request %s: its grammar failed to compile: %s", req.request_id, error)
             for seq in req.seqs:
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
-            failed.append(self._output(req, {}))
+            failed.append(req.output({}))
             self._forget(req.request_id)
             self._stats.on_finish(aborted=True)
         return failed
@@ -836,80 +745,6 @@ class LLMEngine:
             )
             return "abort"
         return "stop" if matcher.terminated else None
-
-    def _record_logprobs(self, req: _Request, seq: Sequence, out, i: int, token: int) -> None:
-        k = seq.params.logprobs
-        entry = {
-            int(t): float(v)
-            for t, v in zip(out.top_ids[i, :k], out.top_logprobs[i, :k], strict=True)
-        }
-        entry[token] = float(out.logprobs[i])
-        req.logprobs[seq.index].append(entry)
-        req.cumulative_logprob[seq.index] += float(out.logprobs[i])
-
-    def _check_stop(self, req: _Request, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if len(seq.output_ids) >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                seq.stop_reason = token
-                return "stop"
-            if token in p.stop_token_ids:
-                seq.stop_reason = token
-                return "stop"
-        detok = req.detoks[seq.index]
-        if detok is not None:
-            # As vLLM: stop strings are not looked for before min_tokens is reached.
-            stop = detok.add(token, check_stop=len(seq.output_ids) >= p.min_tokens)
-            if stop is not None:
-                seq.stop_reason = stop
-                return "stop"
-        if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
-
-    def _output(self, req: _Request, new_tokens: dict[Sequence, list[int]]) -> RequestOutput:
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        completions = []
-        for seq in req.seqs:
-            detok = req.detoks[seq.index]
-            text = delta = ""
-            if detok is not None:
-                delta = detok.release(seq.finished)
-                text = detok.text[: detok.released]
-            tokens = new_tokens.get(seq, [])
-            if req.resumed and seq in new_tokens:
-                tokens = req.resumed.pop(seq.index, []) + tokens
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=text,
-                    token_ids=list(seq.output_ids),
-                    cumulative_logprob=(
-                        req.cumulative_logprob[seq.index]
-                        if seq.params.logprobs is not None
-                        else None
-                    ),
-                    logprobs=(
-                        list(req.logprobs[seq.index]) if seq.params.logprobs is not None else None
-                    ),
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    delta_text=delta,
-                    delta_token_ids=list(tokens),
-                )
-            )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=completions,
-            finished=req.finished,
-            num_cached_tokens=req.seqs[0].num_cached_tokens,
-            prompt_logprobs=(
-                list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None
-            ),
-        )
 
 
 __all__ = ["LLMEngine"]

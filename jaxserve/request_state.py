@@ -1,0 +1,185 @@
+"""A request's host-side state in the engine, and what is done with it after a step:
+record logprobs, check stop conditions, detokenize and build its `RequestOutput`.
+
+One `RequestState` per request (its `n` samples are `Sequence`s of the scheduler);
+the engine owns the map of them and calls these methods with each step's
+results. Nothing here touches the device or the scheduler.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+
+from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.request import ResumedSample, Sequence
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured import GrammarMatcher
+
+
+@dataclasses.dataclass(eq=False)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer | None]
+    logprobs: list[list[dict[int, float]]]
+    cumulative_logprob: list[float]
+    arrival_time: float
+    first_token_time: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(
+        default_factory=lambda: [None]  # the first prompt token has no prediction
+    )
+    grammar: concurrent.futures.Future | None = None  # structured output: its compile
+    matchers: list[GrammarMatcher] | None = None  # one per sample, once compiled
+    # Its steps need the previous step's tokens on the host (asynchronous scheduling
+    # runs synchronous steps while such a request is live).
+    sync_only: bool = False
+    # Disaggregated decode: resumed samples' tokens, sent with their first output.
+    resumed: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def resume(self, resume: list[ResumedSample]) -> None:
+        """Gives resumed samples their tokens so far, as if this engine had sampled them."""
+        by_index = {r.index: r for r in resume}
+        for seq in self.seqs:
+            r = by_index[seq.index]
+            detok = self.detoks[seq.index]
+            for j, token in enumerate(r.token_ids):
+                seq.append(token)
+                if detok is not None:
+                    detok.add(token, check_stop=False)  # the other instance checked them
+                if self.params.logprobs is not None:
+                    self.logprobs[seq.index].append(dict(r.logprobs[j]))
+                    self.cumulative_logprob[seq.index] += r.logprobs[j][token]
+            self.resumed[seq.index] = list(r.token_ids)
+
+    def record_prompt_logprobs(self, item, offset: int, prompt_lp) -> None:
+        """The prompt logprobs of a scheduled chunk (`item`) of the first sample, from
+        the step's rows starting at `offset`."""
+        seq = item.seq
+        if seq.params.prompt_logprobs is None or seq.index != 0:
+            return
+        chosen, top_ids, top_lp = prompt_lp
+        k = seq.params.prompt_logprobs
+        # Entry i is for prompt token i, predicted at position i - 1; a recomputation
+        # after preemption finds its entries already there.
+        for pos in range(item.start, min(item.start + item.num_tokens, seq.num_prompt_tokens - 1)):
+            if len(self.prompt_logprobs) != pos + 1:
+                continue
+            row = offset + pos - item.start
+            entry = {
+                int(t): float(v) for t, v in zip(top_ids[row, :k], top_lp[row, :k], strict=True)
+            }
+            entry[seq.prompt_token_ids[pos + 1]] = float(chosen[row])
+            self.prompt_logprobs.append(entry)
+
+    def record_logprobs(self, seq: Sequence, out, i: int, token: int) -> None:
+        """The logprobs of `token`, sampled in the step's row `i`."""
+        k = seq.params.logprobs
+        entry = {
+            int(t): float(v)
+            for t, v in zip(out.top_ids[i, :k], out.top_logprobs[i, :k], strict=True)
+        }
+        entry[token] = float(out.logprobs[i])
+        self.logprobs[seq.index].append(entry)
+        self.cumulative_logprob[seq.index] += float(out.logprobs[i])
+
+    def check_stop(
+        self, seq: Sequence, token: int, eos_token_ids: set[int], max_model_len: int
+    ) -> str | None:
+        """Detokenizes the sample's new token; its finish reason if it stops there."""
+        p = seq.params
+        if len(seq.output_ids) >= p.min_tokens:
+            if not p.ignore_eos and token in eos_token_ids:
+                seq.stop_reason = token
+                return "stop"
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+        detok = self.detoks[seq.index]
+        if detok is not None:
+            # As vLLM: stop strings are not looked for before min_tokens is reached.
+            stop = detok.add(token, check_stop=len(seq.output_ids) >= p.min_tokens)
+            if stop is not None:
+                seq.stop_reason = stop
+                return "stop"
+        if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def output(self, new_tokens: dict[Sequence, list[int]]) -> RequestOutput:
+        """The request's output after a step: every sample so far, and its delta."""
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        completions = []
+        for seq in self.seqs:
+            detok = self.detoks[seq.index]
+            text = delta = ""
+            if detok is not None:
+                delta = detok.release(seq.finished)
+                text = detok.text[: detok.released]
+            tokens = new_tokens.get(seq, [])
+            if self.resumed and seq in new_tokens:
+                tokens = self.resumed.pop(seq.index, []) + tokens
+            wants_logprobs = seq.params.logprobs is not None
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(seq.output_ids),
+                    cumulative_logprob=(
+                        self.cumulative_logprob[seq.index] if wants_logprobs else None
+                    ),
+                    logprobs=list(self.logprobs[seq.index]) if wants_logprobs else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    delta_text=delta,
+                    delta_token_ids=list(tokens),
+                )
+            )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=completions,
+            finished=self.finished,
+            num_cached_tokens=self.seqs[0].num_cached_tokens,
+            prompt_logprobs=(
+                list(self.prompt_logprobs) if self.params.prompt_logprobs is not None else None
+            ),
+        )
+
+
+def check_resume(
+    resume: list[ResumedSample], params: SamplingParams, max_tokens: int, vocab_size: int
+) -> list[int]:
+    """The resumed samples' indexes; ValueError naming the field if they are bad."""
+    indices = [r.index for r in resume]
+    if not resume or len(set(indices)) != len(indices) or not set(indices) <= set(range(params.n)):
+        raise ValueError(
+            f"resume.samples must name distinct samples of n={params.n}, got {indices}"
+        )
+    if params.structured_outputs is not None:
+        raise ValueError("resume: structured output cannot be resumed (its grammar state)")
+    for r in resume:
+        if not r.token_ids or not all(0 <= t < vocab_size for t in r.token_ids):
+            raise ValueError(
+                f"resume.samples[{r.index}].token_ids must be ids in [0, {vocab_size}), "
+                f"got {r.token_ids[:5]}"
+            )
+        if len(r.token_ids) >= max_tokens:
+            raise ValueError(
+                f"resume.samples[{r.index}] has {len(r.token_ids)} tokens; max_tokens "
+                f"is {max_tokens}: nothing is left to generate"
+            )
+        if params.logprobs is not None and len(r.logprobs or ()) != len(r.token_ids):
+            raise ValueError(f"resume.samples[{r.index}].logprobs must have one entry per token")
+    return sorted(indices)
