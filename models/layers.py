@@ -199,7 +199,8 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
 
 
 def int8_dot(x: jax.Array, q: jax.Array, scale: jax.Array, dimension_numbers) -> jax.Array:
-    """x [M, in] times int8 weights q (per-output-channel `scale`) -> float32 [M, out].
+    """x [M, in] times int8 weights q (per-output-channel `scale`) -> float32 [M, out];
+    `dimension_numbers` contract x's axis 1 with q's input axis (0, or 1 for [out, in]).
 
     On GPU and TPU the weights are converted to x's dtype inside the dot (XLA fuses
     the convert into the matmul: weight-only int8). XLA:CPU does not fuse it: it
@@ -237,11 +238,12 @@ class QuantizedLinear(nnx.Module):
         self.scale = nnx.Param(scale.astype(layer.kernel.dtype))
         self.bias = layer.bias
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = int8_dot(x, self.kernel[...], self.scale[...], (((x.ndim - 1,), (0,)), ((), ())))
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
+        rows = x.reshape(-1, x.shape[-1])  # int8_dot's per-row activation scales
+        y = int8_dot(rows, self.kernel[...], self.scale[...], (((1,), (0,)), ((), ())))
         if self.bias is not None:
             y = y + self.bias[...]
-        return y.astype(x.dtype)
+        return y.astype(x.dtype).reshape(*x.shape[:-1], -1)
 
 
 class QuantizedEmbed(nnx.Module):

@@ -77,6 +77,7 @@ AGREEMENT_BOUNDS = {  # name: (share of prompts, mean first differing token)
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(AGREEMENT_BOUNDS))
 def test_greedy_agreement_over_32_tokens(name):
     want, got = _greedy(), _greedy(**SETTINGS[name])
