@@ -9,6 +9,7 @@ sharded.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 import jax
@@ -46,6 +47,13 @@ def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
         )
     grid = np.asarray(devices[: data * model]).reshape(data, model)
     return Mesh(grid, ("data", "model"))
+
+
+def on_mesh(mesh: Mesh | None):
+    """The mesh as the steps' tracing context (`jax.set_mesh`), so that layers that
+    schedule their own collectives (attention's and the experts' shard_map) see it;
+    no mesh: nothing."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
 def engine_mesh(tensor_parallel_size: int, devices=None) -> Mesh | None:

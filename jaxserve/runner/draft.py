@@ -24,7 +24,6 @@ acceptance depends on it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -194,7 +193,7 @@ class DraftRunner:
             last[i], position[i], steps[i] = seq.token_ids[-1], seq.num_tokens - 1, n
             page_indices[i, : len(seq.pages)] = seq.pages
         inp = ProposeInput(last, position, steps, page_indices, np.array([len(wanted)], np.int32))
-        with self._on_mesh():
+        with parallel.on_mesh(self.mesh):
             out, self.kv_caches = self.propose_step(
                 self.model_def, self.weights, self.kv_caches, inp, self.k
             )
@@ -227,15 +226,11 @@ class DraftRunner:
                 seq_bucket=self.shapes.max_seqs,
                 num_rows=self.shapes.max_rows,
             )
-            with self._on_mesh():
+            with parallel.on_mesh(self.mesh):
                 _, _, self.kv_caches = self.programs.forward(
                     self.model_def, self.weights, self.kv_caches, StepInput.from_host(batch)
                 )
             todo = [seq for seq in todo if seq.draft_computed < seq.num_tokens - 1]
-
-    def _on_mesh(self):
-        """The mesh as the steps' tracing context (as `ModelRunner._on_mesh`)."""
-        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _check_compiles(self, before: int) -> None:
         if self.warmed_up and self.config.compile_guard and self.compiles.count != before:
@@ -246,10 +241,8 @@ class DraftRunner:
     def lower_all(self, abstract) -> list:
         """The draft's programs, lowered from abstract shapes (`abstract(tree)` turns
         numpy arrays into ShapeDtypeStructs): a forward per token bucket, the proposer."""
-        lowered = []
-        with self._on_mesh():
-            lowered += self._lower_all(abstract)
-        return lowered
+        with parallel.on_mesh(self.mesh):
+            return self._lower_all(abstract)
 
     def _lower_all(self, abstract) -> list:
         lowered = []

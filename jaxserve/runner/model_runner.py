@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import os
@@ -226,7 +225,7 @@ class ModelRunner:
     def _on_mesh(self):
         """The mesh as the tracing context of the steps, so layers that schedule their
         own collectives (expert parallelism's shard_map) see it; no mesh: nothing."""
-        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+        return parallel.on_mesh(self.mesh)
 
     def _forward(self, batch: HostBatch, prev_tokens: jax.Array | None = None):
         with self._on_mesh():
