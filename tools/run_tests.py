@@ -1,12 +1,14 @@
-"""Runs the test suite as README.md gives it: one pytest process per test folder.
+"""Runs the test suite as README.md gives it: pytest processes of at most
+FILES_PER_PROCESS test files each, folder by folder.
 
-Each folder (jaxserve_tests, models_tests, pallas_kernels_tests, server_tests)
-runs in a fresh process, so what one leaves behind (compiled programs, engines,
-threads, native libraries' state) cannot bring down another: in one process of
-~1000 tests, runs have died in XLA late in the server tests (a segfault or abort
-inside compilation), which separate processes avoid while it is investigated.
-Extra arguments go to every pytest (e.g. `-m "not slow"`, `-x`). Exits non-zero
-if any folder fails or runs no test.
+Each group of files (of jaxserve_tests, models_tests, pallas_kernels_tests,
+server_tests) runs in a fresh process, so what one leaves behind (compiled
+programs, engines, threads, native libraries' state) cannot bring down another:
+long single processes have died inside XLA (a segfault or abort in compilation,
+~60% into a 750-test folder, with every file passing alone), which fresh
+processes avoid while it is investigated. Extra arguments go to every pytest
+(e.g. `-m "not slow"`, `-x`). Exits non-zero if any group fails (a crash
+included) or a folder runs no test.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import subprocess
 import sys
 
 TESTS = pathlib.Path(__file__).resolve().parents[1] / "tests"
+FILES_PER_PROCESS = 12
+NO_TESTS = 5  # pytest's exit code when nothing ran (e.g. all deselected)
 
 
 def main(argv: list[str]) -> int:
@@ -24,20 +28,27 @@ def main(argv: list[str]) -> int:
     totals: dict[str, int] = {}
     failed = []
     for folder in folders:
-        print(f"\n=== {folder.relative_to(TESTS.parent)}", flush=True)
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", str(folder), *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        sys.stdout.write(proc.stdout)
-        sys.stdout.flush()
-        last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-        for count, what in re.findall(r"(\d+) (passed|failed|errors?|skipped)", last):
-            totals[what] = totals.get(what, 0) + int(count)
-        if proc.returncode != 0:  # 5 (no tests ran) included
-            failed.append(f"{folder.name} (exit {proc.returncode})")
+        files = sorted(str(p) for p in folder.glob("test_*.py"))
+        groups = [files[i : i + FILES_PER_PROCESS] for i in range(0, len(files), FILES_PER_PROCESS)]
+        codes = []
+        for group in groups:
+            print(f"\n=== {folder.relative_to(TESTS.parent)}: {len(group)} files", flush=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "pytest", *group, *argv],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            sys.stdout.write(proc.stdout)
+            sys.stdout.flush()
+            last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+            for count, what in re.findall(r"(\d+) (passed|failed|errors?|skipped)", last):
+                totals[what] = totals.get(what, 0) + int(count)
+            if proc.returncode < 0:
+                print(f"\n!!! pytest died of signal {-proc.returncode}", flush=True)
+            codes.append(proc.returncode)
+        if any(c not in (0, NO_TESTS) for c in codes) or all(c == NO_TESTS for c in codes):
+            failed.append(f"{folder.name} (exit codes {codes})")
     summary = ", ".join(f"{totals.get(k, 0)} {k}" for k in ("passed", "failed"))
     print(f"\n{summary}" + (f"; failing: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
