@@ -136,6 +136,15 @@ def kv_cache_sharding(mesh: Mesh, num_kv_heads: int, rules=DEFAULT_RULES) -> Nam
     return NamedSharding(mesh, PartitionSpec(None, None, axis, None))
 
 
+def kv_cache_shardings(mesh: Mesh, num_kv_heads: int, kv_dtype: str) -> NamedSharding | QuantizedKV:
+    """`kv_cache_sharding`, and for a quantized `kv_dtype` a QuantizedKV of shardings:
+    the [P, S, 2K] scales split as the pages' heads."""
+    sharding = kv_cache_sharding(mesh, num_kv_heads)
+    if kv_dtype not in quantization.QUANTIZED_DTYPES:
+        return sharding
+    return QuantizedKV(sharding, NamedSharding(mesh, PartitionSpec(*sharding.spec[:3])))
+
+
 def zeros_kv(
     mesh: Mesh | None, num_layers: int, shape: tuple[int, ...], kv_dtype: str, num_kv_heads: int
 ) -> list[jax.Array | QuantizedKV]:
@@ -145,8 +154,6 @@ def zeros_kv(
     device first."""
     if mesh is None:  # uncommitted, like the weights on one device (see StepPrograms)
         return [quantization.zeros_kv(shape, kv_dtype) for _ in range(num_layers)]
-    sharding = kv_cache_sharding(mesh, num_kv_heads)
-    if kv_dtype in quantization.QUANTIZED_DTYPES:
-        sharding = QuantizedKV(sharding, NamedSharding(mesh, PartitionSpec(*sharding.spec[:3])))
+    sharding = kv_cache_shardings(mesh, num_kv_heads, kv_dtype)
     zeros = jax.jit(lambda: quantization.zeros_kv(shape, kv_dtype), out_shardings=sharding)
     return [zeros() for _ in range(num_layers)]

@@ -8,8 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractDevice, AbstractMesh
 from test_reference import make_case
 
 from pallas_kernels import ragged_paged_attention as ref
@@ -196,7 +195,7 @@ def lower_engine_step(
     from jaxserve.checkpoint import abstract_model
     from jaxserve.runner.input_batch import SeqWork, build_batch
     from jaxserve.runner.step import ModelDef, StepInput, forward
-    from pallas_kernels.quantization import QuantizedKV, zeros_kv
+    from pallas_kernels.quantization import zeros_kv
 
     model_def, weights = ModelDef.split(
         abstract_model(
@@ -223,10 +222,7 @@ def lower_engine_step(
             jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=s)
             for w, s in zip(weights, shardings, strict=True)
         ]
-        shardings = parallel.kv_cache_sharding(mesh, config.num_kv_heads)
-        if isinstance(kv[0], QuantizedKV):
-            scales = NamedSharding(mesh, P(*shardings.spec[:3]))
-            shardings = QuantizedKV(shardings, scales)
+        shardings = parallel.kv_cache_shardings(mesh, config.num_kv_heads, kv_dtype)
         kv = [
             jax.tree.map(
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), kv[0], shardings
