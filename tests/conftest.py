@@ -37,14 +37,11 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(autouse=True, scope="session")
 def _no_persistent_compilation_cache():
-    """In-process tests do not use JAX's persistent compilation cache.
-
-    Some tests compile in two threads at once (an in-process server's engine thread,
-    warm-up off, beside an offline `LLM` in the test's own thread); with the cache on,
-    the process died twice in a full run (a segfault in XLA serializing an executable
-    into the cache, once reading one back). A server compiles everything before it
-    serves, so it never does both at once. `test_compilation_cache.py` tests the cache
-    in subprocesses.
+    """In-process tests do not use JAX's persistent compilation cache: they would
+    write thousands of test-shaped programs into the user's cache directory.
+    (The crashes once blamed on it, in XLA serializing an executable, were the
+    process running out of memory mappings: see `_release_compiled_programs`.)
+    `test_compilation_cache.py` tests the cache in subprocesses.
     """
     from jaxserve.llm import LLM
 
@@ -53,3 +50,25 @@ def _no_persistent_compilation_cache():
     defaults["compilation_cache_dir"] = None
     yield
     defaults["compilation_cache_dir"] = saved
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops every compiled program after each test module.
+
+    Each XLA:CPU executable holds a few memory mappings of its machine code until its
+    jit cache entry goes; a test process that compiles thousands of programs (every
+    test builds engines of its own shapes) reached the kernel's limit of 65,530
+    mappings per process (`vm.max_map_count`), and LLVM then failed to map the next
+    program ("LLVM compilation error: Cannot allocate memory") and XLA crashed (the
+    segfaults and aborts of long test runs; one group of 12 files reached 26,564
+    mappings in one module, and ~1,100 remain after clearing). A server compiles a
+    fixed set of programs once, so it never grows like this.
+    """
+    yield
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
