@@ -107,6 +107,7 @@ class LLMEngine:
             seed=config.seed,
             spec_max_batch=spec.disable_by_batch_size if spec else 0,
             tier=self.tier,
+            token_buckets=self.runner.shapes.token_buckets,
         )
         self.proposer = self.drafter = None
         if spec is not None and spec.method == "ngram":

@@ -98,9 +98,13 @@ class Scheduler:
         seed: int = 0,
         spec_max_batch: int = 0,
         tier: KVTier | None = None,
+        token_buckets: tuple[int, ...] = (),
     ):
         self.pool = pool
         self.tier = tier
+        # The step programs' token counts (the runner pads a step to the next one): a
+        # step is fitted to them by `_fit_to_bucket`; empty: steps are not fitted.
+        self.token_buckets = tuple(sorted(token_buckets))
         self.spec_max_batch = spec_max_batch  # speculate only up to this many running
         self.page_size = page_size
         self.max_num_seqs = config.max_num_seqs
@@ -174,7 +178,37 @@ class Scheduler:
         loads: list[tuple[int, Page]] = []
         if not preempted:
             budget = self._admit(budget, scheduled, loads)
-        return SchedulerOutput(scheduled, preempted, loads)
+        return SchedulerOutput(self._fit_to_bucket(scheduled), preempted, loads)
+
+    def _fit_to_bucket(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Shortens prefill chunks so the step fills the token bucket below it, when
+        the padding up to the bucket above would be larger than the tokens deferred.
+
+        The runner pads a step to the next token bucket (powers of two), and a padded
+        token costs what a real one does: 300 tokens run as 512 (a decode batch plus
+        one new prompt typically lands just past a power of two). Cut to 256, the 44
+        deferred prompt tokens ride along with the next step's decodes instead. Only
+        prefill chunks shrink, from the last one back, each to at least one token
+        (its pages stay allocated for the rest); decodes and drafts never do. So a
+        step that has prompt tokens to spare fills at least 3/4 of its bucket.
+        """
+        total = sum(s.num_tokens for s in scheduled)
+        above = next((b for b in self.token_buckets if b >= total), None)
+        below = max((b for b in self.token_buckets if b < total), default=None)
+        if above is None or below is None or above - total <= total - below:
+            return scheduled
+        excess = total - below
+        fitted = list(scheduled)
+        for j in range(len(fitted) - 1, -1, -1):
+            item = fitted[j]
+            if item.draft or item.num_tokens <= 1:
+                continue
+            cut = min(excess, item.num_tokens - 1)
+            fitted[j] = ScheduledSeq(item.seq, item.start, item.num_tokens - cut)
+            excess -= cut
+            if excess == 0:
+                return fitted
+        return scheduled  # not enough prefill to cut: keep the step as planned
 
     def _admit(
         self, budget: int, scheduled: list[ScheduledSeq], loads: list[tuple[int, Page]]

@@ -127,6 +127,49 @@ def test_decodes_keep_flowing_during_a_long_prefill():
         assert len(engine.requests["short"].seqs[0].output_ids) == plan_before + 1
 
 
+def test_a_step_just_past_a_token_bucket_defers_prompt_tokens_to_fit_the_one_below():
+    """3 decodes + a 30-token prompt are 33 tokens: padded to the 64 bucket, 31 padding
+    rows would cost more than deferring one prompt token; the step runs 32."""
+    engine = make_engine(budget=64, max_num_seqs=8)  # token buckets 16, 32, 64
+    plans = []
+    original = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(original()) or plans[-1]
+    reqs = {f"d{i}": ([i + 1] * 3, params(6), {}) for i in range(3)}
+    for rid, (prompt, sp, _) in reqs.items():
+        engine.add_request(rid, prompt, sp)
+    engine.step()  # the three short prompts
+    reqs["long"] = (list(range(100, 130)), params(4), {})
+    engine.add_request("long", *reqs["long"][:2])
+    engine.step()
+    step = plans[-1].scheduled
+    assert [s.num_tokens for s in step] == [1, 1, 1, 29]  # decodes whole, the prompt cut
+    assert not step[-1].samples
+    done = run(engine, {})  # to the end: exact tokens, every page back
+    assert done["long"].outputs[0].token_ids == expected_tokens(reqs["long"][0], 4, VOCAB)
+
+
+def test_steps_fill_at_least_three_quarters_of_their_token_bucket():
+    """Over a random workload, every step that has a prompt chunk to shorten fills at
+    least 3/4 of the bucket it is padded to, and the outputs stay exact."""
+    rs = random.Random(7)
+    reqs = random_requests(rs, 40, max_prompt=90, max_new=10)
+    engine = make_engine(budget=128, max_num_seqs=8, num_pages=256)  # buckets 16 .. 128
+    buckets = engine.runner.shapes.token_buckets
+    original = engine.scheduler.schedule
+
+    def checked():
+        plan = original()
+        total = plan.num_tokens
+        bucket = next(b for b in buckets if b >= total)
+        shortenable = sum(s.num_tokens - 1 for s in plan.scheduled if not s.draft)
+        if total > buckets[0] and shortenable >= total - max(b for b in buckets if b < total):
+            assert total >= 0.75 * bucket, [s.num_tokens for s in plan.scheduled]
+        return plan
+
+    engine.scheduler.schedule = checked
+    assert_exact(run(engine, reqs), reqs)
+
+
 def test_prefix_cache_hits_are_reported_and_capped():
     engine = make_engine(page_size=4)
     prompt = list(range(1, 14))  # 3 full pages + 1 token
