@@ -20,6 +20,8 @@ from flax import nnx
 from jax import lax
 
 from models.config import RopeConfig
+from pallas_kernels.cpu import library as cpu_library
+from pallas_kernels.cpu import matmul as cpu_matmul
 from pallas_kernels.quantization import quantize
 
 INIT = nnx.initializers.normal(0.02)
@@ -202,30 +204,26 @@ def int8_dot(x: jax.Array, q: jax.Array, scale: jax.Array, dimension_numbers) ->
     """x [M, in] times int8 weights q (per-output-channel `scale`) -> float32 [M, out];
     `dimension_numbers` contract x's axis 1 with q's input axis (0, or 1 for [out, in]).
 
-    On GPU and TPU the weights are converted to x's dtype inside the dot (XLA fuses
-    the convert into the matmul: weight-only int8). XLA:CPU does not fuse it: it
-    materialises the converted weights (slower than float32), and a float x int8
-    dot converts too. So on the CPU the activations are quantized as well, per
-    row (dynamic, symmetric): an int8 x int8 dot accumulating in int32, which
-    XLA:CPU runs several times faster than a converted dot, and faster than a
-    float32 one from two rows up; a one-row dot is padded to two (its one-row
-    path is slow). Both scales apply to the int32 result.
+    Weight-only: the activations stay in floating point and the weights are converted
+    as they are used. On GPU and TPU XLA fuses that convert into the matmul. XLA:CPU
+    does not: it writes a float32 copy of the weights before the dot (four times the
+    bytes of the int8 weights, every step). So on the CPU a step of a few rows (a
+    decode step) calls the C++ kernel of `pallas_kernels.cpu.matmul`, which reads
+    each int8 weight once for all rows, when it is loaded (`library.load`, done by the
+    model runner); more rows (a prefill chunk), or no kernel, take XLA's dot of the
+    converted weights, whose cost the rows amortise.
     """
+    layout = "kn" if dimension_numbers[0][1] == (0,) else "nk"
 
     def weight_only(x):
-        return dot_f32(x, q.astype(x.dtype), dimension_numbers)
+        return dot_f32(x, q.astype(x.dtype), dimension_numbers) * scale.astype(jnp.float32)
 
-    def w8a8(x):
-        pad = x.shape[0] == 1
-        if pad:
-            x = jnp.pad(x, ((0, 1), (0, 0)))
-        xq, xs = quantize(x, jnp.int8, axis=1)
-        acc = lax.dot_general(xq, q, dimension_numbers, preferred_element_type=jnp.int32)
-        out = acc.astype(jnp.float32) * xs[:, None]
-        return out[:1] if pad else out
+    def cpu(x):
+        if x.shape[0] <= cpu_matmul.MAX_ROWS and cpu_library.is_loaded():
+            return cpu_matmul.matmul(x, q, scale, layout)
+        return cpu_matmul.matmul_reference(x, q, scale, layout)
 
-    out = lax.platform_dependent(x, cpu=w8a8, default=weight_only)
-    return out * scale.astype(jnp.float32)
+    return lax.platform_dependent(x, cpu=cpu, default=weight_only)
 
 
 class QuantizedLinear(nnx.Module):

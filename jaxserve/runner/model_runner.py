@@ -6,6 +6,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -32,8 +33,13 @@ from jaxserve.runner.input_batch import (
 from jaxserve.runner.sampler import SamplerOutput
 from jaxserve.runner.step import ModelDef, StepInput, StepPrograms
 from pallas_kernels.backends import check_kv_dtype
+from pallas_kernels.cpu import library as cpu_library
 
 logger = logging.getLogger(__name__)
+
+# Where the CPU kernels are built (keyed by source, jaxlib and CPU; rebuilt in ~5 s
+# if the directory is cleared).
+KERNEL_CACHE_DIR = os.path.join(tempfile.gettempdir(), "jaxserve-kernels")
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -104,6 +110,10 @@ class ModelRunner:
                 "fast one",
                 config.dtype,
             )
+        if config.quantization and jax.default_backend() == "cpu":
+            # int8 decode steps read their weights through the C++ kernel (built once
+            # per machine); without it they run XLA's slower formulation.
+            cpu_library.load(KERNEL_CACHE_DIR)
         model = load_model(
             config.model_dir,
             config.model,

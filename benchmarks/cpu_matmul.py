@@ -1,0 +1,121 @@
+"""The CPU matmul kernels for few rows against XLA, on a decode step's weights.
+
+    python benchmarks/cpu_matmul.py [--rows=1,2,4,8,16,32] [--dtypes=float32,bfloat16,int8]
+
+For Qwen2.5-0.5B's shapes (24 layers of q/k/v fused 896 x 1152, o 896 x 896, gate
+and up 896 x 4864, down 4864 x 896; the tied LM head 151,936 x 896), one jitted
+function runs the 24 layers' matmuls in sequence (with the RMSNorms and the SiLU
+between them, so nothing is hoisted), another the LM head; each is timed through
+the C++ kernel (`pallas_kernels.cpu.matmul`) and through XLA's dot (int8: of the
+converted weights, XLA:CPU's weight-only formulation; bfloat16: XLA's bf16 dot with
+a float32 result, what `models.layers.dot_f32` does). Medians of `--repeats`
+calls, ms; and the weight bytes each reads, in GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.layers import dot_f32
+from pallas_kernels.cpu import library
+from pallas_kernels.cpu import matmul as cpu
+
+D, F, L, V = 896, 4864, 24, 151936
+SHAPES = [(D, 1152), (D, D), (D, F), (D, F), (F, D)]
+
+
+def weights(dtype: str, rs):
+    def one(shape):
+        if dtype == "int8":
+            q = jnp.asarray(rs.randint(-127, 128, shape).astype(np.int8))
+            return q, jnp.asarray(rs.rand(shape[-1] if len(shape) else 1).astype(np.float32) * 1e-3)
+        return jnp.asarray(rs.randn(*shape).astype(np.float32) * 0.02).astype(dtype), None
+
+    layers = [one(s) for _ in range(L) for s in SHAPES]
+    head = one((V, D))
+    if dtype == "int8":  # the head's scale is per vocabulary row
+        head = (head[0], jnp.asarray(rs.rand(V).astype(np.float32) * 1e-3))
+    return layers, head
+
+
+def xla_mm(x, w, scale, layout):
+    if w.dtype == jnp.int8:
+        return cpu.matmul_reference(x, w, scale, layout)
+    dims = (((1,), (0 if layout == "kn" else 1,)), ((), ()))
+    return dot_f32(x.astype(w.dtype), w, dims)
+
+
+def chain(mm):
+    def f(layers, x):
+        for i in range(L):
+            (qkv, sq), (o, so), (g, sg), (u, su), (d, sd) = layers[5 * i : 5 * i + 5]
+            h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+            x = x + mm(mm(h, qkv, sq, "kn")[:, :D], o, so, "kn")
+            h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+            x = x + mm(jax.nn.silu(mm(h, g, sg, "kn")) * mm(h, u, su, "kn"), d, sd, "kn")
+        return x
+
+    return jax.jit(f)
+
+
+def timed(mm, layers, head, x, repeats: int) -> tuple[float, float]:
+    """ms of the 24 layers' matmuls and of the LM head, through `mm`."""
+    layer_chain = chain(mm)
+    lm_head = jax.jit(lambda x: mm(x, head[0], head[1], "nk"))
+    return (
+        median_ms(lambda: layer_chain(layers, x).block_until_ready(), repeats),
+        median_ms(lambda: lm_head(x).block_until_ready(), repeats),
+    )
+
+
+def median_ms(f, repeats: int) -> float:
+    f()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1e3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="1,2,4,8,16,32")
+    ap.add_argument("--dtypes", default="float32,bfloat16,int8")
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    assert library.load(tempfile.mkdtemp()), "the CPU kernels did not build"
+    rs = np.random.RandomState(0)
+    results = []
+    for dtype in args.dtypes.split(","):
+        layers, head = weights(dtype, rs)
+        layer_bytes = sum(w.nbytes for w, _ in layers)
+        head_bytes = head[0].nbytes
+        for rows in map(int, args.rows.split(",")):
+            x = jnp.asarray(rs.randn(rows, D).astype(np.float32) * 0.1)
+            row = dict(dtype=dtype, rows=rows)
+            for name, mm in (("kernel", cpu.matmul), ("xla", xla_mm)):
+                row[f"{name}_layers_ms"], row[f"{name}_head_ms"] = timed(
+                    mm, layers, head, x, args.repeats
+                )
+            row["kernel_layers_GBps"] = layer_bytes / row["kernel_layers_ms"] / 1e6
+            row["kernel_head_GBps"] = head_bytes / row["kernel_head_ms"] / 1e6
+            results.append(row)
+            print(
+                f"{dtype:9s} rows {rows:3d}: layers kernel {row['kernel_layers_ms']:7.1f} ms "
+                f"({row['kernel_layers_GBps']:.1f} GB/s) xla {row['xla_layers_ms']:7.1f} | "
+                f"LM head kernel {row['kernel_head_ms']:6.1f} ms xla {row['xla_head_ms']:6.1f}",
+                flush=True,
+            )
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
