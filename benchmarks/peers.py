@@ -32,7 +32,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from jaxserve.bench.workloads import BenchRequest, random_workload  # noqa: E402
+from jaxserve.bench.workloads import BenchRequest, random_workload
 
 WORKLOADS = {
     # prompts 32-512 (272 +- 240), outputs 16-256 (136 +- 120): one range ratio for both
@@ -64,7 +64,9 @@ def run_jaxserve(args, reqs: list[BenchRequest]):
         **json.loads(args.engine_args),
     )
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs
+    ]
 
     def once():
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -310,6 +310,14 @@ class EngineConfig:
                 f"quantization must be one of {QUANTIZATION_METHODS} or None, "
                 f"got {self.quantization!r}"
             )
+        stored = self.model.quantization
+        if stored is not None:  # the checkpoint holds quantized weights: that is the model
+            if self.quantization not in (None, stored):
+                raise ValueError(
+                    f"quantization={self.quantization!r}, but {self.model_dir!r} stores its "
+                    f"weights quantized as {stored!r}"
+                )
+            object.__setattr__(self, "quantization", stored)
         if self.max_logit_bias <= 0:
             raise ValueError(f"max_logit_bias must be positive, got {self.max_logit_bias}")
         if self.cache.offload and not self.scheduler.enable_prefix_caching:

@@ -148,6 +148,9 @@ class ModelConfig:
     # The rope of sliding-window layers where it differs from `rope` (Gemma 3).
     local_rope: RopeConfig | None = None
     moe: MoeConfig | None = None
+    # Weights stored quantized ("int8": an orbax directory `jaxserve convert
+    # --quantization=int8` wrote); None: stored in floating point.
+    quantization: str | None = None
 
     def __post_init__(self):
         for name in (
@@ -255,6 +258,7 @@ class ModelConfig:
             attn_logit_softcap=hf.get("attn_logit_softcapping"),
             final_logit_softcap=hf.get("final_logit_softcapping"),
             moe=_moe(hf, num_layers),
+            quantization=_stored_quantization(hf),
         )
 
     @classmethod
@@ -273,6 +277,27 @@ class ModelConfig:
             if eos is not None:
                 hf = {**hf, "eos_token_id": eos}
         return cls.from_hf(hf)
+
+
+# `quantization_config.quant_method` of checkpoints whose weights jaxserve stored
+# quantized (`jaxserve convert --quantization`) -> the quantization they hold.
+STORED_QUANTIZATIONS = {"jaxserve_int8": "int8"}
+
+
+def _stored_quantization(hf: dict[str, Any]) -> str | None:
+    """The quantization the checkpoint's weights are stored in, from config.json's
+    `quantization_config`; other methods' pre-quantized checkpoints are refused."""
+    qc = hf.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method not in STORED_QUANTIZATIONS:
+        raise ValueError(
+            f"config.json's quantization_config.quant_method {method!r} is not supported: "
+            "jaxserve loads unquantized checkpoints and quantizes them itself "
+            "(quantization='int8'), or reads its own (jaxserve convert --quantization=int8)"
+        )
+    return STORED_QUANTIZATIONS[method]
 
 
 # HF config-class defaults that a config.json may omit, by architecture: Gemma 3's

@@ -27,7 +27,8 @@ def load_model(
     placed with its sharding on `mesh`: from an orbax model directory if `jaxserve
     convert` wrote one, else from the Hugging Face safetensors files.
     `quantization="int8"` quantizes the loaded weights
-    (`models.layers.quantize_weights`)."""
+    (`models.layers.quantize_weights`), unless the directory stores them quantized
+    (`config.quantization`: an orbax directory written with `--quantization`)."""
     if quantization is not None and mesh is not None:
         raise ValueError(
             f"quantization={quantization!r} with a device mesh (tensor_parallel_size > 1) is "
@@ -35,4 +36,6 @@ def load_model(
         )
     load = restore if is_orbax_dir(model_dir) else load_hf_model
     model = load(model_dir, config, dtype=dtype, attention_backend=attention_backend, mesh=mesh)
-    return quantize_weights(model, quantization) if quantization else model
+    if quantization and config.quantization is None:  # else stored quantized already
+        model = quantize_weights(model, quantization)
+    return model

@@ -155,3 +155,13 @@ def test_qwen2_moe_shared_expert():
         )
     )
     assert c.moe.shared_expert_intermediate_size == 5632 and c.moe.sparse_layers == (True,) * 6
+
+
+def test_stored_quantization_is_read_and_other_methods_are_refused():
+    llama = dict(BASE, architectures=["LlamaForCausalLM"])
+    assert ModelConfig.from_hf(llama).quantization is None
+    stored = dict(llama, quantization_config={"quant_method": "jaxserve_int8"})
+    assert ModelConfig.from_hf(stored).quantization == "int8"
+    gptq = dict(llama, quantization_config={"quant_method": "gptq", "bits": 4})
+    with pytest.raises(ValueError, match="quant_method 'gptq' is not supported"):
+        ModelConfig.from_hf(gptq)
