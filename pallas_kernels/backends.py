@@ -3,11 +3,13 @@
 Every backend has the same two functions with the reference's signatures, so the
 engine switches backend by configuration alone:
 
-  reference              pure jnp, compiled by XLA: the CPU default
+  reference              pure jnp, compiled by XLA
+  cpu                    the C++ kernel through the XLA FFI (`pallas_kernels.cpu`): the
+                         CPU default; the reference where the kernel is not built
   pallas_tpu             the Mosaic kernels (TPU)
   pallas_gpu             the Triton kernels (GPU)
   pallas_*_interpret     the same kernels run by the Pallas interpreter (any device)
-  auto                   pallas_tpu on TPU, pallas_gpu on GPU, else reference
+  auto                   pallas_tpu on TPU, pallas_gpu on GPU, cpu on the CPU
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels import ragged_paged_attention as reference
 from pallas_kernels import ragged_paged_attention_gpu as gpu
 from pallas_kernels import ragged_paged_attention_tpu as tpu
+from pallas_kernels.cpu import attention as cpu_attention
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.quantization import QuantizedKV, quantize_kv
 
@@ -99,6 +102,14 @@ class AttentionBackend:
         return out, kv_cache if scales is None else QuantizedKV(kv_cache, scales)
 
 
+def _cpu_attention(queries, kv_cache, *args, **kwargs):
+    """The C++ kernel where it is loaded and takes these inputs, else the reference
+    (decided when the step is traced)."""
+    if cpu_attention.supports(queries, kv_cache):
+        return cpu_attention.ragged_paged_attention(queries, kv_cache, *args, **kwargs)
+    return reference.ragged_paged_attention_jit(queries, kv_cache, *args, **kwargs)
+
+
 def _tpu_attention(queries, kv_cache, *args, interpret=False, **kwargs):
     """The TPU kernel with block sizes for the device it is traced for."""
     kind = jax.devices()[0].device_kind if jax.default_backend() == "tpu" else "TPU v5 lite"
@@ -124,6 +135,7 @@ BACKENDS = {
     "reference": AttentionBackend(
         "reference", reference.write_kv, reference.ragged_paged_attention_jit
     ),
+    "cpu": AttentionBackend("cpu", reference.write_kv, _cpu_attention),
     "pallas_tpu": AttentionBackend("pallas_tpu", tpu.write_kv, _tpu_attention),
     "pallas_gpu": AttentionBackend("pallas_gpu", gpu.write_kv, _gpu_attention),
     "pallas_tpu_interpret": AttentionBackend(
@@ -138,7 +150,7 @@ BACKENDS = {
     ),
 }
 
-_BY_PLATFORM = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
+_BY_PLATFORM = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "cpu": "cpu"}
 
 
 def resolve_backend_name(name: str, platform: str | None = None) -> str:

@@ -110,9 +110,9 @@ class ModelRunner:
                 "fast one",
                 config.dtype,
             )
-        if config.quantization and jax.default_backend() == "cpu":
-            # int8 decode steps read their weights through the C++ kernel (built once
-            # per machine); without it they run XLA's slower formulation.
+        if jax.default_backend() == "cpu":
+            # The CPU attention backend and int8 decode steps call C++ kernels (built
+            # once per machine); without them they run XLA's slower formulations.
             cpu_library.load(KERNEL_CACHE_DIR)
         model = load_model(
             config.model_dir,

@@ -26,11 +26,18 @@ import jax
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("matmul.cc",)
+SOURCES = ("matmul.cc", "attention.cc")  # one library (with the headers beside them)
 TARGETS = {  # FFI target name -> the handler symbol in the library
-    f"jaxserve_matmul_{layout}_{dtype}": f"JaxserveMatmul{layout.title()}{dtype.title()}"
-    for layout in ("kn", "nk")
-    for dtype in ("s8", "f32", "bf16")
+    **{
+        f"jaxserve_matmul_{layout}_{dtype}": f"JaxserveMatmul{layout.title()}{dtype.title()}"
+        for layout in ("kn", "nk")
+        for dtype in ("s8", "f32", "bf16")
+    },
+    "jaxserve_attention_f32": "JaxserveAttentionF32",
+    "jaxserve_attention_bf16": "JaxserveAttentionBf16",
+    "jaxserve_attention_s8": "JaxserveAttentionS8",
+    "jaxserve_attention_f8e4m3fn": "JaxserveAttentionF8e4m3fn",
+    "jaxserve_attention_f8e5m2": "JaxserveAttentionF8e5m2",
 }
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
@@ -56,9 +63,10 @@ def library_path(cache_dir: str) -> str:
     """Where the library for these sources, this jaxlib and this CPU is built."""
     h = hashlib.sha256()
     here = os.path.dirname(__file__)
-    for name in SOURCES:
-        with open(os.path.join(here, name), "rb") as f:
-            h.update(f.read())
+    for name in sorted(os.listdir(here)):
+        if name.endswith((".cc", ".h")):
+            with open(os.path.join(here, name), "rb") as f:
+                h.update(name.encode() + f.read())
     h.update(" ".join(FLAGS).encode())
     h.update(jax.__version__.encode())
     h.update(_cpu_flags().encode())

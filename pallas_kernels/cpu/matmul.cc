@@ -18,137 +18,17 @@
 // all M rows. They are for small M (the caller switches to XLA's GEMM for many rows,
 // which is tiled for them and, with them, compute-bound).
 //
-// Threads: the work is split into chunks of output columns, claimed from an
-// atomic counter by the calling thread and by tasks on XLA's intra-op thread pool.
-// The calling thread works too and waits only for chunks other threads have
-// claimed, so a busy pool delays the call but cannot deadlock it; tasks that start
-// after the last chunk is claimed find nothing to do (their state is shared, not on
-// the caller's stack).
-//
-// Vector width follows the compiler's target (built with -march=native): AVX-512
-// (16 floats), AVX2 + FMA (8), or scalar.
+// Threads: chunks of output columns (`ParallelFor`, simd.h). Vector width follows
+// the compiler's target (built with -march=native): AVX-512 (16 floats), AVX2 + FMA
+// (8), or scalar.
 
-#include <immintrin.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <thread>
-
-#include "xla/ffi/api/ffi.h"
+#include "simd.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512F__)
-struct Vec {
-  using F = __m512;
-  static constexpr int kWidth = 16;
-  static constexpr int kRows = 4;     // m-tile: rows of x per pass (accumulator rows)
-  static constexpr int kColVecs = 4;  // kn: vectors of columns per block (64 columns)
-  static F Zero() { return _mm512_setzero_ps(); }
-  static F Set1(float a) { return _mm512_set1_ps(a); }
-  static F Load(const float* p) { return _mm512_loadu_ps(p); }
-  static F LoadI8(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
-  static F LoadBf16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  }
-  static F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F Mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static void Store(float* p, F a) { _mm512_storeu_ps(p, a); }
-  static float Sum(F a) { return _mm512_reduce_add_ps(a); }
-};
-#elif defined(__AVX2__) && defined(__FMA__)
-struct Vec {
-  using F = __m256;
-  static constexpr int kWidth = 8;
-  static constexpr int kRows = 2;
-  static constexpr int kColVecs = 4;  // 32 columns
-  static F Zero() { return _mm256_setzero_ps(); }
-  static F Set1(float a) { return _mm256_set1_ps(a); }
-  static F Load(const float* p) { return _mm256_loadu_ps(p); }
-  static F LoadI8(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
-  static F LoadBf16(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-  }
-  static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static void Store(float* p, F a) { _mm256_storeu_ps(p, a); }
-  static float Sum(F a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
-};
-#else
-struct Vec {
-  using F = float;
-  static constexpr int kWidth = 1;
-  static constexpr int kRows = 2;
-  static constexpr int kColVecs = 4;
-  static F Zero() { return 0.0f; }
-  static F Set1(float a) { return a; }
-  static F Load(const float* p) { return *p; }
-  static F LoadI8(const int8_t* p) { return static_cast<float>(*p); }
-  static F LoadBf16(const uint16_t* p) {
-    uint32_t bits = static_cast<uint32_t>(*p) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }
-  static F Fma(F a, F b, F c) { return a * b + c; }
-  static F Mul(F a, F b) { return a * b; }
-  static void Store(float* p, F a) { *p = a; }
-  static float Sum(F a) { return a; }
-};
-#endif
-
-constexpr int kW = Vec::kWidth;
-using bf16_t = uint16_t;  // bfloat16 bits (the upper half of a float32)
-
-// A vector of weights as float32.
-inline Vec::F LoadW(const float* p) { return Vec::Load(p); }
-inline Vec::F LoadW(const int8_t* p) { return Vec::LoadI8(p); }
-inline Vec::F LoadW(const bf16_t* p) { return Vec::LoadBf16(p); }
-inline float ToFloat(float v) { return v; }
-inline float ToFloat(int8_t v) { return static_cast<float>(v); }
-inline float ToFloat(bf16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// Runs chunk(c) for c in [0, num_chunks) on the calling thread and the pool.
-template <typename Chunk>
-void ParallelFor(ffi::ThreadPool& pool, int64_t num_chunks, Chunk chunk) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, num_chunks, chunk]() {
-    for (int64_t c; (c = state->next.fetch_add(1)) < num_chunks;) {
-      chunk(c);
-      state->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_chunks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) {
-    auto task = work;  // Schedule takes ownership of a copy
-    pool.Schedule(std::move(task));
-  }
-  work();
-  while (state->done.load(std::memory_order_acquire) < num_chunks) std::this_thread::yield();
-}
+using namespace jaxserve_cpu;  // NOLINT
 
 // The problem: x [M, K], weights, optional per-output scale [N] (nullptr: none), y [M, N].
 template <typename T>

@@ -282,7 +282,7 @@ def test_backend_selection():
 
     assert resolve_backend_name("auto", "tpu") == "pallas_tpu"
     assert resolve_backend_name("auto", "gpu") == "pallas_gpu"
-    assert resolve_backend_name("auto", "cpu") == "reference"
+    assert resolve_backend_name("auto", "cpu") == "cpu"
     assert get_backend("pallas_gpu_interpret").name == "pallas_gpu_interpret"
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         get_backend("flash")

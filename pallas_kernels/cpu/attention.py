@@ -1,0 +1,75 @@
+"""Ragged paged attention on the CPU through the C++ kernel (`attention.cc`).
+
+Same signature and result as the reference (`pallas_kernels.ragged_paged_attention`,
+its oracle); the reference's tiling arguments are accepted and ignored. Each KV
+page row is read once, in place, by the work item (sequence, query tile, KV head)
+that needs it, instead of XLA's gathers of page blocks and the transposes of its
+batched dots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import ragged_paged_attention as reference
+from pallas_kernels.cpu import library
+
+_KV_NAMES = {
+    jnp.dtype(jnp.float32): "f32",
+    jnp.dtype(jnp.bfloat16): "bf16",
+    jnp.dtype(jnp.int8): "s8",
+    jnp.dtype(jnp.float8_e4m3fn): "f8e4m3fn",
+    jnp.dtype(jnp.float8_e5m2): "f8e5m2",
+}
+MAX_GROUP = 64  # query heads per KV head the kernel's buffers hold
+
+
+def supports(queries: jax.Array, kv_cache: jax.Array) -> bool:
+    """Whether the kernel takes these inputs (else the caller uses the reference)."""
+    group = queries.shape[1] // (kv_cache.shape[2] // 2)
+    return library.is_loaded() and jnp.dtype(kv_cache.dtype) in _KV_NAMES and group <= MAX_GROUP
+
+
+def ragged_paged_attention(
+    queries: jax.Array,  # [T, N, H]
+    kv_cache: jax.Array,  # [P, S, 2K, H]
+    kv_lens: jax.Array,  # [B] int32
+    page_indices: jax.Array,  # [B, M] int32
+    cu_q_lens: jax.Array,  # [B + 1] int32
+    num_seqs: jax.Array,  # [1] int32
+    kv_scales: jax.Array | None = None,  # [P, S, 2K] float32 for int8 / fp8 pages
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    pages_per_block: int | None = None,
+    queries_per_block: int = 128,
+) -> jax.Array:  # [T, N, H]
+    del pages_per_block, queries_per_block  # the reference's tiling
+    reference.validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales)
+    if not supports(queries, kv_cache):
+        raise ValueError(
+            f"the CPU attention kernel takes none of: kv {kv_cache.dtype}, "
+            f"{queries.shape[1]} query heads over {kv_cache.shape[2] // 2} KV heads "
+            f"(loaded: {library.is_loaded()})"
+        )
+    call = jax.ffi.ffi_call(
+        f"jaxserve_attention_{_KV_NAMES[jnp.dtype(kv_cache.dtype)]}",
+        jax.ShapeDtypeStruct(queries.shape, jnp.float32),
+    )
+    scales = () if kv_scales is None else (kv_scales,)
+    out = call(
+        queries.astype(jnp.float32),
+        kv_cache,
+        *scales,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=np.float32(sm_scale),
+        sliding_window=np.int32(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0),
+    )
+    return out.astype(queries.dtype)
