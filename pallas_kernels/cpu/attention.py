@@ -48,7 +48,9 @@ def ragged_paged_attention(
     queries_per_block: int = 128,
 ) -> jax.Array:  # [T, N, H]
     del pages_per_block, queries_per_block  # the reference's tiling
-    reference.validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales)
+    reference.validate_inputs(
+        queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales
+    )
     if not supports(queries, kv_cache):
         raise ValueError(
             f"the CPU attention kernel takes none of: kv {kv_cache.dtype}, "

@@ -85,7 +85,9 @@ def test_an_int8_orbax_directory_serves_what_load_time_int8_does(orbax_demo, tmp
 
     out = str(tmp_path / "int8")
     with pytest.raises(SystemExit) as done:  # absl's app.run exits
-        cli.run(["jaxserve", "convert", f"--model={DEMO}", f"--output={out}", "--quantization=int8"])
+        cli.run(
+            ["jaxserve", "convert", f"--model={DEMO}", f"--output={out}", "--quantization=int8"]
+        )
     assert not done.value.code
     assert ModelConfig.from_pretrained(out).quantization == "int8"
 
