@@ -39,7 +39,7 @@ TARGETS = {  # FFI target name -> the handler symbol in the library
     "jaxserve_attention_f8e4m3fn": "JaxserveAttentionF8e4m3fn",
     "jaxserve_attention_f8e5m2": "JaxserveAttentionF8e5m2",
 }
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 _lock = threading.Lock()
 _loaded: str | None = None  # the path of the registered library
@@ -59,24 +59,27 @@ def _cpu_flags() -> str:
         return ""
 
 
-def library_path(cache_dir: str) -> str:
-    """Where the library for these sources, this jaxlib and this CPU is built."""
+def library_path(cache_dir: str, arch: str = "native") -> str:
+    """Where the library for these sources, this jaxlib and this CPU (`-march=arch`) is
+    built."""
     h = hashlib.sha256()
     here = os.path.dirname(__file__)
     for name in sorted(os.listdir(here)):
         if name.endswith((".cc", ".h")):
             with open(os.path.join(here, name), "rb") as f:
                 h.update(name.encode() + f.read())
-    h.update(" ".join(FLAGS).encode())
+    h.update(" ".join((*FLAGS, arch)).encode())
     h.update(jax.__version__.encode())
     h.update(_cpu_flags().encode())
     return os.path.join(cache_dir, f"jaxserve_cpu_kernels_{h.hexdigest()[:16]}.so")
 
 
-def build(cache_dir: str, compiler: str = "g++") -> str:
+def build(cache_dir: str, compiler: str = "g++", arch: str = "native") -> str:
     """Compiles the kernels into `cache_dir` unless already built; returns the path.
-    Raises RuntimeError (with the compiler's output) if the build fails."""
-    path = library_path(cache_dir)
+    `arch` is g++'s -march (native: this CPU's vector width; tests also build the
+    AVX2 and the scalar variants). Raises RuntimeError (with the compiler's output)
+    if the build fails."""
+    path = library_path(cache_dir, arch)
     if os.path.exists(path):
         return path
     if shutil.which(compiler) is None:
@@ -88,6 +91,7 @@ def build(cache_dir: str, compiler: str = "g++") -> str:
     cmd = [
         compiler,
         *FLAGS,
+        f"-march={arch}",
         f"-I{jax.ffi.include_dir()}",
         *(os.path.join(here, name) for name in SOURCES),
         "-o",
@@ -101,7 +105,7 @@ def build(cache_dir: str, compiler: str = "g++") -> str:
     return path
 
 
-def load(cache_dir: str) -> bool:
+def load(cache_dir: str, arch: str = "native") -> bool:
     """Builds (if needed) and registers the kernels; True if they can be called. A
     failure is logged once with its cause, and the process goes on without them."""
     global _loaded, _failure
@@ -109,7 +113,7 @@ def load(cache_dir: str) -> bool:
         if _loaded is not None or _failure is not None:
             return _loaded is not None
         try:
-            path = build(cache_dir)
+            path = build(cache_dir, arch=arch)
             lib = ctypes.cdll.LoadLibrary(path)
             for target, symbol in TARGETS.items():
                 capsule = jax.ffi.pycapsule(getattr(lib, symbol))

@@ -102,3 +102,20 @@ def test_unsupported_inputs_are_refused():
     args, _ = float_case("decode", heads=(4, 4))
     with pytest.raises(ValueError, match="kv_cache must be"):
         cpu.ragged_paged_attention(args[0], args[1][0], *args[2:], sm_scale=0.25)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])  # AVX2 + FMA; scalar
+def test_other_instruction_sets_give_the_same_results(arch, tmp_path):
+    """The kernels' AVX2 and scalar code (this machine may build the AVX-512 one),
+    each built and checked in a process of its own."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "cpu_isa_check.py")
+    proc = subprocess.run(
+        [sys.executable, script, arch, str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "kernels equal the references" in proc.stdout

@@ -101,7 +101,7 @@ def test_a_failed_build_is_reported_once_and_leaves_xla(monkeypatch, caplog, tmp
     monkeypatch.setattr(library, "_loaded", None)
     monkeypatch.setattr(library, "_failure", None)
     build = library.build
-    monkeypatch.setattr(library, "build", lambda d: build(d, compiler="no-such-compiler"))
+    monkeypatch.setattr(library, "build", lambda d, arch: build(d, "no-such-compiler", arch))
     with caplog.at_level(logging.WARNING):
         assert library.load(str(tmp_path)) is False
         assert library.load(str(tmp_path)) is False  # not retried, not logged again
