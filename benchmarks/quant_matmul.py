@@ -9,7 +9,8 @@ One jitted call per formulation and shape (tokens x in x out), median ms of
   w8a8      x quantized per row to int8, int8 x int8 -> int32 dot, both scales after
   bf16      bfloat16 operands (q converted), float32 result, scale after
   blocked   a lax.scan over 512-column blocks of q, each converted then dotted
-  shipped   `models.layers.int8_dot`: on the CPU w8a8 with a one-row lhs padded to two
+
+(What the engine ships on the CPU, the C++ kernel, is timed by benchmarks/cpu_matmul.py.)
 
     python benchmarks/quant_matmul.py [--repeats 30]
 """
@@ -23,8 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-
-from models.layers import int8_dot
 
 SHAPES = [(1, 896, 4864), (16, 896, 4864), (1, 896, 151936), (16, 896, 151936)]
 DOT = (((1,), (0,)), ((), ()))
@@ -57,7 +56,6 @@ FORMULATIONS = {
         * s
     ),
     "blocked": _blocked,
-    "shipped": lambda x, q, s: int8_dot(x, q, s, DOT),
 }
 
 

@@ -200,45 +200,50 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
 # ----------------------------------------------------------------------------
 
 
-def int8_dot(x: jax.Array, q: jax.Array, scale: jax.Array, dimension_numbers) -> jax.Array:
-    """x [M, in] times int8 weights q (per-output-channel `scale`) -> float32 [M, out];
-    `dimension_numbers` contract x's axis 1 with q's input axis (0, or 1 for [out, in]).
+def rows_dot(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+    """x [M, K] times weights w [N, K] (each output's weights a row: an embedding used as
+    the LM head, an int8 Linear's kernel), dequantized with `scale` [N] when w is int8
+    -> float32 [M, N].
 
-    Weight-only: the activations stay in floating point and the weights are converted
-    as they are used. On GPU and TPU XLA fuses that convert into the matmul. XLA:CPU
-    does not: it writes a float32 copy of the weights before the dot (four times the
-    bytes of the int8 weights, every step). So on the CPU a step of a few rows (a
-    decode step) calls the C++ kernel of `pallas_kernels.cpu.matmul`, which reads
-    each int8 weight once for all rows, when it is loaded (`library.load`, done by the
-    model runner); more rows (a prefill chunk), or no kernel, take XLA's dot of the
-    converted weights, whose cost the rows amortise.
+    int8 is weight-only: the activations stay in floating point and the weights are
+    converted as they are used. On GPU and TPU XLA fuses that convert into the matmul.
+    XLA:CPU does not: it writes a float32 copy of the weights before the dot (four
+    times the bytes of the int8 weights, every step), and its products of a few rows
+    re-read the weights. So on the CPU, up to `max_rows` rows (decode steps) call the
+    C++ kernel of `pallas_kernels.cpu.matmul`, which reads each weight once for all
+    rows, when it is loaded (the model runner loads it); more rows (a prefill chunk),
+    or no kernel, take XLA's dot, whose cost the rows amortise.
     """
-    layout = "kn" if dimension_numbers[0][1] == (0,) else "nk"
+    dims = (((1,), (1,)), ((), ()))
 
-    def weight_only(x):
-        return dot_f32(x, q.astype(x.dtype), dimension_numbers) * scale.astype(jnp.float32)
+    def xla(x):
+        if w.dtype == jnp.int8:
+            return dot_f32(x, w.astype(x.dtype), dims) * scale.astype(jnp.float32)
+        return dot_f32(x.astype(w.dtype), w, dims)
 
     def cpu(x):
-        if x.shape[0] <= cpu_matmul.MAX_ROWS and cpu_library.is_loaded():
-            return cpu_matmul.matmul(x, q, scale, layout)
-        return cpu_matmul.matmul_reference(x, q, scale, layout)
+        if x.shape[0] <= cpu_matmul.max_rows(w.dtype) and cpu_library.is_loaded():
+            return cpu_matmul.matmul(x, w, scale)
+        if w.dtype == jnp.int8:
+            return cpu_matmul.matmul_reference(x, w, scale)
+        return xla(x)
 
-    return lax.platform_dependent(x, cpu=cpu, default=weight_only)
+    return lax.platform_dependent(x, cpu=cpu, default=xla)
 
 
 class QuantizedLinear(nnx.Module):
-    """`linear`'s int8 variant: kernel int8 [in, out], a scale per output channel in
-    the compute dtype, the bias as it was."""
+    """`linear`'s int8 variant: kernel int8 [out, in] (as checkpoints store linears:
+    each output channel's weights contiguous, which the CPU kernel streams), a scale
+    per output channel in the compute dtype, the bias as it was."""
 
     def __init__(self, layer: nnx.Linear):
         q, scale = quantize(layer.kernel[...], jnp.int8, axis=0)
-        self.kernel = nnx.Param(q)
+        self.kernel = nnx.Param(q.T)
         self.scale = nnx.Param(scale.astype(layer.kernel.dtype))
         self.bias = layer.bias
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
-        rows = x.reshape(-1, x.shape[-1])  # int8_dot's per-row activation scales
-        y = int8_dot(rows, self.kernel[...], self.scale[...], (((1,), (0,)), ((), ())))
+        y = rows_dot(x.reshape(-1, x.shape[-1]), self.kernel[...], self.scale[...])
         if self.bias is not None:
             y = y + self.bias[...]
         return y.astype(x.dtype).reshape(*x.shape[:-1], -1)
@@ -261,13 +266,14 @@ class QuantizedEmbed(nnx.Module):
 def lm_head_logits(hidden: jax.Array, head: nnx.Module) -> jax.Array:
     """hidden [B, D] -> float32 logits [B, V] through an LM head: a Linear ([D, V]), an
     Embed (tied, [V, D]: its D contracted in place, no transpose) or their int8
-    variants."""
-    tied = isinstance(head, (nnx.Embed, QuantizedEmbed))
-    w = head.embedding[...] if tied else head.kernel[...]
-    dims = (((1,), (1 if tied else 0,)), ((), ()))
-    if isinstance(head, (QuantizedEmbed, QuantizedLinear)):
-        return int8_dot(hidden.astype(head.scale.dtype), w, head.scale[...], dims)
-    return dot_f32(hidden.astype(w.dtype), w, dims)
+    variants (both [V, D])."""
+    if isinstance(head, nnx.Linear):
+        w = head.kernel[...]
+        return dot_f32(hidden.astype(w.dtype), w, (((1,), (0,)), ((), ())))
+    w = head.embedding[...] if isinstance(head, (nnx.Embed, QuantizedEmbed)) else head.kernel[...]
+    scale = head.scale[...] if isinstance(head, (QuantizedEmbed, QuantizedLinear)) else None
+    dtype = scale.dtype if scale is not None else w.dtype
+    return rows_dot(hidden.astype(dtype), w, scale)
 
 
 def quantize_weights(model: nnx.Module, method: str = "int8") -> nnx.Module:

@@ -23,13 +23,12 @@ def main(arch: str, cache_dir: str) -> None:
     from test_cpu_matmul import case
     from test_quantization import quantized_case
 
-    for layout in matmul.LAYOUTS:
-        for dtype in ("int8", "float32", "bfloat16"):
-            for m, k, n in ((1, 896, 1152), (5, 100, 37), (16, 64, 96)):
-                x, w, scale = case(m, k, n, layout, dtype=dtype)
-                got = np.asarray(jax.jit(matmul.matmul, static_argnums=3)(x, w, scale, layout))
-                want = np.asarray(matmul.matmul_reference(x, w, scale, layout))
-                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    for dtype in ("int8", "float32", "bfloat16"):
+        for m, k, n in ((1, 896, 1152), (5, 100, 37), (16, 64, 96)):
+            x, w, scale = case(m, k, n, dtype=dtype)
+            got = np.asarray(jax.jit(matmul.matmul)(x, w, scale))
+            want = np.asarray(matmul.matmul_reference(x, w, scale))
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
     kernel = jax.jit(attention.ragged_paged_attention, static_argnames=("sm_scale", "soft_cap"))
     cases = [float_case("mixed"), float_case("mixed", head_dim=20), quantized_case("mixed", "int8")]
     for args, t in cases:

@@ -28,11 +28,9 @@ logger = logging.getLogger(__name__)
 
 SOURCES = ("matmul.cc", "attention.cc")  # one library (with the headers beside them)
 TARGETS = {  # FFI target name -> the handler symbol in the library
-    **{
-        f"jaxserve_matmul_{layout}_{dtype}": f"JaxserveMatmul{layout.title()}{dtype.title()}"
-        for layout in ("kn", "nk")
-        for dtype in ("s8", "f32", "bf16")
-    },
+    "jaxserve_matmul_s8": "JaxserveMatmulS8",
+    "jaxserve_matmul_f32": "JaxserveMatmulF32",
+    "jaxserve_matmul_bf16": "JaxserveMatmulBf16",
     "jaxserve_attention_f32": "JaxserveAttentionF32",
     "jaxserve_attention_bf16": "JaxserveAttentionBf16",
     "jaxserve_attention_s8": "JaxserveAttentionS8",

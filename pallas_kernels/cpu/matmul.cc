@@ -1,26 +1,27 @@
 // Matmuls of a few rows against weights that are read once, for XLA:CPU through
-// the XLA FFI.
+// the XLA FFI:
 //
-//   y[M, N] = x[M, K] @ w          (w float32 or bfloat16)
-//   y[M, N] = x[M, K] @ dequant(q) (q int8, dequant(q)[k, n] = q[k, n] * scale[n])
+//   y[M, N] = x[M, K] @ w^T          w [N, K] float32 or bfloat16
+//   y[M, N] = x[M, K] @ dequant(q)^T q [N, K] int8, dequant(q)[n, k] = q[n, k] * scale[n]
 //
-// x is float32 and the products accumulate in float32 (for int8: weight-only
-// quantization, the same arithmetic as the GPU/TPU path). The weights come in one of
-// two layouts:
-//   kn: w[K, N], a Linear's kernel [in, out];
-//   nk: w[N, K], an embedding table used as the tied LM head (row n is token n).
+// x is float32 and y float32. w and q are [N, K]: each output's weights contiguous (an
+// embedding table used as the tied LM head; an int8 Linear's kernel, stored [out, in]
+// as checkpoints store it), so each weight row is one stream from memory.
 //
-// Why: a decode step multiplies a few rows by every weight, so its time is the
-// time to read the weights. XLA:CPU does not fuse an int8 or bfloat16 -> float
-// convert into its dot (it writes a float32 copy of the weights first: 4x the bytes
-// of int8 weights, every call), and its GEMM re-reads weight panels for every few
-// rows. These kernels read each weight once, convert it in registers and use it for
-// all M rows. They are for small M (the caller switches to XLA's GEMM for many rows,
-// which is tiled for them and, with them, compute-bound).
+// Why: a decode step multiplies a few rows by every weight, so its time is the time
+// to read the weights. XLA:CPU does not fuse an int8 -> float convert into its dot (it
+// writes a float32 copy of the weights first: 4x the bytes of int8 weights, every
+// call), and its matrix-vector products of a few rows re-read the weights' panels.
+// These kernels read each weight once, convert it in registers and use it for all M
+// rows. They are for small M (the caller switches to XLA's GEMM for many rows, which
+// is tiled for them and, with them, compute-bound).
 //
-// Threads: chunks of output columns (`ParallelFor`, simd.h). Vector width follows
+// Threads: chunks of output rows of w (`ParallelFor`, simd.h). Vector width follows
 // the compiler's target (built with -march=native): AVX-512 (16 floats), AVX2 + FMA
-// (8), or scalar.
+// (8), or scalar; int8 with AVX-512 VNNI multiplies in integers.
+
+#include <cmath>
+#include <vector>
 
 #include "simd.h"
 
@@ -40,152 +41,171 @@ struct Problem {
   int64_t M, K, N;
 };
 
-// ------------------------------------------------------------------- kn: w[K, N]
+// ---------------------------------------------------------------- float32, bfloat16
 
-// y[m0:m0+R, n0:n0+V*kW] for R rows of x and V vectors of columns.
-template <int R, int V, typename T>
-inline void KnBlock(const Problem<T>& p, int64_t m0, int64_t n0) {
-  Vec::F acc[R][V];
+// y[m0:m0+R, n] for R rows of x and row n of w: the row is read once, in order (one
+// stream from memory), its products accumulating in kU independent sums per row of
+// x so that consecutive FMAs do not wait on each other.
+template <int R, typename T>
+inline void NkRow(const Problem<T>& p, int64_t m0, int64_t n) {
+  constexpr int kU = 4;
+  const int64_t K = p.K;
+  const T* row = p.w + n * K;
+  Vec::F acc[R][kU];
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < V; ++j) acc[i][j] = Vec::Zero();
-  const T* col = p.w + n0;
-  for (int64_t k = 0; k < p.K; ++k, col += p.N) {
-    Vec::F w[V];
-    for (int j = 0; j < V; ++j) w[j] = LoadW(col + j * kW);
-    for (int i = 0; i < R; ++i) {
-      const Vec::F xv = Vec::Set1(p.x[(m0 + i) * p.K + k]);
-      for (int j = 0; j < V; ++j) acc[i][j] = Vec::Fma(xv, w[j], acc[i][j]);
+    for (int u = 0; u < kU; ++u) acc[i][u] = Vec::Zero();
+  int64_t k = 0;
+  for (; k + kU * kW <= K; k += kU * kW)
+    for (int u = 0; u < kU; ++u) {
+      const Vec::F w = LoadW(row + k + u * kW);
+      for (int i = 0; i < R; ++i)
+        acc[i][u] = Vec::Fma(Vec::Load(p.x + (m0 + i) * K + k + u * kW), w, acc[i][u]);
     }
+  for (; k + kW <= K; k += kW) {
+    const Vec::F w = LoadW(row + k);
+    for (int i = 0; i < R; ++i) acc[i][0] = Vec::Fma(Vec::Load(p.x + (m0 + i) * K + k), w, acc[i][0]);
   }
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < V; ++j) {
-      Vec::F out = acc[i][j];
-      if (p.scale != nullptr) out = Vec::Mul(out, Vec::Load(p.scale + n0 + j * kW));
-      Vec::Store(p.y + (m0 + i) * p.N + n0 + j * kW, out);
-    }
-}
-
-template <int V, typename T>
-inline void KnColumns(const Problem<T>& p, int64_t n0) {
-  constexpr int R = Vec::kRows;
-  int64_t m = 0;
-  for (; m + R <= p.M; m += R) KnBlock<R, V>(p, m, n0);
-  for (; m < p.M; ++m) KnBlock<1, V>(p, m, n0);
-}
-
-// Columns past the last whole vector: plain loops.
-template <typename T>
-void KnTail(const Problem<T>& p, int64_t n0) {
-  for (int64_t m = 0; m < p.M; ++m)
-    for (int64_t n = n0; n < p.N; ++n) {
-      float s = 0.0f;
-      for (int64_t k = 0; k < p.K; ++k) s += p.x[m * p.K + k] * ToFloat(p.w[k * p.N + n]);
-      p.y[m * p.N + n] = p.scale != nullptr ? s * p.scale[n] : s;
-    }
-}
-
-template <typename T>
-void MatmulKn(ffi::ThreadPool& pool, const Problem<T>& p) {
-  constexpr int64_t kBlock = Vec::kColVecs * kW;
-  const int64_t blocks = p.N / kBlock;
-  // About 4 chunks per thread, each a run of whole column blocks.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(blocks, 4 * threads));
-  ParallelFor(pool, chunks, [p, blocks, chunks](int64_t c) {
-    const int64_t lo = blocks * c / chunks, hi = blocks * (c + 1) / chunks;
-    for (int64_t b = lo; b < hi; ++b) KnColumns<Vec::kColVecs>(p, b * kBlock);
-    if (c == chunks - 1) {
-      int64_t n = blocks * kBlock;
-      for (; n + kW <= p.N; n += kW) KnColumns<1>(p, n);
-      if (n < p.N) KnTail(p, n);
-    }
-  });
-}
-
-// ------------------------------------------------------------------- nk: w[N, K]
-
-// y[m0:m0+R, n0:n0+P] for R rows of x and P rows of w (each a dot product over K).
-template <int R, int P, typename T>
-inline void NkBlock(const Problem<T>& p, int64_t m0, int64_t n0) {
-  Vec::F acc[R][P];
-  for (int i = 0; i < R; ++i)
-    for (int r = 0; r < P; ++r) acc[i][r] = Vec::Zero();
-  const int64_t K = p.K, kv = K / kW * kW;
-  for (int64_t k = 0; k < kv; k += kW) {
-    Vec::F w[P];
-    for (int r = 0; r < P; ++r) w[r] = LoadW(p.w + (n0 + r) * K + k);
-    for (int i = 0; i < R; ++i) {
-      const Vec::F xv = Vec::Load(p.x + (m0 + i) * K + k);
-      for (int r = 0; r < P; ++r) acc[i][r] = Vec::Fma(xv, w[r], acc[i][r]);
-    }
+  for (int i = 0; i < R; ++i) {
+    float s = Vec::Sum(Vec::Add(Vec::Add(acc[i][0], acc[i][1]), Vec::Add(acc[i][2], acc[i][3])));
+    for (int64_t kk = k; kk < K; ++kk) s += p.x[(m0 + i) * K + kk] * ToFloat(row[kk]);
+    p.y[(m0 + i) * p.N + n] = p.scale != nullptr ? s * p.scale[n] : s;
   }
-  for (int i = 0; i < R; ++i)
-    for (int r = 0; r < P; ++r) {
-      float s = Vec::Sum(acc[i][r]);
-      for (int64_t k = kv; k < K; ++k) s += p.x[(m0 + i) * K + k] * ToFloat(p.w[(n0 + r) * K + k]);
-      p.y[(m0 + i) * p.N + n0 + r] = p.scale != nullptr ? s * p.scale[n0 + r] : s;
-    }
 }
 
-template <int P, typename T>
-inline void NkRows(const Problem<T>& p, int64_t n0) {
+// All rows of x against w's rows [n0, n1), Vec::kRows rows of x at a time (w's row is
+// re-read from the L1 cache for each group).
+template <typename T>
+inline void NkRows(const Problem<T>& p, int64_t n0, int64_t n1) {
   constexpr int R = Vec::kRows;
-  int64_t m = 0;
-  for (; m + R <= p.M; m += R) NkBlock<R, P>(p, m, n0);
-  for (; m < p.M; ++m) NkBlock<1, P>(p, m, n0);
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + R <= p.M; m += R) NkRow<R>(p, m, n);
+    for (; m < p.M; ++m) NkRow<1>(p, m, n);
+  }
 }
 
 template <typename T>
 void MatmulNk(ffi::ThreadPool& pool, const Problem<T>& p) {
-  constexpr int64_t kRowsPer = 4;
-  const int64_t groups = p.N / kRowsPer;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(groups, 16 * threads));
-  ParallelFor(pool, chunks, [p, groups, chunks](int64_t c) {
-    const int64_t lo = groups * c / chunks, hi = groups * (c + 1) / chunks;
-    for (int64_t g = lo; g < hi; ++g) NkRows<kRowsPer>(p, g * kRowsPer);
-    if (c == chunks - 1)
-      for (int64_t n = groups * kRowsPer; n < p.N; ++n) NkRows<1>(p, n);
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(p.N, 16 * threads));
+  ParallelFor(pool, chunks, [p, chunks](int64_t c) {
+    NkRows(p, p.N * c / chunks, p.N * (c + 1) / chunks);
   });
 }
 
+// ------------------------------------------- nk, int8, with AVX-512 VNNI: in integers
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The rows of x in 16-bit fixed point (a scale per row: max|x| / 32767, so each value
+// is within 1/65534 of its row's largest: far below the int8 weights' own error), and
+// int16 x int16 products summed in int32 by vpdpwssd (32 products an instruction,
+// against 16 multiply-adds and two converts per 16 weights in float). The int32 sums
+// go into float32 every kFlush columns, before they could overflow: a lane adds two
+// products of at most 32767 * 128 per instruction, 2^31 / (2 * 32767 * 128) = 256
+// instructions, and kFlush / 32 = 128 of them run between flushes.
+constexpr int64_t kFlush = 4096;
+
+// y[m0:m0+R, n] for R rows of x and one row n of q: the row is read once, in order
+// (one stream from memory), its products accumulating in kU independent sums per
+// row of x so consecutive vpdpwssd do not wait on each other.
+template <int R>
+inline void NkVnniRow(const int16_t* xq, const float* xs, int64_t Kp, const Problem<int8_t>& p,
+                      int64_t m0, int64_t n) {
+  constexpr int kU = 4;
+  const int64_t K = p.K;
+  const int8_t* row = p.w + n * K;
+  __m512 total[R];
+  for (int i = 0; i < R; ++i) total[i] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += kFlush) {
+    const int64_t k1 = std::min(K, k0 + kFlush);
+    __m512i acc[R][kU];
+    for (int i = 0; i < R; ++i)
+      for (int u = 0; u < kU; ++u) acc[i][u] = _mm512_setzero_si512();
+    auto step = [&](int64_t k, int u, __m512i w) {
+      for (int i = 0; i < R; ++i)
+        acc[i][u] = _mm512_dpwssd_epi32(acc[i][u], _mm512_loadu_si512(xq + (m0 + i) * Kp + k), w);
+    };
+    int64_t k = k0;
+    for (; k + 32 * kU <= k1; k += 32 * kU)
+      for (int u = 0; u < kU; ++u)
+        step(k + 32 * u, u, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k + 32 * u))));
+    // the last columns, masked past the row's end (xq is zero-padded to Kp)
+    for (; k < k1; k += 32) {
+      const __mmask32 m = k + 32 <= k1 ? ~__mmask32{0} : static_cast<__mmask32>((1ull << (k1 - k)) - 1);
+      step(k, 0, _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, row + k)));
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(acc[i][0], acc[i][1]),
+                                           _mm512_add_epi32(acc[i][2], acc[i][3]));
+      total[i] = _mm512_add_ps(total[i], _mm512_cvtepi32_ps(sum));
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    p.y[(m0 + i) * p.N + n] = _mm512_reduce_add_ps(total[i]) * xs[m0 + i] * p.scale[n];
+}
+
+// All rows of x against q's rows [n0, n1), 4 rows of x at a time (q's row is re-read
+// from the L1 cache for each 4).
+inline void NkVnniRows(const int16_t* xq, const float* xs, int64_t Kp, const Problem<int8_t>& p,
+                       int64_t n0, int64_t n1) {
+  constexpr int R = 4;
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + R <= p.M; m += R) NkVnniRow<R>(xq, xs, Kp, p, m, n);
+    for (; m < p.M; ++m) NkVnniRow<1>(xq, xs, Kp, p, m, n);
+  }
+}
+
+void MatmulNk(ffi::ThreadPool& pool, const Problem<int8_t>& p) {
+  const int64_t Kp = (p.K + 31) / 32 * 32;
+  std::vector<int16_t> xq(p.M * Kp, 0);
+  std::vector<float> xs(p.M);
+  for (int64_t m = 0; m < p.M; ++m) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < p.K; ++k) amax = std::max(amax, std::fabs(p.x[m * p.K + k]));
+    xs[m] = amax > 0.0f ? amax / 32767.0f : 1.0f;
+    const float inv = 1.0f / xs[m];
+    for (int64_t k = 0; k < p.K; ++k)
+      xq[m * Kp + k] = static_cast<int16_t>(std::nearbyint(p.x[m * p.K + k] * inv));
+  }
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(p.N, 16 * threads));
+  const int16_t* xqp = xq.data();
+  const float* xsp = xs.data();
+  ParallelFor(pool, chunks, [&p, xqp, xsp, Kp, chunks](int64_t c) {
+    NkVnniRows(xqp, xsp, Kp, p, p.N * c / chunks, p.N * (c + 1) / chunks);
+  });
+}
+#endif
+
 // ------------------------------------------------------------------- FFI handlers
 
-// x [M, K], w [K, N] (kn) or [N, K] (nk), scale [N] or none -> y [M, N].
-template <bool kKn, ffi::DataType kW_, typename T>
+// x [M, K], w [N, K], scale [N] or none -> y [M, N].
+template <ffi::DataType kW_, typename T>
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kW_> w,
                       const float* scale, int64_t scale_count, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2)
-    return ffi::Error::InvalidArgument("cpu matmul: x and w must be 2-D");
-  const int64_t K = kKn ? wd[0] : wd[1], N = kKn ? wd[1] : wd[0];
-  if (xd[1] != K || (scale != nullptr && scale_count != N))
-    return ffi::Error::InvalidArgument("cpu matmul: x [M, K], w and scale [N] do not agree");
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || (scale != nullptr && scale_count != wd[0]))
+    return ffi::Error::InvalidArgument("cpu matmul: want x [M, K], w [N, K], scale [N]");
   Problem<T> p{x.typed_data(), reinterpret_cast<const T*>(w.untyped_data()), scale,
-               y->typed_data(), xd[0], K, N};
-  if (kKn)
-    MatmulKn(pool, p);
-  else
-    MatmulNk(pool, p);
+               y->typed_data(), xd[0], xd[1], wd[0]};
+  MatmulNk(pool, p);
   return ffi::Error::Success();
 }
 
-template <bool kKn>
 ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                     ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
-  return MatmulImpl<kKn, ffi::S8, int8_t>(pool, x, q, scale.typed_data(), scale.element_count(), y);
+  return MatmulImpl<ffi::S8, int8_t>(pool, x, q, scale.typed_data(), scale.element_count(), y);
 }
 
-template <bool kKn>
 ffi::Error F32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                    ffi::ResultBuffer<ffi::F32> y) {
-  return MatmulImpl<kKn, ffi::F32, float>(pool, x, w, nullptr, 0, y);
+  return MatmulImpl<ffi::F32, float>(pool, x, w, nullptr, 0, y);
 }
 
-template <bool kKn>
 ffi::Error Bf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
                     ffi::ResultBuffer<ffi::F32> y) {
-  return MatmulImpl<kKn, ffi::BF16, bf16_t>(pool, x, w, nullptr, 0, y);
+  return MatmulImpl<ffi::BF16, bf16_t>(pool, x, w, nullptr, 0, y);
 }
 
 }  // namespace
@@ -204,9 +224,6 @@ ffi::Error Bf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
                                                 .Arg<ffi::Buffer<dtype>>()                    \
                                                 .Ret<ffi::Buffer<ffi::F32>>());
 
-JAXSERVE_SCALED(JaxserveMatmulKnS8, Int8Impl<true>)
-JAXSERVE_SCALED(JaxserveMatmulNkS8, Int8Impl<false>)
-JAXSERVE_PLAIN(JaxserveMatmulKnF32, F32Impl<true>, ffi::F32)
-JAXSERVE_PLAIN(JaxserveMatmulNkF32, F32Impl<false>, ffi::F32)
-JAXSERVE_PLAIN(JaxserveMatmulKnBf16, Bf16Impl<true>, ffi::BF16)
-JAXSERVE_PLAIN(JaxserveMatmulNkBf16, Bf16Impl<false>, ffi::BF16)
+JAXSERVE_SCALED(JaxserveMatmulS8, Int8Impl)
+JAXSERVE_PLAIN(JaxserveMatmulF32, F32Impl, ffi::F32)
+JAXSERVE_PLAIN(JaxserveMatmulBf16, Bf16Impl, ffi::BF16)

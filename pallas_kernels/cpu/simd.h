@@ -25,8 +25,7 @@ namespace ffi = xla::ffi;
 struct Vec {
   using F = __m512;
   static constexpr int kWidth = 16;
-  static constexpr int kRows = 4;     // m-tile: rows of x per pass (accumulator rows)
-  static constexpr int kColVecs = 4;  // kn: vectors of columns per block (64 columns)
+  static constexpr int kRows = 4;  // rows of x per pass over a weight row
   static F Zero() { return _mm512_setzero_ps(); }
   static F Set1(float a) { return _mm512_set1_ps(a); }
   static F Load(const float* p) { return _mm512_loadu_ps(p); }
@@ -66,7 +65,6 @@ struct Vec {
   using F = __m256;
   static constexpr int kWidth = 8;
   static constexpr int kRows = 2;
-  static constexpr int kColVecs = 4;  // 32 columns
   static F Zero() { return _mm256_setzero_ps(); }
   static F Set1(float a) { return _mm256_set1_ps(a); }
   static F Load(const float* p) { return _mm256_loadu_ps(p); }
@@ -110,7 +108,6 @@ struct Vec {
   using F = float;
   static constexpr int kWidth = 1;
   static constexpr int kRows = 2;
-  static constexpr int kColVecs = 4;
   static F Zero() { return 0.0f; }
   static F Set1(float a) { return a; }
   static F Load(const float* p) { return *p; }

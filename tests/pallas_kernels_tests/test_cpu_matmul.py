@@ -1,8 +1,7 @@
-"""The CPU matmul kernels for few rows (C++ through the XLA FFI: float32, bfloat16 and
-int8 weight-only) against their reference, the way the layers choose between kernel
-and XLA, and the build's failure path."""
+"""The CPU matmul kernel for few rows (C++ through the XLA FFI: float32, bfloat16 and
+int8 weight-only weights [N, K]) against its reference, the way the layers choose
+between kernel and XLA, and the build's failure path."""
 
-import functools
 import logging
 
 import jax
@@ -21,80 +20,87 @@ def loaded(tmp_path_factory):
         pytest.fail("the CPU kernels did not build (g++ and the jaxlib headers are needed)")
 
 
-def case(m, kdim, n, layout, seed=0, dtype="int8"):
+def case(m, kdim, n, seed=0, dtype="int8"):
+    """x [m, kdim], weights [n, kdim] and, for int8, their scales [n]."""
     rs = np.random.RandomState(seed)
-    x = rs.randn(m, kdim).astype(np.float32)
-    shape = (kdim, n) if layout == "kn" else (n, kdim)
+    x = jnp.asarray(rs.randn(m, kdim).astype(np.float32))
     if dtype == "int8":
-        w = jnp.asarray(rs.randint(-128, 128, shape).astype(np.int8))
-        return jnp.asarray(x), w, jnp.asarray((rs.rand(n) * 0.01).astype(np.float32))
-    return jnp.asarray(x), jnp.asarray(rs.randn(*shape).astype(np.float32)).astype(dtype), None
+        w = jnp.asarray(rs.randint(-128, 128, (n, kdim)).astype(np.int8))
+        return x, w, jnp.asarray((rs.rand(n) * 0.01).astype(np.float32))
+    return x, jnp.asarray(rs.randn(n, kdim).astype(np.float32)).astype(dtype), None
 
 
-kernel = jax.jit(k.matmul, static_argnums=3)
-reference = jax.jit(k.matmul_reference, static_argnums=3)
+def tolerance(dtype) -> float:
+    """Of the output's largest magnitude: float32 sums of K products in another order
+    (1e-5); int8 with AVX-512 VNNI takes the rows of x in 16-bit fixed point (each
+    value within 1/65534 of its row's largest): 1e-4 (measured 4.5e-5 for K = 896),
+    about 1% of the int8 weights' own rounding error."""
+    return 1e-4 if dtype == "int8" else 1e-5
+
+
+kernel = jax.jit(k.matmul)
+reference = jax.jit(k.matmul_reference)
+
+
+def check(x, w, scale, dtype):
+    got, want = np.asarray(kernel(x, w, scale)), np.asarray(reference(x, w, scale))
+    assert got.shape == want.shape and got.dtype == np.float32 and np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=tolerance(dtype) * np.abs(want).max())
+    return got
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float32", "bfloat16"])
-@pytest.mark.parametrize("layout", k.LAYOUTS)
 @pytest.mark.parametrize(
     "m, kdim, n",
     [
         (1, 896, 4864),  # a decode step's MLP
         (3, 896, 1152),  # rows that are not a multiple of the row tile
         (16, 4864, 896),
-        (5, 100, 37),  # K and N not multiples of the vector width
+        (5, 100, 37),  # K not a multiple of the vector width
         (2, 7, 3),  # smaller than one vector
-        (1, 64, 20000),  # many column chunks, one row
+        (1, 64, 20000),  # many chunks of outputs, one row
+        (2, 5000, 16),  # int8: past one flush of the int32 sums (4096 columns)
     ],
 )
-def test_kernel_equals_reference(layout, dtype, m, kdim, n):
-    x, q, scale = case(m, kdim, n, layout, dtype=dtype)
-    got, want = np.asarray(kernel(x, q, scale, layout)), np.asarray(reference(x, q, scale, layout))
-    assert got.shape == (m, n) and got.dtype == np.float32
-    # float32 sums of K products in another order: relative to the row's magnitude
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+def test_kernel_equals_reference(dtype, m, kdim, n):
+    check(*case(m, kdim, n, dtype=dtype), dtype)
 
 
-@pytest.mark.parametrize("layout", k.LAYOUTS)
-def test_extreme_weights_and_zero_scales(layout):
-    x, q, scale = case(4, 256, 96, layout, seed=1)
+def test_extreme_weights_activations_and_zero_scales():
+    x, q, scale = case(6, 256, 96, seed=1)
     q = jnp.where(q > 0, 127, -128).astype(jnp.int8)  # every weight at an end of the range
+    x = x.at[1].multiply(1e4).at[2].set(0.0).at[3, 5].set(-3e3)  # large, zero, an outlier
     scale = scale.at[::7].set(0.0)
-    got, want = np.asarray(kernel(x, q, scale, layout)), np.asarray(reference(x, q, scale, layout))
-    assert np.isfinite(got).all()
-    assert (got[:, ::7] == 0).all()
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    got = check(x, q, scale, "int8")
+    assert (got[:, ::7] == 0).all() and (got[2] == 0).all()
 
 
 def test_bad_shapes_are_refused_naming_them():
-    x, q, scale = case(2, 16, 8, "kn")
-    with pytest.raises(ValueError, match="layout kn"):
-        k.matmul(x, q.T, scale, "kn")
-    with pytest.raises(ValueError, match="layout must be"):
-        k.matmul(x, q, scale, "mk")
+    x, q, scale = case(2, 16, 8)
+    with pytest.raises(ValueError, match="do not agree"):
+        k.matmul(x, q.T, scale)
     with pytest.raises(ValueError, match="w must be one of"):
-        k.matmul(x, q.astype(jnp.int32), scale, "kn")
+        k.matmul(x, q.astype(jnp.int32), scale)
     with pytest.raises(ValueError, match="scale is needed"):
-        k.matmul(x, q, None, "kn")
+        k.matmul(x, q, None)
 
 
-def _custom_calls(f, *args) -> str:
-    return jax.jit(f).lower(*args).as_text()
-
-
-def test_layers_use_the_kernel_for_decode_rows_and_xla_for_prefill():
-    """int8_dot: up to MAX_ROWS rows call the kernel; more rows take XLA's dot of the
-    converted weights. Both give the reference's numbers."""
-    _, q, scale = case(1, 64, 48, "kn")
-    dims = (((1,), (0,)), ((), ()))
-    dot = functools.partial(layers.int8_dot, q=q, scale=scale, dimension_numbers=dims)
-    for rows, kernel_called in ((1, True), (k.MAX_ROWS, True), (k.MAX_ROWS + 1, False)):
-        x = jnp.asarray(np.random.RandomState(rows).randn(rows, 64).astype(np.float32))
-        assert ("jaxserve_matmul_kn_s8" in _custom_calls(dot, x)) == kernel_called, rows
-        np.testing.assert_allclose(
-            np.asarray(jax.jit(dot)(x)), np.asarray(reference(x, q, scale, "kn")), rtol=1e-5
-        )
+def test_layers_use_the_kernel_for_decode_rows_and_xla_beyond():
+    """rows_dot: up to max_rows(dtype) rows call the kernel; more rows take XLA's dot.
+    Both give the reference's numbers."""
+    for dtype in ("int8", "float32"):
+        _, w, scale = case(1, 64, 48, dtype=dtype)
+        limit = k.max_rows(w.dtype)
+        for rows, called in ((1, True), (limit, True), (limit + 1, False)):
+            x = jnp.asarray(np.random.RandomState(rows).randn(rows, 64).astype(np.float32))
+            hlo = jax.jit(layers.rows_dot).lower(x, w, scale).as_text()
+            assert ("jaxserve_matmul_" in hlo) == called, (dtype, rows)
+            np.testing.assert_allclose(
+                np.asarray(jax.jit(layers.rows_dot)(x, w, scale)),
+                np.asarray(reference(x, w, scale)),
+                rtol=1e-5,
+                atol=tolerance(dtype) * 10,
+            )
 
 
 def test_a_failed_build_is_reported_once_and_leaves_xla(monkeypatch, caplog, tmp_path):
