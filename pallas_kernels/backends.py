@@ -135,7 +135,7 @@ BACKENDS = {
     "reference": AttentionBackend(
         "reference", reference.write_kv, reference.ragged_paged_attention_jit
     ),
-    "cpu": AttentionBackend("cpu", reference.write_kv, _cpu_attention),
+    "cpu": AttentionBackend("cpu", cpu_attention.write_kv, _cpu_attention),
     "pallas_tpu": AttentionBackend("pallas_tpu", tpu.write_kv, _tpu_attention),
     "pallas_gpu": AttentionBackend("pallas_gpu", gpu.write_kv, _gpu_attention),
     "pallas_tpu_interpret": AttentionBackend(

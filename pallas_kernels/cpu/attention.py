@@ -32,6 +32,27 @@ def supports(queries: jax.Array, kv_cache: jax.Array) -> bool:
     return library.is_loaded() and jnp.dtype(kv_cache.dtype) in _KV_NAMES and group <= MAX_GROUP
 
 
+def write_kv(
+    kv_cache: jax.Array,  # [P, S, 2K, H]
+    keys: jax.Array,  # [T, K, H]
+    values: jax.Array,  # [T, K, H]
+    slot_mapping: jax.Array,  # [T] int32
+) -> jax.Array:
+    """The reference's `write_kv` (its oracle), each row copied into its slot in place
+    by `write_kv.cc` where the kernels are loaded: XLA:CPU updates a bfloat16 cache
+    through a float32 copy of all of it."""
+    if not library.is_loaded():
+        return reference.write_kv(kv_cache, keys, values, slot_mapping)
+    t, _, head_dim = keys.shape
+    rows = jnp.stack([keys, values], axis=2).reshape(t, -1, head_dim).astype(kv_cache.dtype)
+    call = jax.ffi.ffi_call(
+        "jaxserve_write_slots",
+        jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
+        input_output_aliases={0: 0},
+    )
+    return call(kv_cache, rows, slot_mapping)
+
+
 def ragged_paged_attention(
     queries: jax.Array,  # [T, N, H]
     kv_cache: jax.Array,  # [P, S, 2K, H]

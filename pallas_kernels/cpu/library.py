@@ -26,7 +26,7 @@ import jax
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("matmul.cc", "attention.cc")  # one library (with the headers beside them)
+SOURCES = ("matmul.cc", "attention.cc", "write_kv.cc")  # one library (with the headers beside them)
 TARGETS = {  # FFI target name -> the handler symbol in the library
     "jaxserve_matmul_s8": "JaxserveMatmulS8",
     "jaxserve_matmul_f32": "JaxserveMatmulF32",
@@ -36,6 +36,7 @@ TARGETS = {  # FFI target name -> the handler symbol in the library
     "jaxserve_attention_s8": "JaxserveAttentionS8",
     "jaxserve_attention_f8e4m3fn": "JaxserveAttentionF8e4m3fn",
     "jaxserve_attention_f8e5m2": "JaxserveAttentionF8e5m2",
+    "jaxserve_write_slots": "JaxserveWriteSlots",
 }
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 

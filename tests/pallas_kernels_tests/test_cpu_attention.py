@@ -4,6 +4,7 @@ and soft cap, with every slot no sequence owns NaN (its scale too, for quantized
 pages), so any read of another sequence's page shows in the output."""
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from test_kernels import BATCHES
 from test_quantization import KV_DTYPES, quantized_case
 from test_reference import make_case
 
+from pallas_kernels import backends
 from pallas_kernels import ragged_paged_attention as ref
 from pallas_kernels.cpu import attention as cpu
 from pallas_kernels.cpu import library
@@ -102,6 +104,49 @@ def test_unsupported_inputs_are_refused():
     args, _ = float_case("decode", heads=(4, 4))
     with pytest.raises(ValueError, match="kv_cache must be"):
         cpu.ragged_paged_attention(args[0], args[1][0], *args[2:], sm_scale=0.25)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("donate", [True, False])
+def test_write_kv_equals_the_reference_in_place(dtype, rows, donate):
+    """Each row lands in its slot, the rest untouched (bits compared); a bfloat16
+    cache is not converted to float32 (XLA:CPU's own scatter of one is)."""
+    rs = np.random.RandomState(2)
+    kv = jnp.asarray(rs.randn(16, 4, 6, 8) * 3, dtype)  # P=16, S=4, K=3, H=8
+    keys = jnp.asarray(rs.randn(rows, 3, 8) * 3, dtype)
+    values = jnp.asarray(rs.randn(rows, 3, 8) * 3, dtype)
+    slots = jnp.asarray(rs.choice(64, rows, replace=False), jnp.int32)
+    bits = f"uint{jnp.dtype(dtype).itemsize * 8}"
+    old = np.asarray(jax.lax.bitcast_convert_type(kv, bits))
+    want = np.asarray(
+        jax.lax.bitcast_convert_type(jax.jit(ref.write_kv)(kv, keys, values, slots), bits)
+    )
+    write = jax.jit(cpu.write_kv, donate_argnums=0 if donate else ())
+    hlo = write.lower(kv, keys, values, slots).compile().as_text()
+    assert "f32[16,4,6,8]" not in hlo or dtype == "float32"
+    got = write(kv, keys, values, slots)
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, bits)), want)
+    if not donate:  # the input is intact
+        np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(kv, bits)), old)
+
+
+def test_cpu_backend_writes_a_bfloat16_cache_without_a_float32_copy():
+    """The engine's bfloat16 decode step spent half its time converting each layer's
+    cache to float32 and back around XLA's scatter (0.5B model, 16 rows: 213 ms a
+    forward, 80 ms without)."""
+    kv = jnp.zeros((64, 4, 4, 8), jnp.bfloat16)
+    rows = jnp.ones((5, 2, 8), jnp.bfloat16)
+    write = jax.jit(backends.BACKENDS["cpu"].write_kv, donate_argnums=0)
+    hlo = write.lower(kv, rows, rows, jnp.arange(5, dtype=jnp.int32)).compile().as_text()
+    assert "f32[64,4,4,8]" not in hlo and "f32[256,4,8]" not in hlo
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache():
+    kv = jnp.zeros((4, 2, 2, 8), jnp.bfloat16)
+    rows = jnp.ones((1, 1, 8), jnp.bfloat16)
+    with pytest.raises(Exception, match="outside the cache"):
+        jax.block_until_ready(cpu.write_kv(kv, rows, rows, jnp.asarray([8], jnp.int32)))
 
 
 @pytest.mark.slow
