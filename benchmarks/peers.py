@@ -157,6 +157,7 @@ def main() -> None:
     elapsed = time.perf_counter() - t1
     result = dict(
         engine=args.engine,
+        model=args.model,
         workload=args.workload,
         dtype=args.dtype,
         engine_args=json.loads(args.engine_args),

@@ -38,7 +38,9 @@ logger = logging.getLogger(__name__)
 
 ARRAYS_DIR = "orbax"  # the orbax checkpoint inside a converted model directory
 MARKER = "jaxserve_checkpoint.json"  # what the conversion wrote, and that it completed
-FORMAT_VERSION = 1
+# 2 (2026-11-24): int8 linear kernels stored [out, in], as the CPU kernel reads them;
+# 1: [in, out]. Unquantized arrays are the same in both, so 1 still reads without int8.
+FORMAT_VERSION = 2
 # Each array is stored in about STORAGE_SPLITS chunks (orbax splits the largest
 # dimension first: the vocabulary, the MLP's hidden size, the heads), of at most
 # CHUNK_BYTES and at least MIN_CHUNK_BYTES: a device restoring its shard reads the
@@ -153,10 +155,13 @@ def restore(
 
     with open(os.path.join(model_dir, MARKER)) as f:
         marker = json.load(f)
-    if marker.get("format_version") != FORMAT_VERSION:
+    version = marker.get("format_version")
+    if version != FORMAT_VERSION and not (version == 1 and marker.get("quantization") is None):
         raise ValueError(
-            f"{model_dir!r} holds a jaxserve orbax checkpoint of format "
-            f"{marker.get('format_version')!r}; this jaxserve reads {FORMAT_VERSION}"
+            f"{model_dir!r} holds a jaxserve orbax checkpoint of format {version!r}"
+            f"{' with int8 weights' if marker.get('quantization') else ''}; this jaxserve "
+            f"reads format {FORMAT_VERSION} (and 1 without quantization): convert the "
+            "source model again with `jaxserve convert`"
         )
     if marker.get("quantization") != config.quantization:
         raise ValueError(

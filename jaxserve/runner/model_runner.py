@@ -69,17 +69,19 @@ class CompileCounter:
 
 
 def _fast_on_this_cpu(dtype: str) -> bool:
-    """float32 always; bfloat16 where the CPU has AMX (XLA:CPU's oneDNN path: faster
-    than float32 from two rows up); float16 never."""
+    """float32 always; bfloat16 where the CPU multiplies it natively, with AMX or
+    AVX512-BF16 (measured faster than float32 on a Sapphire Rapids Xeon and a Zen 4
+    EPYC: benchmarks/README.md); float16 never."""
     if dtype == "float32":
         return True
     if dtype != "bfloat16":
         return False
     try:
         with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read()
+            flags = f.read()
     except OSError:
         return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +108,8 @@ class ModelRunner:
         if jax.default_backend() == "cpu" and not _fast_on_this_cpu(config.dtype):
             logger.warning(
                 "dtype=%s is slow on this CPU: XLA:CPU runs its matmuls several times "
-                "slower than float32 (bfloat16 is fast only with AMX); dtype=float32 is the "
-                "fast one",
+                "slower than float32 (bfloat16 is fast with AMX or AVX512-BF16); "
+                "dtype=float32 is the fast one",
                 config.dtype,
             )
         if jax.default_backend() == "cpu":

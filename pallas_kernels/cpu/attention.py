@@ -40,7 +40,8 @@ def write_kv(
 ) -> jax.Array:
     """The reference's `write_kv` (its oracle), each row copied into its slot in place
     by `write_kv.cc` where the kernels are loaded: XLA:CPU updates a bfloat16 cache
-    through a float32 copy of all of it."""
+    through a float32 copy of all of it. A slot outside the cache fails the step (the
+    reference's scatter is promised in-bounds slots; the engine's always are)."""
     if not library.is_loaded():
         return reference.write_kv(kv_cache, keys, values, slot_mapping)
     t, _, head_dim = keys.shape

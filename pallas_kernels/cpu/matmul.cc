@@ -17,10 +17,11 @@
 // is tiled for them and, with them, compute-bound).
 //
 // Threads: chunks of output rows of w (`ParallelFor`, simd.h). Vector width follows
-// the compiler's target (built with -march=native): AVX-512 (16 floats), AVX2 + FMA
+// the compiler's target (`-march`, native by default): AVX-512 (16 floats), AVX2 + FMA
 // (8), or scalar; int8 with AVX-512 VNNI multiplies in integers.
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "simd.h"
@@ -162,11 +163,23 @@ void MatmulNk(ffi::ThreadPool& pool, const Problem<int8_t>& p) {
   std::vector<float> xs(p.M);
   for (int64_t m = 0; m < p.M; ++m) {
     float amax = 0.0f;
-    for (int64_t k = 0; k < p.K; ++k) amax = std::max(amax, std::fabs(p.x[m * p.K + k]));
-    xs[m] = amax > 0.0f ? amax / 32767.0f : 1.0f;
+    bool finite = true;
+    for (int64_t k = 0; k < p.K; ++k) {
+      const float v = p.x[m * p.K + k];
+      finite = finite && std::isfinite(v);
+      amax = std::max(amax, std::fabs(v));
+    }
+    if (!finite) {  // the row's products are NaN, as in float arithmetic (xq stays 0)
+      xs[m] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    // Floored at the smallest normal float, so that 1 / xs stays finite.
+    xs[m] = std::max(amax / 32767.0f, std::numeric_limits<float>::min());
     const float inv = 1.0f / xs[m];
-    for (int64_t k = 0; k < p.K; ++k)
-      xq[m * Kp + k] = static_cast<int16_t>(std::nearbyint(p.x[m * p.K + k] * inv));
+    for (int64_t k = 0; k < p.K; ++k) {
+      const float v = std::nearbyint(p.x[m * p.K + k] * inv);
+      xq[m * Kp + k] = static_cast<int16_t>(std::min(32767.0f, std::max(-32767.0f, v)));
+    }
   }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(p.N, 16 * threads));

@@ -21,22 +21,32 @@ namespace {
 
 ffi::Error WriteSlots(ffi::AnyBuffer cache, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> slots,
                       ffi::Result<ffi::AnyBuffer> out) {
+  const auto cache_dims = cache.dimensions();
+  const auto row_dims = rows.dimensions();
   const int64_t t = static_cast<int64_t>(slots.element_count());
-  if (rows.element_type() != cache.element_type() || t == 0 || rows.size_bytes() % t != 0) {
-    return ffi::Error::InvalidArgument("write_slots: rows must be [T, ...] of the cache's dtype");
+  bool ok = rows.element_type() == cache.element_type() && cache_dims.size() >= 2 &&
+            row_dims.size() == cache_dims.size() - 1 && row_dims[0] == t &&
+            out->size_bytes() == cache.size_bytes();
+  for (size_t i = 1; ok && i < row_dims.size(); ++i) ok = row_dims[i] == cache_dims[i + 1];
+  if (!ok) {
+    return ffi::Error::InvalidArgument(
+        "write_slots: rows must be [T, ...] of the cache's dtype and row shape");
   }
+  if (t == 0) return ffi::Error::Success();
   const size_t row_bytes = rows.size_bytes() / t;
-  const int64_t num_slots = static_cast<int64_t>(cache.size_bytes() / row_bytes);
-  auto* dst = static_cast<char*>(out->untyped_data());
-  if (dst != cache.untyped_data()) {
-    std::memcpy(dst, cache.untyped_data(), cache.size_bytes());
-  }
-  const auto* src = static_cast<const char*>(rows.untyped_data());
+  const int64_t num_slots = cache_dims[0] * cache_dims[1];
   const int32_t* slot = slots.typed_data();
-  for (int64_t i = 0; i < t; ++i) {
+  for (int64_t i = 0; i < t; ++i) {  // all checked before any is written
     if (slot[i] < 0 || slot[i] >= num_slots) {
       return ffi::Error::InvalidArgument("write_slots: a slot is outside the cache");
     }
+  }
+  auto* dst = static_cast<char*>(out->untyped_data());
+  if (dst != cache.untyped_data()) {  // not aliased (XLA aliases them: a safeguard)
+    std::memcpy(dst, cache.untyped_data(), cache.size_bytes());
+  }
+  const auto* src = static_cast<const char*>(rows.untyped_data());
+  for (int64_t i = 0; i < t; ++i) {
     std::memcpy(dst + slot[i] * row_bytes, src + i * row_bytes, row_bytes);
   }
   return ffi::Error::Success();

@@ -1,6 +1,7 @@
 """Orbax model directories: `jaxserve convert` output loads to the same logits as the
 safetensors directory, and restores each shard straight to its device."""
 
+import dataclasses
 import json
 import os
 
@@ -65,8 +66,6 @@ def test_convert_command_errors_name_the_problem(orbax_demo, args, error):
 
 
 def test_restore_refuses_a_config_that_does_not_match(orbax_demo):
-    import dataclasses
-
     from jaxserve.checkpoint import load_model
     from jaxserve.config import ModelConfig
 
@@ -113,3 +112,26 @@ def test_an_int8_orbax_directory_serves_what_load_time_int8_does(orbax_demo, tmp
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     with pytest.raises(ValueError, match="stored quantized already"):
         convert(out, str(tmp_path / "again"), quantization="int8")
+
+
+def test_restore_refuses_int8_arrays_of_the_older_layout(orbax_demo, tmp_path):
+    """Format 1 stored int8 linear kernels [in, out]; square ones would load transposed
+    without an error, so such a directory is refused; unquantized format 1 still loads."""
+    import shutil
+
+    from jaxserve.checkpoint import load_model
+    from jaxserve.config import ModelConfig
+
+    old = str(tmp_path / "v1")
+    shutil.copytree(orbax_demo, old)
+    marker = os.path.join(old, "jaxserve_checkpoint.json")
+    with open(marker) as f:
+        content = json.load(f)
+    with open(marker, "w") as f:
+        json.dump({**content, "format_version": 1}, f)
+    load_model(old, ModelConfig.from_pretrained(old))  # unquantized: the same arrays
+    with open(marker, "w") as f:
+        json.dump({**content, "format_version": 1, "quantization": "int8"}, f)
+    config = dataclasses.replace(ModelConfig.from_pretrained(old), quantization="int8")
+    with pytest.raises(ValueError, match="format 1 with int8 weights.*jaxserve convert"):
+        load_model(old, config)

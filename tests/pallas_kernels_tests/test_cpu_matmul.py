@@ -75,6 +75,28 @@ def test_extreme_weights_activations_and_zero_scales():
     assert (got[:, ::7] == 0).all() and (got[2] == 0).all()
 
 
+def test_long_rows_at_the_extremes_do_not_overflow_the_integer_sums():
+    """K = 12288 with every product at its largest (int8 weights at +-127, x's values at
+    its row's largest magnitude, signs agreeing): the VNNI path's int32 partial sums
+    must be flushed to float in time."""
+    x, q, scale = case(4, 12288, 40, seed=3)
+    q = jnp.where(q >= 0, 127, -127).astype(jnp.int8)
+    x = jnp.broadcast_to(jnp.where(q[0] > 0, 3.0, -3.0).astype(jnp.float32), x.shape)
+    got = check(x, q, scale, "int8")
+    assert got[0, 0] == pytest.approx(3.0 * 127 * 12288 * float(scale[0]), rel=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float32", "bfloat16"])
+def test_non_finite_and_tiny_activations_give_what_float_arithmetic_gives(dtype):
+    x, w, scale = case(5, 300, 24, seed=4, dtype=dtype)
+    x = x.at[0, 7].set(jnp.nan).at[1, 3].set(jnp.inf).at[2].multiply(1e-38).at[3].set(1e-45)
+    got = np.asarray(kernel(x, w, scale))
+    want = np.asarray(reference(x, w, scale))
+    assert np.isnan(got[0]).all() and np.isnan(want[0]).all()  # a NaN reaches every output
+    assert not np.isfinite(got[1]).any() and not np.isfinite(want[1]).any()  # so does inf
+    np.testing.assert_allclose(got[2:], want[2:], rtol=1e-3, atol=1e-3 * np.abs(want[2:]).max())
+
+
 def test_bad_shapes_are_refused_naming_them():
     x, q, scale = case(2, 16, 8)
     with pytest.raises(ValueError, match="do not agree"):
