@@ -11,12 +11,17 @@ heads) and the 60M Llama's (8 over 8). Medians of `--repeats` jitted calls, ms.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from cpu_matmul import median_ms
 
 from pallas_kernels import ragged_paged_attention as ref
 from pallas_kernels.cpu import attention as cpu
@@ -44,16 +49,6 @@ def case(q_lens, kv_lens, heads, kv_heads):
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     args = (q, kv, np.array(kv_lens, np.int32), page_indices, cu, np.array([len(q_lens)]))
     return [jnp.asarray(x, jnp.int32 if x.dtype.kind == "i" else x.dtype) for x in args]
-
-
-def median_ms(f, repeats: int) -> float:
-    f()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times) * 1e3)
 
 
 def main() -> None:
