@@ -196,7 +196,8 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------
-# int8 weights (`quantization="int8"`): layer variants built from loaded layers.
+# Weights stored one output per row ([N, K]: the tied LM head, int8 linears), and
+# the int8 layer variants (`quantization="int8"`) built from loaded layers.
 # ----------------------------------------------------------------------------
 
 
