@@ -3,10 +3,12 @@ FILES_PER_PROCESS test files each, folder by folder.
 
 Each group of files (of jaxserve_tests, models_tests, pallas_kernels_tests,
 server_tests) runs in a fresh process, so what one leaves behind (compiled
-programs, engines, threads, native libraries' state) cannot bring down another:
-long single processes have died inside XLA (a segfault or abort in compilation,
-~60% into a 750-test folder, with every file passing alone), which fresh
-processes avoid while it is investigated. Extra arguments go to every pytest
+programs, engines, threads, native libraries' state) cannot bring down another.
+Long single processes used to die inside XLA (a segfault or abort ~60% into a
+750-test folder, every file passing alone): the cause was the kernel's limit on a
+process's memory mappings (`vm.max_map_count`, 65,530), which XLA:CPU's compiled
+programs used up; `tests/conftest.py` now releases them after each module, and
+the fresh processes keep a margin. Extra arguments go to every pytest
 (e.g. `-m "not slow"`, `-x`). Exits non-zero if any group fails (a crash
 included) or a folder runs no test.
 """
