@@ -232,7 +232,27 @@ def rows_dot(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.
     return lax.platform_dependent(x, cpu=cpu, default=xla)
 
 
-class QuantizedLinear(nnx.Module):
+class RowsLinear(nnx.Module):
+    """`linear` with its kernel stored [out, in] (each output's weights a row), so that
+    `rows_dot` can hand a decode step's few rows to the CPU kernel, which streams the
+    weights once (`store_rows` builds it from a loaded Linear)."""
+
+    def __init__(self, layer: nnx.Linear):
+        self.kernel = nnx.Param(layer.kernel[...].T)
+        self.bias = layer.bias
+
+    def row_scales(self) -> jax.Array | None:
+        """The per-output dequantization scales (int8 kernels), or None."""
+        return None
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
+        y = rows_dot(x.reshape(-1, x.shape[-1]), self.kernel[...], self.row_scales())
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y.astype(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+class QuantizedLinear(RowsLinear):
     """`linear`'s int8 variant: kernel int8 [out, in] (as checkpoints store linears:
     each output channel's weights contiguous, which the CPU kernel streams), a scale
     per output channel in the compute dtype, the bias as it was."""
@@ -243,11 +263,8 @@ class QuantizedLinear(nnx.Module):
         self.scale = nnx.Param(scale.astype(layer.kernel.dtype))
         self.bias = layer.bias
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
-        y = rows_dot(x.reshape(-1, x.shape[-1]), self.kernel[...], self.scale[...])
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y.astype(x.dtype).reshape(*x.shape[:-1], -1)
+    def row_scales(self) -> jax.Array:
+        return self.scale[...]
 
 
 class QuantizedEmbed(nnx.Module):
@@ -271,10 +288,27 @@ def lm_head_logits(hidden: jax.Array, head: nnx.Module) -> jax.Array:
     if isinstance(head, nnx.Linear):
         w = head.kernel[...]
         return dot_f32(hidden.astype(w.dtype), w, (((1,), (0,)), ((), ())))
-    w = head.embedding[...] if isinstance(head, (nnx.Embed, QuantizedEmbed)) else head.kernel[...]
-    scale = head.scale[...] if isinstance(head, (QuantizedEmbed, QuantizedLinear)) else None
+    if isinstance(head, RowsLinear):  # QuantizedLinear included
+        w, scale = head.kernel[...], head.row_scales()
+    else:
+        w = head.embedding[...]
+        scale = head.scale[...] if isinstance(head, QuantizedEmbed) else None
     dtype = scale.dtype if scale is not None else w.dtype
     return rows_dot(hidden.astype(dtype), w, scale)
+
+
+def store_rows(model: nnx.Module) -> nnx.Module:
+    """Replaces, in place, every `nnx.Linear` by its `RowsLinear` (kernel [out, in]);
+    returns the model. For bfloat16 on the CPU, where the few-row kernel reads the
+    weights once and XLA's products of many rows take either layout alike (0.5B
+    model, Zen 4: a one-row decode step 59 -> 33 ms, 16 rows 153 -> 147, a 512-token
+    prefill 1.20 -> 1.17 s; in float32 XLA's 16-row products of [out, in] weights
+    are 27% slower, so float32 keeps [in, out])."""
+    for _, module in list(nnx.iter_modules(model)):
+        for name, child in list(vars(module).items()):
+            if type(child) is nnx.Linear:
+                setattr(module, name, RowsLinear(child))
+    return model
 
 
 def quantize_weights(model: nnx.Module, method: str = "int8") -> nnx.Module:

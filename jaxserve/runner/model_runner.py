@@ -32,6 +32,7 @@ from jaxserve.runner.input_batch import (
 )
 from jaxserve.runner.sampler import SamplerOutput
 from jaxserve.runner.step import ModelDef, StepInput, StepPrograms
+from models.layers import store_rows
 from pallas_kernels.backends import check_kv_dtype
 from pallas_kernels.cpu import library as cpu_library
 
@@ -124,6 +125,14 @@ class ModelRunner:
             quantization=config.quantization,
             mesh=mesh,
         )
+        if (
+            jax.default_backend() == "cpu"
+            and config.dtype == "bfloat16"
+            and config.quantization is None
+            and (mesh is None or mesh.devices.size == 1)
+            and cpu_library.is_loaded()
+        ):
+            model = store_rows(model)  # decode steps' matmuls through the CPU kernel
         self.model_def, self.weights = ModelDef.split(model)
         self.load_seconds = time.perf_counter() - t0
         self.weight_bytes = sum(x.nbytes for x in self.weights)

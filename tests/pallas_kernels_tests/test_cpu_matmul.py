@@ -125,6 +125,35 @@ def test_layers_use_the_kernel_for_decode_rows_and_xla_beyond():
             )
 
 
+@pytest.mark.parametrize("rows", [1, 4, 5, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_linear_computes_what_the_linear_it_replaces_does(rows, bias):
+    """`store_rows` (bfloat16 on the CPU) transposes each Linear's kernel to [out, in]:
+    decode rows go to the kernel, more rows to XLA's dot; both equal the Linear's."""
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self):
+            rngs = nnx.Rngs(0)
+            self.up = layers.linear(
+                96, 200, ("embed", "mlp"), bias=bias, dtype="bfloat16", rngs=rngs
+            )
+            self.down = layers.linear(
+                200, 96, ("mlp", "embed"), bias=bias, dtype="bfloat16", rngs=rngs
+            )
+
+        def __call__(self, x):
+            return self.down(jax.nn.silu(self.up(x)))
+
+    block = Block()
+    x = jnp.asarray(np.random.RandomState(rows).randn(rows, 96), jnp.bfloat16)
+    want = np.asarray(nnx.jit(lambda m, x: m(x))(block, x), np.float32)
+    layers.store_rows(block)
+    assert isinstance(block.up, layers.RowsLinear) and block.up.kernel.shape == (200, 96)
+    got = np.asarray(nnx.jit(lambda m, x: m(x))(block, x), np.float32)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
 def test_a_failed_build_is_reported_once_and_leaves_xla(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(library, "_loaded", None)
     monkeypatch.setattr(library, "_failure", None)
