@@ -30,5 +30,5 @@ def test_bfloat16_linears_are_stored_in_rows_and_generate_the_same(monkeypatch):
     assert agree >= 3, [(g.token_ids, w.token_ids) for g, w in zip(got, want, strict=True)]
 
 
-def test_float32_and_meshes_keep_their_layout():
+def test_float32_keeps_its_layout():
     assert not linears(LLM(**{**KW, "dtype": "float32"}))
