@@ -336,12 +336,14 @@ ffi::Error ScaledKv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffe
 
 }  // namespace
 
-#define JAXSERVE_ATTENTION(name, impl)                                 \
+// `scales` is empty for float pages and `.Arg<ffi::Buffer<ffi::F32>>()` (the page
+// rows' scales) for int8 / fp8 ones.
+#define JAXSERVE_ATTENTION(name, impl, scales)                         \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                            \
                                 ffi::Ffi::Bind()                       \
                                     .Ctx<ffi::ThreadPool>()            \
                                     .Arg<ffi::Buffer<ffi::F32>>()      \
-                                    .Arg<ffi::AnyBuffer>()             \
+                                    .Arg<ffi::AnyBuffer>() scales      \
                                     .Arg<ffi::Buffer<ffi::S32>>()      \
                                     .Arg<ffi::Buffer<ffi::S32>>()      \
                                     .Arg<ffi::Buffer<ffi::S32>>()      \
@@ -350,24 +352,10 @@ ffi::Error ScaledKv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffe
                                     .Attr<float>("sm_scale")           \
                                     .Attr<int32_t>("sliding_window")   \
                                     .Attr<float>("soft_cap"));
-#define JAXSERVE_ATTENTION_SCALED(name, impl)                          \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                            \
-                                ffi::Ffi::Bind()                       \
-                                    .Ctx<ffi::ThreadPool>()            \
-                                    .Arg<ffi::Buffer<ffi::F32>>()      \
-                                    .Arg<ffi::AnyBuffer>()             \
-                                    .Arg<ffi::Buffer<ffi::F32>>()      \
-                                    .Arg<ffi::Buffer<ffi::S32>>()      \
-                                    .Arg<ffi::Buffer<ffi::S32>>()      \
-                                    .Arg<ffi::Buffer<ffi::S32>>()      \
-                                    .Arg<ffi::Buffer<ffi::S32>>()      \
-                                    .Ret<ffi::Buffer<ffi::F32>>()      \
-                                    .Attr<float>("sm_scale")           \
-                                    .Attr<int32_t>("sliding_window")   \
-                                    .Attr<float>("soft_cap"));
+#define JAXSERVE_SCALES .Arg<ffi::Buffer<ffi::F32>>()
 
-JAXSERVE_ATTENTION(JaxserveAttentionF32, FloatKv<float>)
-JAXSERVE_ATTENTION(JaxserveAttentionBf16, FloatKv<bf16_t>)
-JAXSERVE_ATTENTION_SCALED(JaxserveAttentionS8, ScaledKv<int8_t>)
-JAXSERVE_ATTENTION_SCALED(JaxserveAttentionF8e4m3fn, ScaledKv<F8E4M3>)
-JAXSERVE_ATTENTION_SCALED(JaxserveAttentionF8e5m2, ScaledKv<F8E5M2>)
+JAXSERVE_ATTENTION(JaxserveAttentionF32, FloatKv<float>, )
+JAXSERVE_ATTENTION(JaxserveAttentionBf16, FloatKv<bf16_t>, )
+JAXSERVE_ATTENTION(JaxserveAttentionS8, ScaledKv<int8_t>, JAXSERVE_SCALES)
+JAXSERVE_ATTENTION(JaxserveAttentionF8e4m3fn, ScaledKv<F8E4M3>, JAXSERVE_SCALES)
+JAXSERVE_ATTENTION(JaxserveAttentionF8e5m2, ScaledKv<F8E5M2>, JAXSERVE_SCALES)

@@ -85,13 +85,19 @@ inline void NkRows(const Problem<T>& p, int64_t n0, int64_t n1) {
   }
 }
 
+// Calls rows(n0, n1) on the pool's threads for chunks of w's n rows (about 16 a
+// thread, so that a thread that finishes early takes more).
+template <typename Rows>
+void ForOutputChunks(ffi::ThreadPool& pool, int64_t n, Rows rows) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(n, 16 * threads));
+  ParallelFor(pool, chunks,
+              [rows, n, chunks](int64_t c) { rows(n * c / chunks, n * (c + 1) / chunks); });
+}
+
 template <typename T>
 void MatmulNk(ffi::ThreadPool& pool, const Problem<T>& p) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(p.N, 16 * threads));
-  ParallelFor(pool, chunks, [p, chunks](int64_t c) {
-    NkRows(p, p.N * c / chunks, p.N * (c + 1) / chunks);
-  });
+  ForOutputChunks(pool, p.N, [p](int64_t n0, int64_t n1) { NkRows(p, n0, n1); });
 }
 
 // ------------------------------------------- nk, int8, with AVX-512 VNNI: in integers
@@ -181,12 +187,10 @@ void MatmulNk(ffi::ThreadPool& pool, const Problem<int8_t>& p) {
       xq[m * Kp + k] = static_cast<int16_t>(std::min(32767.0f, std::max(-32767.0f, v)));
     }
   }
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(p.N, 16 * threads));
   const int16_t* xqp = xq.data();
   const float* xsp = xs.data();
-  ParallelFor(pool, chunks, [&p, xqp, xsp, Kp, chunks](int64_t c) {
-    NkVnniRows(xqp, xsp, Kp, p, p.N * c / chunks, p.N * (c + 1) / chunks);
+  ForOutputChunks(pool, p.N, [p, xqp, xsp, Kp](int64_t n0, int64_t n1) {
+    NkVnniRows(xqp, xsp, Kp, p, n0, n1);
   });
 }
 #endif

@@ -21,6 +21,19 @@ namespace jaxserve_cpu {
 
 namespace ffi = xla::ffi;
 
+// e^r for r in [-ln 2 / 2, ln 2 / 2] (Cephes' expf polynomial), in V's vectors: the
+// vector Exps below scale it by 2^n.
+template <typename V>
+inline typename V::F ExpPoly(typename V::F r) {
+  typename V::F p = V::Set1(1.9875691500e-4f);
+  p = V::Fma(p, r, V::Set1(1.3981999507e-3f));
+  p = V::Fma(p, r, V::Set1(8.3334519073e-3f));
+  p = V::Fma(p, r, V::Set1(4.1665795894e-2f));
+  p = V::Fma(p, r, V::Set1(1.6666665459e-1f));
+  p = V::Fma(p, r, V::Set1(5.0000001201e-1f));
+  return V::Fma(p, V::Mul(r, r), V::Add(r, V::Set1(1.0f)));
+}
+
 #if defined(__AVX512F__)
 struct Vec {
   using F = __m512;
@@ -48,16 +61,7 @@ struct Vec {
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     F r = _mm512_fnmadd_ps(n, Set1(0.693359375f), x);
     r = _mm512_fnmadd_ps(n, Set1(-2.12194440e-4f), r);
-    return _mm512_scalef_ps(ExpPoly(r), n);
-  }
-  static F ExpPoly(F r) {
-    F p = Set1(1.9875691500e-4f);
-    p = Fma(p, r, Set1(1.3981999507e-3f));
-    p = Fma(p, r, Set1(8.3334519073e-3f));
-    p = Fma(p, r, Set1(4.1665795894e-2f));
-    p = Fma(p, r, Set1(1.6666665459e-1f));
-    p = Fma(p, r, Set1(5.0000001201e-1f));
-    return Fma(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, Set1(1.0f)));
+    return _mm512_scalef_ps(ExpPoly<Vec>(r), n);
   }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -92,13 +96,7 @@ struct Vec {
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     F r = _mm256_fnmadd_ps(n, Set1(0.693359375f), x);
     r = _mm256_fnmadd_ps(n, Set1(-2.12194440e-4f), r);
-    F p = Set1(1.9875691500e-4f);
-    p = Fma(p, r, Set1(1.3981999507e-3f));
-    p = Fma(p, r, Set1(8.3334519073e-3f));
-    p = Fma(p, r, Set1(4.1665795894e-2f));
-    p = Fma(p, r, Set1(1.6666665459e-1f));
-    p = Fma(p, r, Set1(5.0000001201e-1f));
-    p = Fma(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, Set1(1.0f)));
+    const F p = ExpPoly<Vec>(r);
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
   }
