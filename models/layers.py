@@ -304,10 +304,19 @@ def store_rows(model: nnx.Module) -> nnx.Module:
     model, Zen 4: a one-row decode step 59 -> 33 ms, 16 rows 153 -> 147, a 512-token
     prefill 1.20 -> 1.17 s; in float32 XLA's 16-row products of [out, in] weights
     are 27% slower, so float32 keeps [in, out])."""
+    return _replace_layers(model, {nnx.Linear: RowsLinear})
+
+
+def _replace_layers(model: nnx.Module, variants: dict, kept: str = "") -> nnx.Module:
+    """Replaces, in place, every layer whose type is a key of `variants` by the variant
+    built from it, except those a module names in its attribute `kept`; returns the
+    model."""
     for _, module in list(nnx.iter_modules(model)):
+        keep = getattr(module, kept, ())  # kept="": no such attribute
         for name, child in list(vars(module).items()):
-            if type(child) is nnx.Linear:
-                setattr(module, name, RowsLinear(child))
+            variant = variants.get(type(child))
+            if variant is not None and name not in keep:
+                setattr(module, name, variant(child))
     return model
 
 
@@ -320,11 +329,4 @@ def quantize_weights(model: nnx.Module, method: str = "int8") -> nnx.Module:
     if method != "int8":
         raise ValueError(f"quantization must be 'int8', got {method!r}")
     variants = {nnx.Linear: QuantizedLinear, nnx.Embed: QuantizedEmbed}
-    for _, module in list(nnx.iter_modules(model)):
-        for name, child in list(vars(module).items()):
-            if name in getattr(module, "unquantized", ()):
-                continue
-            variant = variants.get(type(child))
-            if variant is not None:
-                setattr(module, name, variant(child))
-    return model
+    return _replace_layers(model, variants, kept="unquantized")

@@ -106,16 +106,18 @@ class ModelRunner:
         self.mesh = mesh
         check_kv_dtype(config.attention_backend, config.kv_dtype)
         t0 = time.perf_counter()
-        if jax.default_backend() == "cpu" and not _fast_on_this_cpu(config.dtype):
+        on_cpu = jax.default_backend() == "cpu"
+        if on_cpu and not _fast_on_this_cpu(config.dtype):
             logger.warning(
                 "dtype=%s is slow on this CPU: XLA:CPU runs its matmuls several times "
                 "slower than float32 (bfloat16 is fast with AMX or AVX512-BF16); "
                 "dtype=float32 is the fast one",
                 config.dtype,
             )
-        if jax.default_backend() == "cpu":
-            # The CPU attention backend and int8 decode steps call C++ kernels (built
-            # once per machine); without them they run XLA's slower formulations.
+        if on_cpu:
+            # The CPU attention backend and decode steps' int8 / bfloat16 matmuls call
+            # C++ kernels (built once per machine); without them they run XLA's slower
+            # formulations.
             cpu_library.load(KERNEL_CACHE_DIR)
         model = load_model(
             config.model_dir,
@@ -126,7 +128,7 @@ class ModelRunner:
             mesh=mesh,
         )
         if (
-            jax.default_backend() == "cpu"
+            on_cpu
             and config.dtype == "bfloat16"
             and config.quantization is None
             and (mesh is None or mesh.devices.size == 1)
