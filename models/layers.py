@@ -201,6 +201,21 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
 # ----------------------------------------------------------------------------
 
 
+def _axes(param: nnx.Param, reverse: bool = False) -> tuple[str | None, ...] | None:
+    """A parameter's logical axis names (None: unannotated), reversed for its
+    transpose."""
+    axes = param.get_metadata().get("out_sharding")
+    return tuple(reversed(axes)) if axes is not None and reverse else axes
+
+
+def _param(value: jax.Array, axes: tuple[str | None, ...] | None) -> nnx.Param:
+    """A parameter annotated like `linear`'s (eager sharding off) with `axes`, so a
+    variant built from a loaded layer shards on a mesh as the layer did."""
+    if axes is None:
+        return nnx.Param(value)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
 def rows_dot(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Array:
     """x [M, K] times weights w [N, K] (each output's weights a row: an embedding used as
     the LM head, an int8 Linear's kernel), dequantized with `scale` [N] when w is int8
@@ -213,7 +228,9 @@ def rows_dot(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.
     re-read the weights. So on the CPU, up to `max_rows` rows (decode steps) call the
     C++ kernel of `pallas_kernels.cpu.matmul`, which reads each weight once for all
     rows, when it is loaded (the model runner loads it); more rows (a prefill chunk),
-    or no kernel, take XLA's dot, whose cost the rows amortise.
+    or no kernel, take XLA's dot, whose cost the rows amortise. Traced under a mesh
+    (tensor parallelism), XLA's dot too: it partitions it like any other, where it
+    cannot partition the kernel's custom call.
     """
     dims = (((1,), (1,)), ((), ()))
 
@@ -223,7 +240,11 @@ def rows_dot(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.
         return dot_f32(x.astype(w.dtype), w, dims)
 
     def cpu(x):
-        if x.shape[0] <= cpu_matmul.max_rows(w.dtype) and cpu_library.is_loaded():
+        if (
+            x.shape[0] <= cpu_matmul.max_rows(w.dtype)
+            and cpu_library.is_loaded()
+            and jax.sharding.get_abstract_mesh().size <= 1  # no mesh: size 0
+        ):
             return cpu_matmul.matmul(x, w, scale)
         if w.dtype == jnp.int8:
             return cpu_matmul.matmul_reference(x, w, scale)
@@ -238,7 +259,7 @@ class RowsLinear(nnx.Module):
     weights once (`store_rows` builds it from a loaded Linear)."""
 
     def __init__(self, layer: nnx.Linear):
-        self.kernel = nnx.Param(layer.kernel[...].T)
+        self.kernel = _param(layer.kernel[...].T, _axes(layer.kernel, reverse=True))
         self.bias = layer.bias
 
     def row_scales(self) -> jax.Array | None:
@@ -259,8 +280,9 @@ class QuantizedLinear(RowsLinear):
 
     def __init__(self, layer: nnx.Linear):
         q, scale = quantize(layer.kernel[...], jnp.int8, axis=0)
-        self.kernel = nnx.Param(q.T)
-        self.scale = nnx.Param(scale.astype(layer.kernel.dtype))
+        axes = _axes(layer.kernel, reverse=True)  # [out, in]
+        self.kernel = _param(q.T, axes)
+        self.scale = _param(scale.astype(layer.kernel.dtype), axes and axes[:1])
         self.bias = layer.bias
 
     def row_scales(self) -> jax.Array:
@@ -273,8 +295,9 @@ class QuantizedEmbed(nnx.Module):
 
     def __init__(self, layer: nnx.Embed):
         q, scale = quantize(layer.embedding[...], jnp.int8, axis=1)
-        self.embedding = nnx.Param(q)
-        self.scale = nnx.Param(scale.astype(layer.embedding.dtype))
+        axes = _axes(layer.embedding)  # [vocab, embed]
+        self.embedding = _param(q, axes)
+        self.scale = _param(scale.astype(layer.embedding.dtype), axes and axes[:1])
 
     def __call__(self, ids: jax.Array) -> jax.Array:  # [T] -> [T, D]
         rows = self.embedding[...][ids].astype(jnp.float32) * self.scale[...][ids, None]

@@ -7,8 +7,10 @@ For each scenario, `LLM(tensor_parallel_size=1)` and then each TP serve the same
 prompts (token ids, shared prefixes) with greedy decoding (logprobs too) and seeded
 sampling with n=2; the greedy tokens and samples must be equal, the logprobs close.
 Scenarios: "basic"; "stress" (prefix caching hits, chunked prefill, preemption from a
-short pool); "ngram" and "draft" (speculative decoding; the draft model is the model
-itself, sharded the same way); "guard" (warm-up, then zero compilations while serving).
+short pool); "int8" (int8 weights quantized at load, with "stress"'s settings) and
+"int8_orbax" (int8 weights from `jaxserve convert --quantization=int8`); "ngram" and
+"draft" (speculative decoding; the draft model is the model itself, sharded the same
+way); "guard" (warm-up, then zero compilations while serving).
 Every step is waited for (the engine fetches each step's tokens), which keeps the CPU
 collectives from deadlocking.
 """
@@ -24,6 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from engine_utils import SMALL_LLM_IDS
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.checkpoint import convert
 
 BASE = SMALL_LLM_IDS
 
@@ -48,6 +51,12 @@ SCENARIOS = {
         kv_offload_bytes=1 << 22,
         kv_cache_dtype="int8",
     ),
+    # int8 weights quantized at load (each int8 array and scale sharded as its layer),
+    # with prefix hits, chunked prefill and preemption.
+    "int8": dict(quantization="int8", max_num_batched_tokens=16, num_kv_pages=12, max_num_seqs=4),
+    # int8 weights stored by `jaxserve convert --quantization=int8`, restored straight
+    # into their shardings.
+    "int8_orbax": "int8_orbax",
     "ngram": dict(speculative_config=dict(method="ngram", num_speculative_tokens=3)),
     "draft": "draft",
     "guard": dict(warmup=True, compile_guard=True, max_num_seqs=4, max_num_batched_tokens=32),
@@ -65,6 +74,11 @@ def prompts(vocab: int) -> list[dict]:
 
 def serve(model_dir: str, tp: int, scenario: str):
     kw = SCENARIOS[scenario]
+    if kw == "int8_orbax":
+        int8_dir = os.path.join(model_dir, "int8-orbax")
+        if not os.path.exists(int8_dir):
+            convert(model_dir, int8_dir, quantization="int8")
+        model_dir, kw = int8_dir, {}
     if kw == "draft":
         kw = dict(speculative_config=dict(method="draft_model", num_speculative_tokens=2))
         kw["speculative_config"]["model"] = model_dir
@@ -87,11 +101,13 @@ def serve(model_dir: str, tp: int, scenario: str):
     stats = llm.engine.stats()
     llm.engine.pool.check_invariant()
     assert llm.engine.pool.num_free == llm.engine.pool.capacity
-    if scenario.startswith(("stress", "async_tier")):
+    if scenario.startswith("int8"):
+        assert llm.config.quantization == "int8" and any(w.dtype == np.int8 for w in runner.weights)
+    if scenario.startswith(("stress", "async_tier")) or scenario == "int8":
         assert stats.num_preemptions > 0, stats
     if scenario.startswith("async_tier"):
         assert llm.engine.tier.stats.loads > 0, llm.engine.tier.stats
-    if scenario in ("stress", "basic"):
+    if scenario in ("stress", "basic", "int8", "int8_orbax"):
         assert stats.prefix_cache_hits > 0, stats
     if scenario in ("ngram", "draft"):
         assert stats.spec_decode_num_accepted_tokens > 0, stats

@@ -3,11 +3,13 @@ directories (`jaxserve convert`)."""
 
 from __future__ import annotations
 
+import jax
 from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.checkpoint.hf import abstract_model, load_hf_model, save_weights
 from jaxserve.checkpoint.orbax_io import convert, is_orbax_dir, restore
+from jaxserve.parallel import state_shardings
 from models.config import ModelConfig
 from models.layers import quantize_weights
 
@@ -29,13 +31,11 @@ def load_model(
     `quantization="int8"` quantizes the loaded weights
     (`models.layers.quantize_weights`), unless the directory stores them quantized
     (`config.quantization`: an orbax directory written with `--quantization`)."""
-    if quantization is not None and mesh is not None:
-        raise ValueError(
-            f"quantization={quantization!r} with a device mesh (tensor_parallel_size > 1) is "
-            "not supported yet: the int8 layers carry no sharding annotations"
-        )
     load = restore if is_orbax_dir(model_dir) else load_hf_model
     model = load(model_dir, config, dtype=dtype, attention_backend=attention_backend, mesh=mesh)
     if quantization and config.quantization is None:  # else stored quantized already
         model = quantize_weights(model, quantization)
+        if mesh is not None:  # each int8 array and scale onto its own sharding
+            graphdef, state = nnx.split(model)
+            model = nnx.merge(graphdef, jax.device_put(state, state_shardings(state, mesh)))
     return model

@@ -21,6 +21,9 @@ RUNS = [
     ("qwen2_14_to_2", QWEN_ODD, "4", "async_tier_int8"),
     ("llama2_mha", {}, "4", "async_tier_int8"),
     ("llama2_mha", {}, "2", "guard"),
+    # int8 weights: the vocabulary (tied, 131 rows) replicated, the projections split.
+    ("qwen2_14_to_2", QWEN_ODD, "2,4", "int8,int8_orbax"),
+    ("llama2_mha", {}, "4", "int8"),
     ("llama3_gqa_rope_scaling", {}, "2", "basic"),
     ("mistral_sliding_window", {}, "2", "basic"),
     ("qwen3_head_dim_mismatch", {}, "2", "basic"),
@@ -41,5 +44,6 @@ def test_tensor_parallel_engine_equals_one_device(case, overrides, tps, scenario
     arch, base = CASES[case]
     make_hf_model(tmp_path, arch, {**base, **overrides})
     stdout = run_on_8_devices("tp_engine_check.py", tmp_path, tps, scenario)
-    for tp in tps.split(","):
-        assert f"{scenario} tp={tp}: " in stdout, stdout
+    for name in scenario.split(","):
+        for tp in tps.split(","):
+            assert f"{name} tp={tp}: " in stdout, stdout

@@ -262,6 +262,7 @@ QWEN2_SMALL = dict(
         (1, "fp8_e5m2", "int8"),
         (2, "bfloat16", None),
         (2, "int8", None),
+        (2, "bfloat16", "int8"),  # int8 weights sharded as their layers
     ],
 )
 def test_the_engine_step_lowers_with_the_pallas_backend(
