@@ -151,6 +151,9 @@ class SchedulerConfig:
             raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
 
 
+DATA_PARALLEL_BACKENDS = ("local", "ray")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """How many devices one engine spans (`tensor_parallel_size`, over the mesh's
@@ -160,6 +163,12 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Where the replicas run: "local" (this process, each on its slice of this host's
+    # devices) or "ray" (each in its own Ray actor, on the machines of a Ray cluster:
+    # `jaxserve.ray_replicas`), joining the cluster at `ray_address` (None: Ray's
+    # default, which starts a cluster on this machine unless one is configured).
+    data_parallel_backend: str = "local"
+    ray_address: str | None = None
     # Multi-host: one mesh over `num_processes` processes (jax.distributed); process 0
     # (the leader) schedules and serves, the others only run its steps.
     coordinator_address: str | None = None  # host:port of process 0's coordinator
@@ -182,11 +191,17 @@ class ParallelConfig:
                 f"num_processes={self.num_processes} needs coordinator_address "
                 "(host:port of process 0)"
             )
+        if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
+            raise ValueError(
+                f"data_parallel_backend must be one of {DATA_PARALLEL_BACKENDS}, got "
+                f"{self.data_parallel_backend!r}"
+            )
         if self.num_processes > 1 and self.data_parallel_size > 1:
             raise ValueError(
                 f"data_parallel_size={self.data_parallel_size} with num_processes="
-                f"{self.num_processes}: replicas across hosts are not supported; run one "
-                "multi-host engine per replica"
+                f"{self.num_processes}: a replica spans one host; for replicas on several "
+                "hosts use data_parallel_backend='ray' (one process, the replicas placed "
+                "on the Ray cluster's machines)"
             )
         if self.step_timeout_s <= 0:
             raise ValueError(f"step_timeout_s must be positive, got {self.step_timeout_s}")
@@ -432,6 +447,8 @@ _NESTED_ARGS: dict[str, tuple[str, str]] = {
     "async_scheduling": ("scheduler", "async_scheduling"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "data_parallel_size": ("parallel", "data_parallel_size"),
+    "data_parallel_backend": ("parallel", "data_parallel_backend"),
+    "ray_address": ("parallel", "ray_address"),
     "coordinator_address": ("parallel", "coordinator_address"),
     "num_processes": ("parallel", "num_processes"),
     "process_id": ("parallel", "process_id"),

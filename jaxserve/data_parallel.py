@@ -1,9 +1,11 @@
 """Data parallelism: M engine replicas, each on its own slice of the devices, behind
 one front that the servers use like an `AsyncLLMEngine`.
 
-Replica i serves on devices [i * tp, (i + 1) * tp) (tp = tensor_parallel_size), with
-its own scheduler, page pool and engine thread; the scheduler never knows it has
-siblings. `DataParallelEngine` routes each request to a replica:
+Locally (`data_parallel_backend="local"`) replica i serves on devices
+[i * tp, (i + 1) * tp) (tp = tensor_parallel_size), with its own scheduler, page
+pool and engine thread; with "ray" each replica is an engine in a Ray actor on a
+machine of a Ray cluster (`jaxserve.ray_replicas`). The scheduler never knows it
+has siblings. `DataParallelEngine` routes each request to a replica:
 
 - prefix affinity: `PrefixRouter` remembers, per replica, the chained keys of the
   full prompt pages it sent there (the same keys the page pool caches under), so a
@@ -31,6 +33,7 @@ from jaxserve.engine import LLMEngine
 from jaxserve.kv.page_pool import ROOT_UID
 from jaxserve.metrics import StatsSnapshot
 from jaxserve.outputs import ModelInfo, RequestOutput
+from jaxserve.request import ResumedSample
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 
@@ -82,6 +85,21 @@ class PrefixRouter:
         return choice
 
 
+def data_parallel_engine(
+    config: EngineConfig, tokenizer: Tokenizer | None, tokenizer_dir: str | None
+) -> DataParallelEngine:
+    """`config.parallel.data_parallel_size` replicas behind one front: in this process
+    on this host's devices (`data_parallel_backend="local"`), or each in a Ray actor
+    on a machine of a Ray cluster ("ray": `jaxserve.ray_replicas`, where each replica
+    loads its own tokenizer from `tokenizer_dir`)."""
+    if config.parallel.data_parallel_backend == "ray":
+        from jaxserve.ray_replicas import ray_replicas
+
+        return DataParallelEngine(ray_replicas(config, tokenizer_dir), config)
+    engines = replica_engines(config, tokenizer)
+    return DataParallelEngine([AsyncLLMEngine(e) for e in engines], config)
+
+
 def replica_engines(
     config: EngineConfig, tokenizer: Tokenizer | None, devices=None
 ) -> list[LLMEngine]:
@@ -103,19 +121,21 @@ def replica_engines(
 
 
 class DataParallelEngine:
-    """M `AsyncLLMEngine`s behind the `AsyncLLMEngine` interface the front ends use."""
+    """M replicas behind the `AsyncLLMEngine` interface the front ends use. A replica
+    is an `AsyncLLMEngine` (local) or a `jaxserve.ray_replicas.RayReplica`: anything
+    with its `model_info`, `healthy`, `error`, `num_requests`, `stats`, `validate`,
+    `generate`, `abort` and `shutdown`."""
 
-    def __init__(self, engines: list[LLMEngine]):
-        if not engines:
+    def __init__(self, replicas: list, config: EngineConfig):
+        if not replicas:
             raise ValueError("a data-parallel engine needs at least one replica")
-        self.replicas = [AsyncLLMEngine(e) for e in engines]
-        first = engines[0]
-        c = first.config
+        self.replicas = list(replicas)
+        page_size = config.cache.page_size
         self.router = PrefixRouter(
-            len(engines),
-            page_size=c.cache.page_size,
-            capacity=first.pool.capacity,
-            max_imbalance=c.scheduler.max_num_seqs,
+            len(replicas),
+            page_size=page_size,
+            capacity=min(r.model_info.kv_cache_tokens for r in replicas) // page_size,
+            max_imbalance=config.scheduler.max_num_seqs,
         )
         self._lock = threading.Lock()  # routing may come from several event loops
         self._owner: dict[str, int] = {}  # request id -> its replica, while it runs
@@ -123,7 +143,7 @@ class DataParallelEngine:
         self.model_info: ModelInfo = dataclasses.replace(
             info,
             kv_cache_tokens=sum(r.model_info.kv_cache_tokens for r in self.replicas),
-            data_parallel_size=len(engines),
+            data_parallel_size=len(replicas),
             num_devices=sum(r.model_info.num_devices for r in self.replicas),
         )
 
@@ -133,7 +153,11 @@ class DataParallelEngine:
 
     @property
     def error(self) -> BaseException | None:
-        return next((r.error for r in self.replicas if r.error is not None), None)
+        """The first failed replica's error, naming the replica."""
+        for i, r in enumerate(self.replicas):
+            if r.error is not None:
+                return EngineDeadError(f"data-parallel replica {i} stopped: {r.error!r}")
+        return None
 
     @property
     def num_requests(self) -> int:
@@ -174,10 +198,11 @@ class DataParallelEngine:
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        resume: list[ResumedSample] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Routes the request to a replica and streams its outputs from there."""
         if not self.healthy:
-            raise EngineDeadError(f"a data-parallel replica stopped: {self.error!r}")
+            raise self.error
         with self._lock:
             if request_id in self._owner:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -192,6 +217,7 @@ class DataParallelEngine:
                 prompt=prompt,
                 priority=priority,
                 cache_salt=cache_salt,
+                resume=resume,
             ):
                 yield out
         finally:

@@ -68,6 +68,68 @@ class _Lookahead:
         return [-1] * min(self.k, self.k if limit is None else limit)
 
 
+def validate_request(
+    config: EngineConfig,
+    pool_capacity: int,
+    has_tokenizer: bool,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+) -> int:
+    """Checks a request against an engine's model, limits and pool of `pool_capacity`
+    pages (`LLMEngine.validate`; a front of remote replicas checks here, before
+    anything is sent); returns its max_tokens.
+
+    Raises ValueError naming the field and the value.
+    """
+    ids = prompt_token_ids
+    vocab = config.model.vocab_size
+    if not ids:
+        raise ValueError("prompt_token_ids must not be empty")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    limit = config.max_model_len
+    if len(ids) >= limit:
+        raise ValueError(
+            f"prompt has {len(ids)} tokens; max_model_len is {limit}, "
+            "which must leave room for at least one generated token"
+        )
+    max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+    if len(ids) + max_tokens > limit:
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+            f"max_model_len ({limit})"
+        )
+    need = -(-(len(ids) + max_tokens) // config.cache.page_size)
+    if need > pool_capacity:
+        raise ValueError(
+            f"request needs {need} KV pages for {len(ids) + max_tokens} tokens; "
+            f"the whole pool has {pool_capacity}"
+        )
+    if len(params.logit_bias or {}) > config.max_logit_bias:
+        raise ValueError(
+            f"logit_bias has {len(params.logit_bias)} entries; this engine takes at "
+            f"most {config.max_logit_bias} (its max_logit_bias)"
+        )
+    if params.stop and not has_tokenizer:
+        raise ValueError(
+            f"stop {params.stop!r}: stop strings need a tokenizer, and this engine has "
+            "none (skip_tokenizer_init); use stop_token_ids"
+        )
+    if params.structured_outputs is not None:
+        if not has_tokenizer:
+            raise ValueError(
+                f"structured_outputs.{params.structured_outputs.kind}: structured output "
+                "needs a tokenizer, and this engine has none (skip_tokenizer_init)"
+            )
+        GrammarCompiler.check(params.structured_outputs)  # ~1 ms; the compile is later
+    if params.logit_bias and max(params.logit_bias) >= vocab:
+        raise ValueError(
+            f"logit_bias names token {max(params.logit_bias)}, outside the vocabulary [0, {vocab})"
+        )
+    return max_tokens
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -259,58 +321,9 @@ class LLMEngine:
 
         Raises ValueError naming the field and the value.
         """
-        ids = prompt_token_ids
-        vocab = self.config.model.vocab_size
-        if not ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        bad = [
-            t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-        ]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids has ids outside the vocabulary [0, {vocab}): {bad[:5]}"
-            )
-        limit = self.config.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; max_model_len is {limit}, "
-                "which must leave room for at least one generated token"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
-        if len(ids) + max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                f"max_model_len ({limit})"
-            )
-        need = -(-(len(ids) + max_tokens) // self.config.cache.page_size)
-        if need > self.pool.capacity:
-            raise ValueError(
-                f"request needs {need} KV pages for {len(ids) + max_tokens} tokens; "
-                f"the whole pool has {self.pool.capacity}"
-            )
-        if len(params.logit_bias or {}) > self.config.max_logit_bias:
-            raise ValueError(
-                f"logit_bias has {len(params.logit_bias)} entries; this engine takes at "
-                f"most {self.config.max_logit_bias} (its max_logit_bias)"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError(
-                f"stop {params.stop!r}: stop strings need a tokenizer, and this engine has "
-                "none (skip_tokenizer_init); use stop_token_ids"
-            )
-        if params.structured_outputs is not None:
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"structured_outputs.{params.structured_outputs.kind}: structured output "
-                    "needs a tokenizer, and this engine has none (skip_tokenizer_init)"
-                )
-            GrammarCompiler.check(params.structured_outputs)  # ~1 ms; the compile is later
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(
-                f"logit_bias names token {max(params.logit_bias)}, outside the "
-                f"vocabulary [0, {vocab})"
-            )
-        return max_tokens
+        return validate_request(
+            self.config, self.pool.capacity, self.tokenizer is not None, prompt_token_ids, params
+        )
 
     def add_request(
         self,

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from jaxserve import multihost
 from jaxserve.assets import DEFAULT_MODEL, EMBEDDED_MODELS
 from jaxserve.config import ModelConfig, engine_config
-from jaxserve.data_parallel import DataParallelEngine, replica_engines
+from jaxserve.data_parallel import DataParallelEngine, data_parallel_engine
 from jaxserve.engine import LLMEngine
 from jaxserve.inputs import PromptType, parse_prompt
 from jaxserve.outputs import RequestOutput
@@ -118,7 +118,11 @@ class LLM:
                     f"{self.config.parallel.data_parallel_size} each replica takes its own slice"
                 )
             # Replicas behind a router, each with its engine thread (jaxserve.data_parallel).
-            self.engine = DataParallelEngine(replica_engines(self.config, self.tokenizer))
+            self.engine = data_parallel_engine(
+                self.config,
+                self.tokenizer,
+                None if skip_tokenizer_init else resolve_model_dir(tokenizer or model_dir),
+            )
         else:
             self.engine = LLMEngine(self.config, self.tokenizer, mesh)
         # Multi-host: each step's plan goes to the followers first.

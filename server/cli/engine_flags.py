@@ -57,6 +57,19 @@ flags.DEFINE_integer(
 flags.DEFINE_integer(
     "data_parallel_size", 1, "Engine replicas, each on its own tensor_parallel_size devices."
 )
+flags.DEFINE_enum(
+    "data_parallel_backend",
+    "local",
+    ["local", "ray"],
+    "Where data-parallel replicas run: local (this host's devices) or ray (each in a Ray "
+    "actor on the machines of a Ray cluster).",
+)
+flags.DEFINE_string(
+    "ray_address",
+    None,
+    "data_parallel_backend=ray: the Ray cluster to join (e.g. auto, or HEAD_IP:6379); "
+    "unset: Ray's default (a new cluster on this machine unless RAY_ADDRESS names one).",
+)
 flags.DEFINE_string(
     "coordinator_address",
     None,
@@ -142,6 +155,8 @@ ENGINE_FLAGS = (
     "kv_offload_dir",
     "tensor_parallel_size",
     "data_parallel_size",
+    "data_parallel_backend",
+    "ray_address",
     "coordinator_address",
     "num_processes",
     "process_id",
@@ -170,6 +185,7 @@ def engine_kwargs() -> dict:
     }
     kw["compilation_cache_dir"] = kw["compilation_cache_dir"] or None
     kw["kv_offload_dir"] = kw["kv_offload_dir"] or None
+    kw["ray_address"] = kw["ray_address"] or None
     return gather_speculative(kw)
 
 

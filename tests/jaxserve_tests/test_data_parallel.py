@@ -39,3 +39,17 @@ def test_replicas_answer_each_request_once_like_one_engine(dp, tp, hf_model_dir)
     path, _ = hf_model_dir("llama2_mha")
     stdout = run_on_8_devices("dp_check.py", path, dp, tp)
     assert f"dp={dp} tp={tp}: 30 requests answered once, equal to one engine" in stdout
+
+
+@pytest.mark.sharded
+@pytest.mark.slow
+def test_replicas_on_a_ray_cluster_serve_like_one_engine_and_fail_alone(hf_model_dir):
+    """Two replicas (TP 2 each) on two nodes of a local Ray cluster: outputs equal one
+    engine's, affinity routing; a stalled replica's requests fail within the bound,
+    the other replica's finish; a killed one's fail at once (`ray_dp_check.py`)."""
+    pytest.importorskip("ray")
+    path, _ = hf_model_dir("llama2_mha")
+    stdout = run_on_8_devices("ray_dp_check.py", path, 2)
+    assert "ray dp=2 tp=2 on 2 nodes: 30 requests answered once, equal to one engine" in stdout
+    assert "stalled replica: its 2 requests failed" in stdout
+    assert "killed replica: its request failed" in stdout

@@ -1,0 +1,154 @@
+"""Run in a subprocess with 8 fake CPU devices: data-parallel replicas on a Ray
+cluster of two machines serve like one engine, and a replica that stalls or dies
+fails only its own requests, within the bound.
+
+Usage: python ray_dp_check.py MODEL_DIR TP
+
+A Ray cluster of a head (no CPUs: it runs no replica) and two worker nodes of one CPU
+each (`ray.cluster_utils.Cluster`: separate raylets, as on two machines; each worker
+process sees 8 fake devices) takes `LLM(data_parallel_size=2,
+data_parallel_backend="ray", tensor_parallel_size=TP)`: one replica a node. dp_check's
+mixed workload, twice: every request answered once, outputs equal one local engine's,
+requests sharing a prefix routed by affinity. Then, with requests in flight on both
+replicas: replica 0's process is stopped (SIGSTOP): its requests fail with
+EngineDeadError within step_timeout_s + the health interval, the front reports
+unhealthy and refuses new requests, and replica 1's requests finish; then replica 1's
+process is killed (SIGKILL) mid-stream: its requests fail at once.
+"""
+
+import asyncio
+import os
+import signal
+import sys
+import time
+
+import jax
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from dp_check import BASE, outputs, workload
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.async_engine import EngineDeadError
+from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.ray_replicas import HEALTH_INTERVAL_S
+
+STEP_TIMEOUT_S = 4.0
+
+
+def pid_of(replica) -> int:
+    return int(replica.where.split(" pid ")[1].split()[0])
+
+
+async def stream(front, request_id: str, ids: list[int], started: asyncio.Event | None = None):
+    """('done', tokens) or ('dead', error message, seconds after the first output)."""
+    params = SamplingParams(temperature=0.0, max_tokens=128 - len(ids) - 1, ignore_eos=True)
+    first = None
+    try:
+        async for out in front.generate(request_id, ids, params):
+            last = out
+            if first is None:
+                first = time.monotonic()
+                if started is not None:
+                    started.set()
+        return "done", last.outputs[0].token_ids
+    except EngineDeadError as e:
+        return "dead", str(e), time.monotonic()
+
+
+async def failures(front, vocab: int) -> None:
+    r0, r1 = front.replicas
+    ids = [[3 + (7 * i + j) % (vocab - 3) for j in range(9)] for i in range(4)]
+    # Two requests on each replica (equal loads: the router alternates).
+    started = [asyncio.Event() for _ in ids]
+    tasks = [asyncio.create_task(stream(front, f"f{i}", p, started[i])) for i, p in enumerate(ids)]
+    await asyncio.gather(*(e.wait() for e in started))
+    owners = {rid: i for rid, i in front._owner.items()}
+    assert sorted(owners.values()) == [0, 0, 1, 1], owners
+    os.kill(pid_of(r0), signal.SIGSTOP)  # stalls: no answer, no error
+    stopped = time.monotonic()
+    results = await asyncio.gather(*tasks)
+    for i, result in enumerate(results):
+        if owners[f"f{i}"] == 0:
+            assert result[0] == "dead" and "replica 0" in result[1], result
+            waited = result[2] - stopped
+            assert waited <= STEP_TIMEOUT_S + 2 * HEALTH_INTERVAL_S + 2, waited
+            assert "health check" in result[1], result
+        else:
+            assert result[0] == "done" and len(result[1]) == 128 - 9 - 1, result[0]
+    assert not front.healthy and "health check" in repr(front.error)
+    try:
+        async for _ in front.generate("late", ids[0], SamplingParams(max_tokens=2)):
+            pass
+        raise AssertionError("an unhealthy front took a request")
+    except EngineDeadError as e:
+        assert "health check" in str(e), e
+    print(f"stalled replica: its 2 requests failed {waited:.1f}s after SIGSTOP, the other 2 done")
+
+    # Replica 1 is still healthy: a request sent to it directly, killed mid-stream.
+    started = asyncio.Event()
+    task = asyncio.create_task(stream(r1, "k", ids[1], started))
+    await started.wait()
+    os.kill(pid_of(r1), signal.SIGKILL)
+    killed = time.monotonic()
+    result = await task
+    assert result[0] == "dead" and "replica 1" in result[1], result
+    print(f"killed replica: its request failed {result[2] - killed:.1f}s after SIGKILL")
+    os.kill(pid_of(r0), signal.SIGCONT)
+
+
+def main(model_dir: str, tp: str) -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    assert len(jax.devices()) == 8, jax.devices()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    try:
+        one = LLM(model_dir, **BASE)
+        prompts, params = workload(one.config.model.vocab_size)
+        want = outputs(one, prompts, params)
+        llm = LLM(
+            model_dir,
+            data_parallel_size=2,
+            tensor_parallel_size=int(tp),
+            data_parallel_backend="ray",
+            ray_address=cluster.address,
+            step_timeout_s=STEP_TIMEOUT_S,
+            **BASE,
+        )
+        front = llm.engine
+        assert isinstance(front, DataParallelEngine) and len(front.replicas) == 2
+        nodes = {r.node_id for r in front.replicas}
+        assert len(nodes) == 2, [r.where for r in front.replicas]  # one replica a machine
+        assert all(r.model_info.tensor_parallel_size == int(tp) for r in front.replicas)
+        for rnd in range(2):
+            assert outputs(llm, prompts, params) == want, rnd
+        router, total = front.router, front.stats()
+        per_replica = front.replica_stats()
+        assert sum(router.routed) == 2 * len(prompts) and all(n > 0 for n in router.routed)
+        assert total.requests_finished == 2 * len(prompts)
+        assert router.affinity_hits >= 2 * 12 - 3, router.affinity_hits
+        assert sum(s.prefix_cache_hits for s in per_replica) == total.prefix_cache_hits > 0
+        try:
+            llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=500))
+            raise AssertionError("a request over max_model_len was taken")
+        except ValueError as e:
+            assert "max_model_len" in str(e), e
+        print(
+            f"ray dp=2 tp={tp} on 2 nodes: {2 * len(prompts)} requests answered once, equal "
+            f"to one engine; routed {router.routed}, affinity "
+            f"{router.affinity_hits}/{2 * len(prompts)}, prefix-cache hit rate "
+            f"{total.prefix_cache_hits / total.prefix_cache_queries:.2f}"
+        )
+        asyncio.run(failures(front, one.config.model.vocab_size))
+        for r in front.replicas:
+            r.shutdown(timeout=2)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

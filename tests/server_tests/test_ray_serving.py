@@ -1,0 +1,72 @@
+"""The servers over data-parallel replicas on a Ray cluster started on this machine
+(`data_parallel_backend="ray"`: each replica an engine in its own process)."""
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from conftest import ServerThread
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_server import _scrape, request, stub
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.data_parallel import DataParallelEngine
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "A B C D E F G H I J K L", "Hello"]
+
+
+@pytest.mark.slow
+def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(tiny_model_dir):
+    """Streams over gRPC and completions over HTTP equal the offline engine's greedy
+    tokens, spread over both replicas; /metrics shows each; killing a replica's process
+    turns health NOT_SERVING within the bound and new requests UNAVAILABLE."""
+    ray = pytest.importorskip("ray")
+    import httpx
+
+    params = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
+    offline = LLM(tiny_model_dir, max_model_len=128, warmup=False).generate(
+        PROMPTS, SamplingParams(**params), use_tqdm=False
+    )
+    want = [o.outputs[0].token_ids for o in offline]
+    server = ServerThread(
+        tiny_model_dir,
+        http_port=0,
+        llm_kwargs=dict(data_parallel_size=2, data_parallel_backend="ray", step_timeout_s=5),
+    )
+    try:
+        front = server.server.state.engine
+        assert isinstance(front, DataParallelEngine) and len(front.replicas) == 2
+        for prompt, tokens in zip(PROMPTS, want, strict=True):
+            got = []
+            for msg in stub(server.target).Generate(request(prompt, **params)):
+                got += msg.token_ids
+            assert got == tokens, prompt
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.server.http_port}") as http:
+            for prompt, tokens in zip(PROMPTS, want, strict=True):
+                body = dict(model="tiny", prompt=prompt, return_token_ids=True, **params)
+                choice = http.post("/v1/completions", json=body, timeout=60).json()["choices"][0]
+                assert choice["token_ids"] == tokens, prompt
+        assert all(n > 0 for n in front.router.routed), front.router.routed
+        metrics = _scrape(server.server.metrics_port)
+        for i in (0, 1):
+            key = f'jaxserve:replica_num_requests_running{{model_name="tiny",replica="{i}"}}'
+            assert key in metrics, sorted(metrics)[:20]
+        assert metrics['jaxserve:mesh_devices{dp="2",model_name="tiny",processes="1",tp="1"}']
+
+        pid = int(front.replicas[0].where.split(" pid ")[1].split()[0])
+        os.kill(pid, signal.SIGKILL)
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.target))
+        check = health_pb2.HealthCheckRequest(service="jaxserve.v1.JaxServe")
+        deadline = time.monotonic() + 5 + 5  # step_timeout_s + slack
+        while health.Check(check).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, "still SERVING after a replica died"
+            time.sleep(0.2)
+        with pytest.raises(grpc.RpcError) as e:
+            stub(server.target).Complete(request())
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "replica" in e.value.details(), e.value.details()
+    finally:
+        server.stop()
+        ray.shutdown()
