@@ -292,6 +292,10 @@ def ray_replicas(config: EngineConfig, tokenizer_dir: str | None) -> list[RayRep
         "data-parallel: %d replicas on Ray (%s each): %s",
         len(replicas),
         resources,
-        "; ".join(r.where for r in replicas),
+        "; ".join(
+            f"{r.where}: {r.model_info.kv_cache_tokens} KV tokens, max concurrency "
+            f"{r.model_info.kv_cache_tokens / config.max_model_len:.2f}x at max_model_len"
+            for r in replicas
+        ),
     )
     return replicas

@@ -31,6 +31,7 @@ from absl import flags
 from tqdm import tqdm
 
 from jaxserve.bench import report, workloads
+from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.llm import LLM, resolve_model_dir
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
@@ -166,12 +167,11 @@ def _run_offline(llm: LLM, reqs) -> dict:
     base = engine.stats()
     arrive, first, ends, token_times = {}, {}, {}, {}
     t0 = time.perf_counter()
-    for i, r in enumerate(reqs):
-        engine.add_request(
-            str(i),
-            r.prompt_token_ids,
-            SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=FLAGS.ignore_eos),
-        )
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=FLAGS.ignore_eos)
+        for r in reqs
+    ]
+    for i in range(len(reqs)):
         arrive[i], token_times[i] = t0, []
 
     def record(out) -> None:
@@ -183,7 +183,21 @@ def _run_offline(llm: LLM, reqs) -> dict:
             ends[i] = now
 
     with tqdm(total=len(reqs), desc="offline", unit="req", mininterval=2) as bar:
-        engine.run(record, progress=bar)
+        if isinstance(engine, DataParallelEngine):  # all at once through the router
+
+            async def one(i: int) -> None:
+                async for out in engine.generate(str(i), reqs[i].prompt_token_ids, params[i]):
+                    record(out)
+                bar.update(1)
+
+            async def run_all() -> None:
+                await asyncio.gather(*(one(i) for i in range(len(reqs))))
+
+            asyncio.run(run_all())
+        else:
+            for i, r in enumerate(reqs):
+                engine.add_request(str(i), r.prompt_token_ids, params[i])
+            engine.run(record, progress=bar)
     elapsed = time.perf_counter() - t0
     return _result(reqs, arrive, first, ends, token_times, elapsed, engine.stats(), base)
 

@@ -125,6 +125,11 @@ def test_engine_config_sizes_the_pool_from_the_budget():
         (dict(kv_cache_dtype="fp4"), "kv_cache_dtype must be one of"),
         (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
         (dict(data_parallel_size=1.5), "data_parallel_size must be a positive integer"),
+        (dict(data_parallel_backend="mpi"), "data_parallel_backend must be one of"),
+        (
+            dict(data_parallel_size=2, num_processes=2, coordinator_address="h:1"),
+            "use data_parallel_backend='ray'",
+        ),
         (dict(max_logit_bias=0), "max_logit_bias must be positive"),
         (dict(debug_preemption_rate=2.0), "debug_preemption_rate must be in"),
     ],

@@ -104,6 +104,25 @@ def test_offline_shared_prefix_with_and_without_caching(tiny_model_dir, tmp_path
 
 
 @pytest.mark.slow
+def test_offline_over_data_parallel_replicas_on_ray(tiny_model_dir, tmp_path):
+    """The offline mode streams through the data-parallel front (it has no add_request)."""
+    pytest.importorskip("ray")
+    result, _ = _bench(
+        tmp_path,
+        f"--model={tiny_model_dir}",
+        "--mode=offline",
+        "--num_requests=8",
+        "--input_len=16",
+        "--output_len=6",
+        "--data_parallel_size=2",
+        "--data_parallel_backend=ray",
+    )
+    run = result["runs"]["run"]
+    assert run["requests"] == 8 and run["output_tokens_per_s"] > 0
+    assert run["engine"]["steps"] > 0 and run["ttft_ms"]["p99"] >= run["ttft_ms"]["median"]
+
+
+@pytest.mark.slow
 def test_offline_grounded_with_ngram_speculation_reports_acceptance(tmp_path):
     result, stdout = _bench(
         tmp_path,

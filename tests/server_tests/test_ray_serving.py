@@ -20,8 +20,9 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "A B C D E F G H I J K L",
 @pytest.mark.slow
 def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(tiny_model_dir):
     """Streams over gRPC and completions over HTTP equal the offline engine's greedy
-    tokens, spread over both replicas; /metrics shows each; killing a replica's process
-    turns health NOT_SERVING within the bound and new requests UNAVAILABLE."""
+    tokens, spread over both replicas; /metrics shows each; a cancelled stream frees its
+    pages on its replica; killing a replica's process turns health NOT_SERVING within
+    the bound and new requests UNAVAILABLE."""
     ray = pytest.importorskip("ray")
     import httpx
 
@@ -54,6 +55,17 @@ def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(tiny_mod
             key = f'jaxserve:replica_num_requests_running{{model_name="tiny",replica="{i}"}}'
             assert key in metrics, sorted(metrics)[:20]
         assert metrics['jaxserve:mesh_devices{dp="2",model_name="tiny",processes="1",tp="1"}']
+
+        # A stream cancelled mid-way is aborted on its replica, which frees its pages.
+        call = stub(server.target).Generate(request(max_tokens=100, ignore_eos=True))
+        assert next(call).token_ids
+        call.cancel()
+        deadline = time.monotonic() + 10
+        while any(s.num_running or s.kv_cache_usage for s in front.replica_stats()):
+            assert time.monotonic() < deadline, front.replica_stats()
+            time.sleep(0.1)
+        assert front.num_requests == 0
+        assert sum(s.requests_aborted for s in front.replica_stats()) == 1
 
         pid = int(front.replicas[0].where.split(" pid ")[1].split()[0])
         os.kill(pid, signal.SIGKILL)
