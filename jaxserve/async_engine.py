@@ -39,7 +39,10 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclasses.dataclass
-class _Stream:
+class OutputStream:
+    """One request's outputs on their way from another thread to the coroutine that
+    reads them on `loop`."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     closed: bool = False  # the client stopped reading (finished, cancelled or failed)
@@ -63,8 +66,8 @@ class AsyncLLMEngine:
         self.engine = engine
         self.model_info: ModelInfo = engine.model_info()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}  # the event loop's: ids in use by clients
-        self._live: dict[str, _Stream] = {}  # the engine thread's: requests it accepted
+        self._streams: dict[str, OutputStream] = {}  # the event loop's: ids in use by clients
+        self._live: dict[str, OutputStream] = {}  # the engine thread's: requests it accepted
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -114,7 +117,7 @@ class AsyncLLMEngine:
         self.validate(prompt_token_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = OutputStream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._send(
             (

@@ -4,10 +4,11 @@ cluster, behind the same `DataParallelEngine` front as local replicas.
 
 The front (the process that serves gRPC/HTTP, tokenizes prompts and routes) holds
 one `RayReplica` per actor. It validates requests itself (`validate_request`, with
-the replica's pool size), streams each request's outputs from its actor (a Ray
-streaming generator over the actor's `AsyncLLMEngine`), aborts by cancelling that
-stream, and checks every replica's health every `HEALTH_INTERVAL_S`: a replica whose
-actor died, whose engine stopped, or that does not answer within
+the replica's pool size) and sends each to its actor (`ReplicaActor.add`); the
+actor's outputs come back on one Ray streaming generator, a batch per engine step
+for all its requests, and a thread of the front hands each to its request's stream.
+The front asks every replica whether it is alive every `HEALTH_INTERVAL_S`: a
+replica whose actor died, whose engine stopped, or that does not answer within
 `ParallelConfig.step_timeout_s` is failed, and so is every request in flight on it
 (EngineDeadError naming the replica); the front then reports unhealthy (the servers
 go NOT_SERVING), as a dead local replica or multi-host follower does.
@@ -37,7 +38,7 @@ import socket
 import threading
 from collections.abc import AsyncIterator
 
-from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, OutputStream
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine, validate_request
 from jaxserve.metrics import StatsSnapshot
@@ -54,7 +55,12 @@ STATS_TIMEOUT_S = 5.0  # a metrics scrape waits this long for a replica's counte
 
 class ReplicaActor:
     """One replica's engine, in its own Ray actor process (an async actor: these
-    methods run on the actor's event loop; the engine steps on its own thread)."""
+    methods run on the actor's event loop; the engine steps on its own thread).
+
+    Requests come in through `add` and `abort`; every request's outputs go out
+    through one stream, `outputs`, in batches of all that are ready (one Ray object
+    for a step's outputs, not one a token: Ray's per-object cost would otherwise
+    take the CPU the engines need)."""
 
     def __init__(self, config: EngineConfig, tokenizer_dir: str | None):
         import ray
@@ -64,16 +70,51 @@ class ReplicaActor:
         node = ray.get_runtime_context().get_node_id()
         self.where = f"{socket.gethostname()} pid {os.getpid()} node {node[:12]}"
         self.node_id = node
+        self._outbox: asyncio.Queue | None = None  # made on the actor's event loop
+        self._tasks: dict[str, asyncio.Task] = {}
 
     def describe(self) -> tuple[ModelInfo, int, str, str]:
         """(model info, the pool's pages, where it runs, its Ray node id)."""
         return self.engine.model_info, self.engine.engine.pool.capacity, self.where, self.node_id
 
-    async def generate(
+    def _queue(self) -> asyncio.Queue:
+        if self._outbox is None:
+            self._outbox = asyncio.Queue()
+        return self._outbox
+
+    async def add(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kw: dict
-    ) -> AsyncIterator[RequestOutput]:
-        async for out in self.engine.generate(request_id, prompt_token_ids, params, **kw):
-            yield out
+    ) -> None:
+        self._tasks[request_id] = asyncio.create_task(
+            self._run(request_id, prompt_token_ids, params, kw)
+        )
+
+    async def _run(self, request_id, prompt_token_ids, params, kw) -> None:
+        outbox = self._queue()
+        try:
+            async for out in self.engine.generate(request_id, prompt_token_ids, params, **kw):
+                outbox.put_nowait(out)
+        except asyncio.CancelledError:  # aborted: the engine dropped it
+            outbox.put_nowait((request_id, None))
+        except Exception as e:  # this request's error, or the engine's end
+            outbox.put_nowait((request_id, e))
+        finally:
+            self._tasks.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    async def outputs(self) -> AsyncIterator[list]:
+        """Every request's outputs, as RequestOutputs and (request id, error or None
+        for aborted) pairs, in batches of all that are ready."""
+        outbox = self._queue()
+        while True:
+            batch = [await outbox.get()]
+            while not outbox.empty():
+                batch.append(outbox.get_nowait())
+            yield batch
 
     def stats(self) -> StatsSnapshot:
         return self.engine.stats()
@@ -86,18 +127,13 @@ class ReplicaActor:
         self.engine.shutdown(timeout)
 
 
-@dataclasses.dataclass(eq=False)
-class _Waiter:
-    """A request in flight on a replica: its stream, and how to wake its reader."""
-
-    loop: asyncio.AbstractEventLoop
-    dead: asyncio.Future
-    stream: object  # ray's ObjectRefGenerator
+_ABORTED = object()  # ends an aborted request's stream
 
 
 class RayReplica:
     """The front's handle on one `ReplicaActor`, with the interface of an
-    `AsyncLLMEngine` that `DataParallelEngine` uses."""
+    `AsyncLLMEngine` that `DataParallelEngine` uses. A thread receives the actor's
+    output batches and hands each output to its request's stream."""
 
     def __init__(self, actor, config: EngineConfig, has_tokenizer: bool, index: int):
         import ray
@@ -108,13 +144,15 @@ class RayReplica:
         self.model_info: ModelInfo = info
         self.error: BaseException | None = None
         self._lock = threading.Lock()
-        self._waiters: dict[str, _Waiter] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._last_stats: StatsSnapshot = ray.get(actor.stats.remote())
         self._stop = threading.Event()
-        self._monitor = threading.Thread(
-            target=self._watch, name=f"jaxserve-ray-replica-{index}", daemon=True
-        )
-        self._monitor.start()
+        self._threads = [
+            threading.Thread(target=fn, name=f"jaxserve-ray-replica-{index}", daemon=True)
+            for fn in (self._receive, self._watch)
+        ]
+        for t in self._threads:
+            t.start()
 
     @property
     def healthy(self) -> bool:
@@ -122,7 +160,7 @@ class RayReplica:
 
     @property
     def num_requests(self) -> int:
-        return len(self._waiters)
+        return len(self._streams)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_request(
@@ -152,61 +190,37 @@ class RayReplica:
         resume: list[ResumedSample] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs from the replica until it finishes; raises
-        EngineDeadError as soon as the replica is failed."""
-        import ray
-
+        ValueError for a request it refuses, EngineDeadError once the replica failed."""
         self._check_alive()
         self.validate(prompt_token_ids, params)
-        loop = asyncio.get_running_loop()
-        kw = dict(prompt=prompt, priority=priority, cache_salt=cache_salt, resume=resume)
-        stream = self.actor.generate.options(num_returns="streaming").remote(
-            request_id, list(prompt_token_ids), params, kw
-        )
-        waiter = _Waiter(loop, loop.create_future(), stream)
+        stream = OutputStream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
-            if request_id in self._waiters:
-                ray.cancel(stream)
+            if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self._waiters[request_id] = waiter
+            self._streams[request_id] = stream
+        kw = dict(prompt=prompt, priority=priority, cache_salt=cache_salt, resume=resume)
+        self.actor.add.remote(request_id, list(prompt_token_ids), params, kw)
         finished = False
         try:
-            while not finished:
-                ref = asyncio.ensure_future(stream.__anext__())
-                await asyncio.wait({ref, waiter.dead}, return_when=asyncio.FIRST_COMPLETED)
-                if not ref.done():
-                    ref.cancel()
-                    self._check_alive()
-                try:
-                    out = await (await ref)
-                except StopAsyncIteration:
-                    return  # cancelled (aborted) before it finished
-                except ray.exceptions.TaskCancelledError:
+            while True:
+                item = await stream.queue.get()
+                if item is _ABORTED:
                     return
-                except ray.exceptions.RayTaskError as e:
-                    cause = e.cause
-                    if isinstance(cause, ray.exceptions.TaskCancelledError):
-                        return  # aborted
-                    if isinstance(cause, ValueError) and not isinstance(cause, EngineDeadError):
-                        raise cause from None  # this request was bad; the replica is fine
-                    self._fail(cause or e)
-                    self._check_alive()
-                except ray.exceptions.RayError as e:  # the actor, or its machine, is gone
-                    self._fail(e)
-                    self._check_alive()
-                finished = out.finished
-                yield out
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
         finally:
+            stream.closed = True
             with self._lock:
-                self._waiters.pop(request_id, None)
-            if not finished:
-                ray.cancel(stream)  # the actor's stream closes: its engine aborts it
+                self._streams.pop(request_id, None)
+            if not finished and self.error is None:
+                self.actor.abort.remote(request_id)  # the client went away
 
     def abort(self, request_id: str) -> None:
-        import ray
-
-        waiter = self._waiters.get(request_id)
-        if waiter is not None:
-            ray.cancel(waiter.stream)
+        self.actor.abort.remote(request_id)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         import ray
@@ -220,20 +234,44 @@ class RayReplica:
 
     def _check_alive(self) -> None:
         if self.error is not None:
-            raise EngineDeadError(
-                f"data-parallel replica {self.index} on {self.where} failed: {self.error!r}"
-            )
+            raise self._dead()
+
+    def _dead(self) -> EngineDeadError:
+        return EngineDeadError(
+            f"data-parallel replica {self.index} on {self.where} failed: {self.error!r}"
+        )
 
     def _fail(self, error: BaseException) -> None:
-        """Marks the replica dead (once) and wakes every request in flight on it."""
+        """Marks the replica dead (once) and fails every request in flight on it."""
         with self._lock:
-            if self.error is not None:
+            if self.error is not None or self._stop.is_set():
                 return
             self.error = error
-            waiters = list(self._waiters.values())
+            streams = list(self._streams.values())
         logger.error("data-parallel replica %d on %s failed: %r", self.index, self.where, error)
-        for w in waiters:
-            w.loop.call_soon_threadsafe(_wake, w.dead)
+        for stream in streams:
+            stream.put(self._dead())
+
+    def _receive(self) -> None:
+        """Hands the actor's output batches to the requests' streams until it ends."""
+        import ray
+
+        try:
+            for ref in self.actor.outputs.options(num_returns="streaming").remote():
+                for item in ray.get(ref):
+                    if isinstance(item, tuple):
+                        request_id, error = item
+                        item = _ABORTED if error is None else error
+                        if isinstance(error, EngineDeadError):
+                            self._fail(error)
+                    else:
+                        request_id = item.request_id
+                    stream = self._streams.get(request_id)
+                    if stream is not None:
+                        stream.put(item)
+            raise EngineDeadError("the replica's output stream ended")
+        except Exception as e:  # the actor, or its machine, is gone
+            self._fail(e)
 
     def _watch(self) -> None:
         import ray
@@ -247,13 +285,7 @@ class RayReplica:
             except ray.exceptions.RayTaskError as e:
                 self._fail(e.cause or e)
             except Exception as e:  # the actor or its node died
-                if not self._stop.is_set():
-                    self._fail(e)
-
-
-def _wake(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
+                self._fail(e)
 
 
 def ray_replicas(config: EngineConfig, tokenizer_dir: str | None) -> list[RayReplica]:
