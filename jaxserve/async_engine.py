@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -71,6 +72,7 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self.last_round = time.monotonic()  # when the engine loop last took commands
         self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -170,6 +172,7 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------ engine thread
 
     def _drain_commands(self) -> None:
+        self.last_round = time.monotonic()  # once a step, or every _idle wait
         while True:
             try:
                 command = self._commands.get_nowait()

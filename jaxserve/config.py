@@ -165,8 +165,9 @@ class ParallelConfig:
     data_parallel_size: int = 1
     # Where the replicas run: "local" (this process, each on its slice of this host's
     # devices) or "ray" (each in its own Ray actor, on the machines of a Ray cluster:
-    # `jaxserve.ray_replicas`), joining the cluster at `ray_address` (None: Ray's
-    # default, which starts a cluster on this machine unless one is configured).
+    # `jaxserve.ray_replicas`), joining the cluster at `ray_address` ("auto": the one
+    # running on this machine or named by RAY_ADDRESS; None: a new cluster of this
+    # machine alone).
     data_parallel_backend: str = "local"
     ray_address: str | None = None
     # Multi-host: one mesh over `num_processes` processes (jax.distributed); process 0
@@ -194,6 +195,17 @@ class ParallelConfig:
         if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
             raise ValueError(
                 f"data_parallel_backend must be one of {DATA_PARALLEL_BACKENDS}, got "
+                f"{self.data_parallel_backend!r}"
+            )
+        if self.data_parallel_backend == "ray" and self.data_parallel_size == 1:
+            raise ValueError(
+                "data_parallel_backend='ray' places data-parallel replicas; with "
+                "data_parallel_size=1 there is one engine, in this process: set "
+                "data_parallel_size > 1, or leave the backend 'local'"
+            )
+        if self.ray_address is not None and self.data_parallel_backend != "ray":
+            raise ValueError(
+                f"ray_address={self.ray_address!r} is for data_parallel_backend='ray', not "
                 f"{self.data_parallel_backend!r}"
             )
         if self.num_processes > 1 and self.data_parallel_size > 1:

@@ -19,10 +19,11 @@ Metrics come per replica (`replica_stats()`) and in total (`stats()`).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import threading
-from collections.abc import AsyncIterator, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 
 import jax
 
@@ -153,10 +154,13 @@ class DataParallelEngine:
 
     @property
     def error(self) -> BaseException | None:
-        """The first failed replica's error, naming the replica."""
+        """An error naming the first replica that failed or was shut down; None while
+        all serve."""
         for i, r in enumerate(self.replicas):
             if r.error is not None:
                 return EngineDeadError(f"data-parallel replica {i} stopped: {r.error!r}")
+            if not r.healthy:
+                return EngineDeadError(f"data-parallel replica {i} was shut down")
         return None
 
     @property
@@ -209,18 +213,22 @@ class DataParallelEngine:
             loads = [r.num_requests for r in self.replicas]
             i = self.router.route(list(prompt_token_ids), loads, cache_salt)
             self._owner[request_id] = i
+        stream = self.replicas[i].generate(
+            request_id,
+            prompt_token_ids,
+            params,
+            prompt=prompt,
+            priority=priority,
+            cache_salt=cache_salt,
+            resume=resume,
+        )
         try:
-            async for out in self.replicas[i].generate(
-                request_id,
-                prompt_token_ids,
-                params,
-                prompt=prompt,
-                priority=priority,
-                cache_salt=cache_salt,
-                resume=resume,
-            ):
+            async for out in stream:
                 yield out
         finally:
+            # Closed now, not when the event loop finalizes it: a client that went away
+            # is aborted at once, and may send its request id again at once.
+            await stream.aclose()
             with self._lock:
                 self._owner.pop(request_id, None)
 
@@ -232,3 +240,23 @@ class DataParallelEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         for r in self.replicas:
             r.shutdown(timeout)
+
+
+def stream_all(
+    front: DataParallelEngine,
+    requests: Sequence[dict],
+    on_output: Callable[[int, RequestOutput], None],
+) -> None:
+    """Sends every request (the keyword arguments of `front.generate`) through the
+    front at once and calls `on_output(i, out)` for each output of request i, until
+    all finished: for callers without an event loop (`LLM.generate`, the offline
+    bench)."""
+
+    async def one(i: int) -> None:
+        async for out in front.generate(**requests[i]):
+            on_output(i, out)
+
+    async def run_all() -> None:
+        await asyncio.gather(*(one(i) for i in range(len(requests))))
+
+    asyncio.run(run_all())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 from collections.abc import Mapping, Sequence
@@ -13,7 +12,7 @@ from tqdm import tqdm
 from jaxserve import multihost
 from jaxserve.assets import DEFAULT_MODEL, EMBEDDED_MODELS
 from jaxserve.config import ModelConfig, engine_config
-from jaxserve.data_parallel import DataParallelEngine, data_parallel_engine
+from jaxserve.data_parallel import DataParallelEngine, data_parallel_engine, stream_all
 from jaxserve.engine import LLMEngine
 from jaxserve.inputs import PromptType, parse_prompt
 from jaxserve.outputs import RequestOutput
@@ -222,24 +221,26 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from e
 
-        async def run_all(bar) -> list[RequestOutput]:
-            async def one(i: int) -> RequestOutput:
-                last = None
-                async for out in self.engine.generate(
-                    request_ids[i],
-                    parsed[i].token_ids,
-                    params[i],
-                    prompt=parsed[i].text,
-                    priority=0 if priority is None else priority[i],
-                    cache_salt=cache_salt,
-                ):
-                    last = out
-                bar.update(1)
-                return last
-
-            return list(await asyncio.gather(*(one(i) for i in range(len(parsed)))))
-
+        requests = [
+            dict(
+                request_id=request_ids[i],
+                prompt_token_ids=p.token_ids,
+                params=params[i],
+                prompt=p.text,
+                priority=0 if priority is None else priority[i],
+                cache_salt=cache_salt,
+            )
+            for i, p in enumerate(parsed)
+        ]
+        finals: list[RequestOutput | None] = [None] * len(requests)
         with tqdm(
             total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm, mininterval=1
         ) as bar:
-            return asyncio.run(run_all(bar))
+
+            def keep(i: int, out: RequestOutput) -> None:
+                if out.finished:
+                    finals[i] = out
+                    bar.update(1)
+
+            stream_all(self.engine, requests, keep)
+        return finals

@@ -31,11 +31,15 @@ path (as multi-host serving does).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import functools
+import itertools
 import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, OutputStream
@@ -50,28 +54,35 @@ from jaxserve.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 1.0  # how often the front asks each replica whether it is alive
-STATS_TIMEOUT_S = 5.0  # a metrics scrape waits this long for a replica's counters
+STATS_TIMEOUT_S = 1.0  # a metrics scrape waits this long for a replica's counters
+STATS_MAX_AGE_S = 0.25  # counters fetched more recently are used again
+STARTUP_REPORT_S = 60.0  # while replicas load, say every minute what they wait for
 
 
 class ReplicaActor:
     """One replica's engine, in its own Ray actor process (an async actor: these
     methods run on the actor's event loop; the engine steps on its own thread).
 
-    Requests come in through `add` and `abort`; every request's outputs go out
-    through one stream, `outputs`, in batches of all that are ready (one Ray object
-    for a step's outputs, not one a token: Ray's per-object cost would otherwise
-    take the CPU the engines need)."""
+    Requests come in through `add` and `abort`, each under a key the front gives it
+    (unique for the actor's life: a request id the client reuses is another request);
+    every request's outputs go out through one stream, `outputs`, as (key, payload)
+    pairs in batches of all that are ready: one Ray object for a step's outputs, not
+    one a token, whose cost would take the CPU the engines need."""
 
     def __init__(self, config: EngineConfig, tokenizer_dir: str | None):
         import ray
 
         tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
         self.engine = AsyncLLMEngine(LLMEngine(config, tokenizer))
+        self.step_timeout_s = config.parallel.step_timeout_s
         node = ray.get_runtime_context().get_node_id()
         self.where = f"{socket.gethostname()} pid {os.getpid()} node {node[:12]}"
         self.node_id = node
         self._outbox: asyncio.Queue | None = None  # made on the actor's event loop
-        self._tasks: dict[str, asyncio.Task] = {}
+        self._tasks: dict[int, asyncio.Task] = {}
+        # Keys aborted before their add ran (Ray does not order an async actor's
+        # calls); a few stay behind when an abort crosses the request's end.
+        self._early_aborts: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     def describe(self) -> tuple[ModelInfo, int, str, str]:
         """(model info, the pool's pages, where it runs, its Ray node id)."""
@@ -83,32 +94,49 @@ class ReplicaActor:
         return self._outbox
 
     async def add(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, kw: dict
+        self,
+        key: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kw: dict,
     ) -> None:
-        self._tasks[request_id] = asyncio.create_task(
-            self._run(request_id, prompt_token_ids, params, kw)
-        )
+        if key in self._early_aborts:
+            del self._early_aborts[key]
+            self._queue().put_nowait((key, None))
+            return
+        task = asyncio.create_task(self._run(key, request_id, prompt_token_ids, params, kw))
+        self._tasks[key] = task
+        task.add_done_callback(functools.partial(self._done, key))
 
-    async def _run(self, request_id, prompt_token_ids, params, kw) -> None:
+    async def _run(self, key, request_id, prompt_token_ids, params, kw) -> None:
         outbox = self._queue()
+        engine_id = f"{request_id}#{key}"  # unique in the engine, the client's id readable
         try:
-            async for out in self.engine.generate(request_id, prompt_token_ids, params, **kw):
-                outbox.put_nowait(out)
+            async for out in self.engine.generate(engine_id, prompt_token_ids, params, **kw):
+                outbox.put_nowait((key, out))
         except asyncio.CancelledError:  # aborted: the engine dropped it
-            outbox.put_nowait((request_id, None))
+            outbox.put_nowait((key, None))
         except Exception as e:  # this request's error, or the engine's end
-            outbox.put_nowait((request_id, e))
-        finally:
-            self._tasks.pop(request_id, None)
+            outbox.put_nowait((key, e))
 
-    async def abort(self, request_id: str) -> None:
-        task = self._tasks.get(request_id)
+    def _done(self, key: int, task: asyncio.Task) -> None:
+        self._tasks.pop(key, None)
+        if task.cancelled():  # aborted before it started: _run said nothing
+            self._queue().put_nowait((key, None))
+
+    async def abort(self, key: int) -> None:
+        task = self._tasks.get(key)
         if task is not None:
             task.cancel()
+            return
+        self._early_aborts[key] = None
+        while len(self._early_aborts) > 10_000:
+            self._early_aborts.popitem(last=False)
 
     async def outputs(self) -> AsyncIterator[list]:
-        """Every request's outputs, as RequestOutputs and (request id, error or None
-        for aborted) pairs, in batches of all that are ready."""
+        """Every request's (key, RequestOutput | error | None for aborted) pairs, in
+        batches of all that are ready."""
         outbox = self._queue()
         while True:
             batch = [await outbox.get()]
@@ -120,32 +148,38 @@ class ReplicaActor:
         return self.engine.stats()
 
     def health(self) -> None:
+        """Raises if the engine loop died, or has not come round for step_timeout_s
+        (a step that hangs)."""
         if not self.engine.healthy:
             raise EngineDeadError(f"the engine loop stopped: {self.engine.error!r}")
+        stuck = time.monotonic() - self.engine.last_round
+        if stuck > self.step_timeout_s:
+            raise EngineDeadError(f"the engine loop has not come round for {stuck:.0f}s")
 
     def shutdown(self, timeout: float) -> None:
         self.engine.shutdown(timeout)
 
 
-_ABORTED = object()  # ends an aborted request's stream
-
-
 class RayReplica:
     """The front's handle on one `ReplicaActor`, with the interface of an
     `AsyncLLMEngine` that `DataParallelEngine` uses. A thread receives the actor's
-    output batches and hands each output to its request's stream."""
+    output batches and hands each output to its request's stream; another checks the
+    replica's health."""
 
-    def __init__(self, actor, config: EngineConfig, has_tokenizer: bool, index: int):
+    def __init__(self, actor, config: EngineConfig, has_tokenizer: bool, index: int, described):
         import ray
 
         self.actor, self.config, self.index = actor, config, index
         self.has_tokenizer = has_tokenizer
-        info, self.pool_capacity, self.where, self.node_id = ray.get(actor.describe.remote())
+        info, self.pool_capacity, self.where, self.node_id = described
         self.model_info: ModelInfo = info
         self.error: BaseException | None = None
         self._lock = threading.Lock()
-        self._streams: dict[str, OutputStream] = {}
+        self._keys = itertools.count()
+        self._streams: dict[int, OutputStream] = {}  # key -> its stream
+        self._key_of: dict[str, int] = {}  # request id -> its key, while it runs
         self._last_stats: StatsSnapshot = ray.get(actor.stats.remote())
+        self._stats_at = time.monotonic()
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=fn, name=f"jaxserve-ray-replica-{index}", daemon=True)
@@ -156,7 +190,7 @@ class RayReplica:
 
     @property
     def healthy(self) -> bool:
-        return self.error is None
+        return self.error is None and not self._stop.is_set()
 
     @property
     def num_requests(self) -> int:
@@ -168,12 +202,14 @@ class RayReplica:
         )
 
     def stats(self) -> StatsSnapshot:
-        """The replica's counters (its last known ones if it does not answer in time)."""
+        """The replica's counters, at most STATS_MAX_AGE_S old (its last known ones if
+        it does not answer within STATS_TIMEOUT_S: a metrics scrape must not hang)."""
         import ray
 
-        if self.healthy:
+        if self.healthy and time.monotonic() - self._stats_at > STATS_MAX_AGE_S:
             try:
                 self._last_stats = ray.get(self.actor.stats.remote(), timeout=STATS_TIMEOUT_S)
+                self._stats_at = time.monotonic()
             except Exception as e:  # the health check decides whether it is dead
                 logger.warning("replica %d (%s): no stats: %r", self.index, self.where, e)
         return self._last_stats
@@ -191,23 +227,27 @@ class RayReplica:
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs from the replica until it finishes; raises
         ValueError for a request it refuses, EngineDeadError once the replica failed."""
-        self._check_alive()
         self.validate(prompt_token_ids, params)
         stream = OutputStream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            if request_id in self._streams:
+        with self._lock:  # under the lock: a failure now puts its error in this stream
+            if not self.healthy:
+                raise self._dead()
+            if request_id in self._key_of:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self._streams[request_id] = stream
+            key = next(self._keys)
+            self._streams[key] = stream
+            self._key_of[request_id] = key
         kw = dict(prompt=prompt, priority=priority, cache_salt=cache_salt, resume=resume)
-        self.actor.add.remote(request_id, list(prompt_token_ids), params, kw)
+        self.actor.add.remote(key, request_id, list(prompt_token_ids), params, kw)
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
-                if item is _ABORTED:
+                if item is None:  # aborted
                     return
                 if isinstance(item, BaseException):
                     raise item
+                item.request_id = request_id  # the engine's was made unique with the key
                 finished = item.finished
                 yield item
                 if finished:
@@ -215,12 +255,16 @@ class RayReplica:
         finally:
             stream.closed = True
             with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished and self.error is None:
-                self.actor.abort.remote(request_id)  # the client went away
+                self._streams.pop(key, None)
+                if self._key_of.get(request_id) == key:
+                    del self._key_of[request_id]
+            if not finished and self.healthy:
+                self.actor.abort.remote(key)  # the client went away: free its pages
 
     def abort(self, request_id: str) -> None:
-        self.actor.abort.remote(request_id)
+        key = self._key_of.get(request_id)
+        if key is not None:
+            self.actor.abort.remote(key)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         import ray
@@ -231,26 +275,36 @@ class RayReplica:
         except Exception as e:
             logger.warning("replica %d (%s): shutdown: %r", self.index, self.where, e)
         ray.kill(self.actor)
-
-    def _check_alive(self) -> None:
-        if self.error is not None:
-            raise self._dead()
+        self._end_streams(EngineDeadError(f"data-parallel replica {self.index} was shut down"))
 
     def _dead(self) -> EngineDeadError:
+        if self.error is None:
+            return EngineDeadError(f"data-parallel replica {self.index} was shut down")
         return EngineDeadError(
             f"data-parallel replica {self.index} on {self.where} failed: {self.error!r}"
         )
 
+    def _end_streams(self, error: BaseException) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.put(error)
+
     def _fail(self, error: BaseException) -> None:
-        """Marks the replica dead (once) and fails every request in flight on it."""
+        """Marks the replica dead (once), fails every request in flight on it, and
+        kills its actor (a stalled one must not go on with their work)."""
+        import ray
+
         with self._lock:
             if self.error is not None or self._stop.is_set():
                 return
             self.error = error
-            streams = list(self._streams.values())
         logger.error("data-parallel replica %d on %s failed: %r", self.index, self.where, error)
-        for stream in streams:
-            stream.put(self._dead())
+        self._end_streams(self._dead())
+        try:
+            ray.kill(self.actor)
+        except Exception as e:
+            logger.warning("replica %d (%s): kill: %r", self.index, self.where, e)
 
     def _receive(self) -> None:
         """Hands the actor's output batches to the requests' streams until it ends."""
@@ -258,17 +312,12 @@ class RayReplica:
 
         try:
             for ref in self.actor.outputs.options(num_returns="streaming").remote():
-                for item in ray.get(ref):
-                    if isinstance(item, tuple):
-                        request_id, error = item
-                        item = _ABORTED if error is None else error
-                        if isinstance(error, EngineDeadError):
-                            self._fail(error)
-                    else:
-                        request_id = item.request_id
-                    stream = self._streams.get(request_id)
+                for key, payload in ray.get(ref):
+                    if isinstance(payload, EngineDeadError):
+                        self._fail(payload)
+                    stream = self._streams.get(key)
                     if stream is not None:
-                        stream.put(item)
+                        stream.put(payload)
             raise EngineDeadError("the replica's output stream ended")
         except Exception as e:  # the actor, or its machine, is gone
             self._fail(e)
@@ -300,7 +349,13 @@ def ray_replicas(config: EngineConfig, tokenizer_dir: str | None) -> list[RayRep
         ) from e
     p = config.parallel
     if not ray.is_initialized():
-        ray.init(address=p.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+        # No address: a new cluster of this machine ("local"), never whatever
+        # /tmp/ray/ray_current_cluster last named (a stale one makes ray.init hang).
+        ray.init(
+            address=p.ray_address or "local",
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+        )
     cluster = ray.cluster_resources()
     tp = p.tensor_parallel_size
     if cluster.get("GPU", 0) >= 1:
@@ -309,14 +364,37 @@ def ray_replicas(config: EngineConfig, tokenizer_dir: str | None) -> list[RayRep
         resources = dict(num_cpus=1, resources={"TPU": tp})
     else:
         resources = dict(num_cpus=1)
-    one = dataclasses.replace(config, parallel=dataclasses.replace(p, data_parallel_size=1))
+    one = dataclasses.replace(  # what each replica is: one engine in its process
+        config,
+        parallel=dataclasses.replace(
+            p, data_parallel_size=1, data_parallel_backend="local", ray_address=None
+        ),
+    )
     actor_cls = ray.remote(ReplicaActor).options(
         **resources, scheduling_strategy="SPREAD", max_concurrency=100_000
     )
     actors = [actor_cls.remote(one, tokenizer_dir) for _ in range(p.data_parallel_size)]
+    described = [a.describe.remote() for a in actors]
+    replicas = []
     try:
-        replicas = [RayReplica(a, one, tokenizer_dir is not None, i) for i, a in enumerate(actors)]
-    except Exception:
+        pending = list(described)
+        while pending:  # no deadline (a big model loads and compiles for minutes): a report
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=STARTUP_REPORT_S)
+            if pending:
+                logger.warning(
+                    "%d of %d replicas not ready after another %.0fs; each needs %s, the "
+                    "cluster has %s free (a replica waits for a machine with room)",
+                    len(pending),
+                    len(actors),
+                    STARTUP_REPORT_S,
+                    resources,
+                    ray.available_resources(),
+                )
+        for i, (actor, ref) in enumerate(zip(actors, described, strict=True)):
+            replicas.append(RayReplica(actor, one, tokenizer_dir is not None, i, ray.get(ref)))
+    except BaseException:
+        for r in replicas:
+            r.shutdown(timeout=1)
         for a in actors:
             ray.kill(a)
         raise

@@ -10,6 +10,7 @@ one engine's on one device, and requests sharing a prefix land on the replica th
 holds it (the router's affinity hits, and the replicas' prefix-cache hits).
 """
 
+import asyncio
 import os
 import sys
 
@@ -22,6 +23,9 @@ from engine_utils import SMALL_LLM_IDS
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.inputs import ParsedPrompt
+from server.metrics import ServerMetrics
+from server.serving import stream
 
 BASE = SMALL_LLM_IDS
 
@@ -73,8 +77,22 @@ def main(model_dir: str, dp: str, tp: str) -> None:
         f"prefix-cache hit rate {total.prefix_cache_hits / total.prefix_cache_queries:.2f} "
         f"(per replica {[s.prefix_cache_hits for s in per_replica]})"
     )
+    # What the servers call (server.serving.stream) over the replicas: the same tokens.
+    metrics = ServerMetrics("m", front.stats, replicas_fn=front.replica_stats)
+    greedy = params[1]
+
+    async def through_server(i: int) -> list[int]:
+        prompt = ParsedPrompt(prompts[i]["prompt_token_ids"], None)
+        outs = [o async for o in stream(front, metrics, f"s{i}", prompt, greedy)]
+        return outs[-1].outputs[0].token_ids
+
+    async def all_through_server() -> list[list[int]]:
+        return await asyncio.gather(*(through_server(i) for i in (1, 2, 4)))
+
+    assert asyncio.run(all_through_server()) == [want[i][0] for i in (1, 2, 4)]
     for r in front.replicas:
         r.shutdown()
+    assert not front.healthy and "was shut down" in str(front.error), front.error
 
 
 if __name__ == "__main__":

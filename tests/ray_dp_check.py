@@ -34,6 +34,7 @@ from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.ray_replicas import HEALTH_INTERVAL_S
 
 STEP_TIMEOUT_S = 4.0
+GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)  # dp_check's greedy requests
 
 
 def pid_of(replica) -> int:
@@ -54,6 +55,23 @@ async def stream(front, request_id: str, ids: list[int], started: asyncio.Event 
         return "done", last.outputs[0].token_ids
     except EngineDeadError as e:
         return "dead", str(e), time.monotonic()
+
+
+async def reuse_after_cancel(front, ids: list[int], want: list[int]) -> None:
+    """A client that goes away mid-stream and sends its request id again at once gets
+    the new request's tokens only (the replica keys requests apart from their ids)."""
+    long = SamplingParams(temperature=0.0, max_tokens=128 - len(ids) - 1, ignore_eos=True)
+    first = front.generate("again", ids, long)
+    await first.__anext__()
+    await first.aclose()  # the client went away: aborted on its replica
+    outs = [o async for o in front.generate("again", ids, SamplingParams(**GREEDY))]
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == want, outs[-1]
+    assert all(o.request_id == "again" for o in outs)
+    deadline = time.monotonic() + 10
+    while any(s.num_running for s in front.replica_stats()):
+        assert time.monotonic() < deadline, front.replica_stats()
+        time.sleep(0.1)
+    print("request id reused after a cancel: the new request's tokens, nothing left running")
 
 
 async def failures(front, vocab: int) -> None:
@@ -94,7 +112,14 @@ async def failures(front, vocab: int) -> None:
     result = await task
     assert result[0] == "dead" and "replica 1" in result[1], result
     print(f"killed replica: its request failed {result[2] - killed:.1f}s after SIGKILL")
-    os.kill(pid_of(r0), signal.SIGCONT)
+    # The front killed the stalled actor when it failed it: nothing to resume.
+    try:
+        os.kill(pid_of(r0), signal.SIGCONT)
+        time.sleep(1)
+        os.kill(pid_of(r0), 0)
+        raise AssertionError("the stalled replica's process was not killed")
+    except ProcessLookupError:
+        pass
 
 
 def main(model_dir: str, tp: str) -> None:
@@ -105,6 +130,7 @@ def main(model_dir: str, tp: str) -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     for _ in range(2):
         cluster.add_node(num_cpus=1)
+    front = None
     try:
         one = LLM(model_dir, **BASE)
         prompts, params = workload(one.config.model.vocab_size)
@@ -142,10 +168,12 @@ def main(model_dir: str, tp: str) -> None:
             f"{router.affinity_hits}/{2 * len(prompts)}, prefix-cache hit rate "
             f"{total.prefix_cache_hits / total.prefix_cache_queries:.2f}"
         )
+        asyncio.run(reuse_after_cancel(front, prompts[1]["prompt_token_ids"], want[1][0]))
         asyncio.run(failures(front, one.config.model.vocab_size))
-        for r in front.replicas:
-            r.shutdown(timeout=2)
     finally:
+        if front is not None:
+            for r in front.replicas:
+                r.shutdown(timeout=2)
         ray.shutdown()
         cluster.shutdown()
 

@@ -31,7 +31,7 @@ from absl import flags
 from tqdm import tqdm
 
 from jaxserve.bench import report, workloads
-from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.data_parallel import DataParallelEngine, stream_all
 from jaxserve.llm import LLM, resolve_model_dir
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
@@ -185,15 +185,16 @@ def _run_offline(llm: LLM, reqs) -> dict:
     with tqdm(total=len(reqs), desc="offline", unit="req", mininterval=2) as bar:
         if isinstance(engine, DataParallelEngine):  # all at once through the router
 
-            async def one(i: int) -> None:
-                async for out in engine.generate(str(i), reqs[i].prompt_token_ids, params[i]):
-                    record(out)
-                bar.update(1)
+            def record_one(i: int, out) -> None:
+                record(out)
+                if out.finished:
+                    bar.update(1)
 
-            async def run_all() -> None:
-                await asyncio.gather(*(one(i) for i in range(len(reqs))))
-
-            asyncio.run(run_all())
+            requests = [
+                dict(request_id=str(i), prompt_token_ids=r.prompt_token_ids, params=params[i])
+                for i, r in enumerate(reqs)
+            ]
+            stream_all(engine, requests, record_one)
         else:
             for i, r in enumerate(reqs):
                 engine.add_request(str(i), r.prompt_token_ids, params[i])
@@ -360,7 +361,12 @@ def main(argv) -> None:
                 "dtype",
             )
         },
-        "device": jax.devices()[0].device_kind,
+        # Ray replicas hold the devices: this process must not take one (a GPU's memory).
+        "device": (
+            "Ray replicas"
+            if kwargs.get("data_parallel_backend") == "ray"
+            else jax.devices()[0].device_kind
+        ),
         "date": time.strftime("%Y-%m-%d"),
     }
     runs = {}

@@ -10,6 +10,7 @@ import tomllib
 
 from absl import flags
 
+from jaxserve.config import DATA_PARALLEL_BACKENDS
 from jaxserve.llm import DEFAULT_COMPILATION_CACHE
 
 FLAGS = flags.FLAGS
@@ -60,15 +61,16 @@ flags.DEFINE_integer(
 flags.DEFINE_enum(
     "data_parallel_backend",
     "local",
-    ["local", "ray"],
+    list(DATA_PARALLEL_BACKENDS),
     "Where data-parallel replicas run: local (this host's devices) or ray (each in a Ray "
     "actor on the machines of a Ray cluster).",
 )
 flags.DEFINE_string(
     "ray_address",
     None,
-    "data_parallel_backend=ray: the Ray cluster to join (e.g. auto, or HEAD_IP:6379); "
-    "unset: Ray's default (a new cluster on this machine unless RAY_ADDRESS names one).",
+    "data_parallel_backend=ray: the Ray cluster to join (auto: the one `ray start` began "
+    "on this machine, or RAY_ADDRESS's; or HEAD_IP:6379); unset: a new cluster of this "
+    "machine alone.",
 )
 flags.DEFINE_string(
     "coordinator_address",
@@ -80,7 +82,10 @@ flags.DEFINE_integer(
     "process_id", 0, "Multi-host: this process (0: the leader, which serves; else a follower)."
 )
 flags.DEFINE_float(
-    "step_timeout_s", 60.0, "Multi-host: a step the followers do not join in time fails."
+    "step_timeout_s",
+    60.0,
+    "Multi-host: a step the followers do not join in time fails; Ray replicas: one that "
+    "does not answer a health check in time (or whose step hangs that long) fails.",
 )
 flags.DEFINE_bool("enable_prefix_caching", True, "Reuse the KV pages of shared prefixes.")
 flags.DEFINE_integer(

@@ -126,6 +126,8 @@ def test_engine_config_sizes_the_pool_from_the_budget():
         (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
         (dict(data_parallel_size=1.5), "data_parallel_size must be a positive integer"),
         (dict(data_parallel_backend="mpi"), "data_parallel_backend must be one of"),
+        (dict(data_parallel_backend="ray"), "with data_parallel_size=1 there is one engine"),
+        (dict(ray_address="auto"), "ray_address='auto' is for data_parallel_backend='ray'"),
         (
             dict(data_parallel_size=2, num_processes=2, coordinator_address="h:1"),
             "use data_parallel_backend='ray'",

@@ -51,5 +51,6 @@ def test_replicas_on_a_ray_cluster_serve_like_one_engine_and_fail_alone(hf_model
     path, _ = hf_model_dir("llama2_mha")
     stdout = run_on_8_devices("ray_dp_check.py", path, 2)
     assert "ray dp=2 tp=2 on 2 nodes: 30 requests answered once, equal to one engine" in stdout
+    assert "request id reused after a cancel: the new request's tokens" in stdout
     assert "stalled replica: its 2 requests failed" in stdout
     assert "killed replica: its request failed" in stdout

