@@ -107,9 +107,8 @@ class LLM:
             self.tokenizer = self.engine = self.leader = None
             self.follower = multihost.follower_runner(self.config)
             return
-        self.tokenizer = (
-            None if skip_tokenizer_init else Tokenizer(resolve_model_dir(tokenizer or model_dir))
-        )
+        tokenizer_dir = None if skip_tokenizer_init else resolve_model_dir(tokenizer or model_dir)
+        self.tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
         if self.config.parallel.data_parallel_size > 1:
             if mesh is not None:
                 raise ValueError(
@@ -117,11 +116,7 @@ class LLM:
                     f"{self.config.parallel.data_parallel_size} each replica takes its own slice"
                 )
             # Replicas behind a router, each with its engine thread (jaxserve.data_parallel).
-            self.engine = data_parallel_engine(
-                self.config,
-                self.tokenizer,
-                None if skip_tokenizer_init else resolve_model_dir(tokenizer or model_dir),
-            )
+            self.engine = data_parallel_engine(self.config, self.tokenizer, tokenizer_dir)
         else:
             self.engine = LLMEngine(self.config, self.tokenizer, mesh)
         # Multi-host: each step's plan goes to the followers first.

@@ -275,7 +275,7 @@ class RayReplica:
         except Exception as e:
             logger.warning("replica %d (%s): shutdown: %r", self.index, self.where, e)
         ray.kill(self.actor)
-        self._end_streams(EngineDeadError(f"data-parallel replica {self.index} was shut down"))
+        self._end_streams(self._dead())  # "was shut down"
 
     def _dead(self) -> EngineDeadError:
         if self.error is None:
