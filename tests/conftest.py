@@ -5,6 +5,16 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# The test extras install the TPU and GPU compilers (libtpu, the CUDA plugin) for
+# deviceless compilation (`jaxserve.targets`). The tests run on the CPU: neither may
+# try to bring up a device that is not here (the CUDA plugin's failed start would also
+# keep its compile-only topology away), and libtpu must not look for a TPU VM's
+# metadata server. The accelerator suite (`tools/run_tests.py --accelerator`) keeps
+# the machine's own platform.
+if os.environ.get("JAXSERVE_TEST_ACCELERATOR") != "1":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
 
 @pytest.fixture(scope="session")
 def hf_model_dir(tmp_path_factory):
