@@ -23,7 +23,6 @@ bandwidth, dense bfloat16 peak), used for capacity and for roofline estimates.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 
@@ -89,7 +88,9 @@ device_description_str: "{name}"
 _GIB = 2**30
 _SMALL_TPU = ((4, "2x2"), (8, "2x4"), (16, "4x4"))
 CHIPS: dict[str, Chip] = {
-    "v4": Chip("v4", "tpu", "TPU v4", 32 * _GIB, 1.2e12, 275e12, ((8, "2x2x1"),), counts_cores=True),
+    "v4": Chip(
+        "v4", "tpu", "TPU v4", 32 * _GIB, 1.2e12, 275e12, ((4, "2x2x1"),), counts_cores=True
+    ),
     "v5e": Chip("v5e", "tpu", "TPU v5 lite", 16 * _GIB, 8.19e11, 197e12, _SMALL_TPU),
     "v5p": Chip(
         "v5p", "tpu", "TPU v5", 95 * _GIB, 2.765e12, 459e12, ((4, "2x2x1"),), counts_cores=True
@@ -217,8 +218,7 @@ class Target:
 
 
 def compiling_for(device):
-    """The context to lower in for `device`: Pallas Mosaic asks the default device
-    for the TPU generation it compiles for."""
-    if device.platform == "tpu":
-        return jax.default_device(device)
-    return contextlib.nullcontext()
+    """The context to lower in for `device`: its default device, which Pallas Mosaic
+    asks for the TPU generation it compiles for, and the attention backends for the
+    device kind their block sizes depend on (`pallas_kernels.backends`)."""
+    return jax.default_device(device)

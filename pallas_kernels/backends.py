@@ -102,6 +102,29 @@ class AttentionBackend:
         return out, kv_cache if scales is None else QuantizedKV(kv_cache, scales)
 
 
+def traced_device_kind(platform: str) -> str | None:
+    """The kind of device ('TPU v6 lite', 'NVIDIA H100 80GB HBM3') a step is being
+    traced for on `platform` ('tpu' or 'gpu'), which the kernels' block sizes depend on:
+    the mesh's devices under `jax.set_mesh`, else the default device
+    (`jax.default_device`: how `jaxserve.targets` compiles for devices that are not
+    here), else this machine's first device; None where none of them is one.
+    """
+    platforms = ("gpu", "cuda", "rocm") if platform == "gpu" else (platform,)
+    candidates = []
+    mesh = jax.sharding.get_mesh()
+    if not mesh.empty and isinstance(mesh, jax.sharding.Mesh):
+        candidates.append(mesh.devices.flat[0])
+    default = jax.config.jax_default_device
+    if isinstance(default, jax.Device):
+        candidates.append(default)
+    if jax.default_backend() in platforms:
+        candidates.append(jax.devices()[0])
+    for device in candidates:
+        if device.platform in platforms:
+            return device.device_kind
+    return None
+
+
 def _cpu_attention(queries, kv_cache, *args, **kwargs):
     """The C++ kernel where it is loaded and takes these inputs, else the reference
     (decided when the step is traced)."""
@@ -112,7 +135,7 @@ def _cpu_attention(queries, kv_cache, *args, **kwargs):
 
 def _tpu_attention(queries, kv_cache, *args, interpret=False, **kwargs):
     """The TPU kernel with block sizes for the device it is traced for."""
-    kind = jax.devices()[0].device_kind if jax.default_backend() == "tpu" else "TPU v5 lite"
+    kind = traced_device_kind("tpu") or "TPU v5 lite"
     sizes = tpu.TpuBlockSizes.for_device(kind, queries.shape[-1])
     return tpu.ragged_paged_attention(
         queries, kv_cache, *args, block_sizes=sizes, interpret=interpret, **kwargs
@@ -121,7 +144,7 @@ def _tpu_attention(queries, kv_cache, *args, interpret=False, **kwargs):
 
 def _gpu_attention(queries, kv_cache, *args, interpret=False, **kwargs):
     """The GPU kernel with block sizes for the device it is traced for."""
-    kind = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else ""
+    kind = traced_device_kind("gpu") or ""
     sizes = gpu.GpuBlockSizes.for_device(kind, queries.shape[-1])
     return gpu.ragged_paged_attention(
         queries, kv_cache, *args, block_sizes=sizes, interpret=interpret, **kwargs
