@@ -35,6 +35,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.spec import NgramProposer
 from jaxserve.structured import GrammarCompiler, GrammarMatcher
+from jaxserve.targets import Target
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -137,8 +138,12 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         mesh: Mesh | None = None,
         runner: ModelRunner | None = None,
+        target: Target | None = None,
     ):
-        """`runner` replaces the model runner (tests drive the engine with a mock)."""
+        """`runner` replaces the model runner (tests drive the engine with a mock).
+        `target`: build for a TPU or GPU that is not here (`jaxserve.targets`): warm-up
+        compiles every step program for its compile-only devices (`compiled`), and
+        the engine runs nothing (`jaxserve preflight`)."""
         self.config = config
         self.tokenizer = tokenizer
         if config.compilation_cache_dir:
@@ -151,7 +156,8 @@ class LLMEngine:
             # which crashed a reader (a segfault deserializing it). Bounded, it
             # evicts the least recently used and locks (filelock) every read and write.
             jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
-        self.runner = runner if runner is not None else ModelRunner(config, mesh)
+        self.runner = runner if runner is not None else ModelRunner(config, mesh, target=target)
+        config = self.config = self.runner.config  # (the target's attention backend)
         self.tier = self.kv_connector = None
         if config.cache.offload:
             self.tier = KVTier(self.kv_layout, config.cache.offload_bytes, config.cache.offload_dir)
@@ -186,6 +192,7 @@ class LLMEngine:
                 shapes=self.runner.shapes,
                 compiles=self.runner.compiles,
                 mesh=self.runner.mesh,
+                compile_only=self.runner.compile_device,
             )
         self.requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None  # built at the first structured request
@@ -217,11 +224,12 @@ class LLMEngine:
             self.runner.kv_tokens / config.max_model_len,
             "on" if config.scheduler.enable_prefix_caching else "off",
         )
-        if config.warmup:
+        self.compiled: dict = {}  # warm-up's programs by name
+        if config.warmup or target is not None:
             extras = [self.drafter.lower_all] if self.drafter else []
             if self.tier is not None:
                 extras.append(self.runner.lower_kv_io)
-            self.runner.warmup(
+            self.compiled = self.runner.warmup(
                 (lambda abstract: [p for f in extras for p in f(abstract)]) if extras else None
             )
             if self.drafter:
@@ -342,6 +350,11 @@ class LLMEngine:
         another instance sampled for them (after it pushed the prompt's KV pages
         here): only they run, and their first output carries those tokens too.
         """
+        if self.runner.compile_device is not None:
+            raise RuntimeError(
+                "this engine was built to compile for a target that is not here "
+                f"({self.runner.compile_device.device_kind}); it runs no request"
+            )
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(priority, int) or isinstance(priority, bool):

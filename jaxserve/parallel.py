@@ -157,3 +157,51 @@ def zeros_kv(
     sharding = kv_cache_shardings(mesh, num_kv_heads, kv_dtype)
     zeros = jax.jit(lambda: quantization.zeros_kv(shape, kv_dtype), out_shardings=sharding)
     return [zeros() for _ in range(num_layers)]
+
+
+# ----------------------------------------------------- compile-only placements
+
+
+def abstract_state(state: nnx.State, mesh: Mesh | None, device) -> nnx.State:
+    """`state`'s arrays as ShapeDtypeStructs placed as `load_model` places them: on
+    `mesh` by their logical axes, or on `device` alone (compile-only devices of a
+    `jaxserve.targets.Target`: the programs compile for them, nothing is allocated)."""
+    if mesh is not None:
+        shardings = state_shardings(state, mesh)
+    else:
+        one = jax.sharding.SingleDeviceSharding(device)
+        shardings = jax.tree.map(lambda _: one, state)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
+
+
+def abstract_kv(
+    mesh: Mesh | None,
+    device,
+    num_layers: int,
+    shape: tuple[int, ...],
+    kv_dtype: str,
+    num_kv_heads: int,
+) -> list:
+    """`zeros_kv`'s caches as ShapeDtypeStructs on `mesh` or `device` (see `abstract_state`)."""
+    cache = jax.eval_shape(lambda: quantization.zeros_kv(shape, kv_dtype))
+    if mesh is not None:
+        shardings = kv_cache_shardings(mesh, num_kv_heads, kv_dtype)
+    else:
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), cache)
+    placed = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache, shardings
+    )
+    return [placed] * num_layers
+
+
+def total_bytes(arrays, *, per_device: bool = False) -> int:
+    """The bytes of `arrays` (concrete or abstract); `per_device`: what one device
+    holds, a shard of each (a replicated array is whole on every device)."""
+    total = 0
+    for x in jax.tree.leaves(arrays):
+        sharding = getattr(x, "sharding", None) if per_device else None
+        shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return total

@@ -111,9 +111,9 @@ def traced_device_kind(platform: str) -> str | None:
     """
     platforms = ("gpu", "cuda", "rocm") if platform == "gpu" else (platform,)
     candidates = []
-    mesh = jax.sharding.get_mesh()
-    if not mesh.empty and isinstance(mesh, jax.sharding.Mesh):
-        candidates.append(mesh.devices.flat[0])
+    mesh = jax.sharding.get_abstract_mesh()  # (inside jit: the mesh's abstract devices)
+    if not mesh.empty and getattr(mesh, "abstract_device", None) is not None:
+        candidates.append(mesh.abstract_device)
     default = jax.config.jax_default_device
     if isinstance(default, jax.Device):
         candidates.append(default)

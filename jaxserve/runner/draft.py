@@ -128,8 +128,11 @@ class DraftRunner:
         shapes: StepShapes,
         compiles,
         mesh: Mesh | None = None,
+        compile_only: jax.Device | None = None,
     ):
-        """`mesh`: the target's; the draft is sharded over it the same way."""
+        """`mesh`: the target's; the draft is sharded over it the same way.
+        `compile_only`: the target model runner's compile-only device (see
+        `ModelRunner`): shapes instead of weights and KV caches."""
         spec = config.speculative
         self.config, self.k, self.shapes, self.compiles = (
             config,
@@ -146,6 +149,7 @@ class DraftRunner:
             attention_backend=config.attention_backend,
             mesh=mesh,
             quantization=config.quantization,
+            compile_only=compile_only,
         )
         self.mesh = mesh
         self.model_def, self.weights = ModelDef.split(model)
@@ -155,12 +159,10 @@ class DraftRunner:
             2 * draft_config.num_kv_heads,
             draft_config.head_dim,
         )
-        self.kv_caches = parallel.zeros_kv(
-            mesh,
-            draft_config.num_layers,
-            shape,
-            config.kv_dtype,
-            draft_config.num_kv_heads,
+        make_kv = parallel.zeros_kv if compile_only is None else parallel.abstract_kv
+        where = (mesh,) if compile_only is None else (mesh, compile_only)
+        self.kv_caches = make_kv(
+            *where, draft_config.num_layers, shape, config.kv_dtype, draft_config.num_kv_heads
         )
         self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches)
         self.propose_step = place_propose_step(mesh, self.weights, self.kv_caches)
@@ -171,7 +173,7 @@ class DraftRunner:
             draft_config.architecture,
             draft_config.num_layers,
             time.perf_counter() - t0,
-            sum(x.nbytes for x in self.kv_caches) / 2**20,
+            parallel.total_bytes(self.kv_caches) / 2**20,
         )
         self.warmed_up = False
 
@@ -238,13 +240,13 @@ class DraftRunner:
 
     # ---------------------------------------------------------------- warm-up
 
-    def lower_all(self, abstract) -> list:
+    def lower_all(self, abstract) -> list[tuple[str, jax.stages.Lowered]]:
         """The draft's programs, lowered from abstract shapes (`abstract(tree)` turns
         numpy arrays into ShapeDtypeStructs): a forward per token bucket, the proposer."""
         with parallel.on_mesh(self.mesh):
             return self._lower_all(abstract)
 
-    def _lower_all(self, abstract) -> list:
+    def _lower_all(self, abstract) -> list[tuple[str, jax.stages.Lowered]]:
         lowered = []
         for t in self.shapes.token_buckets:
             batch = build_batch(
@@ -255,20 +257,15 @@ class DraftRunner:
                 seq_bucket=self.shapes.max_seqs,
                 num_rows=self.shapes.max_rows,
             )
-            lowered.append(
-                self.programs.forward.lower(
-                    self.model_def,
-                    self.weights,
-                    self.kv_caches,
-                    abstract(StepInput.from_host(batch)),
-                )
+            program = self.programs.forward.lower(
+                self.model_def, self.weights, self.kv_caches, abstract(StepInput.from_host(batch))
             )
+            lowered.append((f"draft forward T={t}", program))
         s, m = self.shapes.max_seqs, self.config.pages_per_seq
         zeros = np.zeros(s, np.int32)
         inp = ProposeInput(zeros, zeros, zeros, np.zeros((s, m), np.int32), np.zeros(1, np.int32))
-        lowered.append(
-            self.propose_step.lower(
-                self.model_def, self.weights, self.kv_caches, abstract(inp), self.k
-            )
+        program = self.propose_step.lower(
+            self.model_def, self.weights, self.kv_caches, abstract(inp), self.k
         )
+        lowered.append((f"draft propose k={self.k}", program))
         return lowered

@@ -77,7 +77,7 @@ def _scatter(kv_caches: list, pages: jax.Array, data: dict[str, jax.Array]) -> l
 
 def lower_all(kv_caches: list, num_pages: int) -> list:
     """The gather and scatter programs for every padded page count up to `num_pages`,
-    lowered for warm-up (a serving loop then compiles nothing when pages move)."""
+    (name, lowered) for warm-up (a serving loop then compiles nothing when pages move)."""
     lowered, n = [], 1
     while True:
         pages = jax.ShapeDtypeStruct((n,), jnp.int32)
@@ -85,7 +85,10 @@ def lower_all(kv_caches: list, num_pages: int) -> list:
             name: jax.ShapeDtypeStruct((n, len(kv_caches), *a.shape[1:]), a.dtype)
             for name, a in _named(kv_caches[0]).items()
         }
-        lowered += [_gather.lower(kv_caches, pages), _scatter.lower(kv_caches, pages, data)]
+        lowered += [
+            (f"kv gather n={n}", _gather.lower(kv_caches, pages)),
+            (f"kv scatter n={n}", _scatter.lower(kv_caches, pages, data)),
+        ]
         if n >= num_pages:
             return lowered
         n *= 2

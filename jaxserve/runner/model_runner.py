@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -32,8 +33,9 @@ from jaxserve.runner.input_batch import (
 )
 from jaxserve.runner.sampler import SamplerOutput
 from jaxserve.runner.step import ModelDef, StepInput, StepPrograms
+from jaxserve.targets import Target, compiling_for
 from models.layers import store_rows
-from pallas_kernels.backends import check_kv_dtype
+from pallas_kernels.backends import check_kv_dtype, resolve_backend_name
 from pallas_kernels.cpu import library as cpu_library
 
 logger = logging.getLogger(__name__)
@@ -97,16 +99,32 @@ class PendingStep:
 class ModelRunner:
     """Runs steps of ragged batches against one pre-allocated paged KV cache."""
 
-    def __init__(self, config: EngineConfig, mesh: Mesh | None = None):
+    def __init__(
+        self, config: EngineConfig, mesh: Mesh | None = None, *, target: Target | None = None
+    ):
         """`mesh`: the devices to serve on (a data-parallel replica's slice); by default
-        `config.parallel.tensor_parallel_size` devices, the first ones."""
-        if mesh is None:
+        `config.parallel.tensor_parallel_size` devices, the first ones.
+
+        `target`: compile for a target that is not here (`jaxserve.targets`: a TPU or
+        GPU from this CPU host) on its compile-only devices. The weights and KV caches
+        are then shapes placed as they would be there, nothing is read or allocated,
+        and `warmup` compiles the same programs for it (returning them); no step runs.
+        """
+        self.compile_device = None
+        if target is not None:
+            # 'auto' picks the attention backend of the target's platform, not this one's.
+            backend = resolve_backend_name(config.attention_backend, target.platform)
+            config = dataclasses.replace(config, attention_backend=backend)
+            devices = target.devices()
+            mesh = parallel.engine_mesh(config.parallel.tensor_parallel_size, devices)
+            self.compile_device = devices[0]
+        elif mesh is None:
             mesh = parallel.engine_mesh(config.parallel.tensor_parallel_size)
         self.config = config
         self.mesh = mesh
-        check_kv_dtype(config.attention_backend, config.kv_dtype)
+        check_kv_dtype(config.attention_backend, config.kv_dtype, self.compile_device)
         t0 = time.perf_counter()
-        on_cpu = jax.default_backend() == "cpu"
+        on_cpu = target is None and jax.default_backend() == "cpu"
         if on_cpu and not _fast_on_this_cpu(config.dtype):
             logger.warning(
                 "dtype=%s is slow on this CPU: XLA:CPU runs its matmuls several times "
@@ -126,6 +144,7 @@ class ModelRunner:
             attention_backend=config.attention_backend,
             quantization=config.quantization,
             mesh=mesh,
+            compile_only=self.compile_device,
         )
         if (
             on_cpu
@@ -137,18 +156,29 @@ class ModelRunner:
             model = store_rows(model)  # decode steps' matmuls through the CPU kernel
         self.model_def, self.weights = ModelDef.split(model)
         self.load_seconds = time.perf_counter() - t0
-        self.weight_bytes = sum(x.nbytes for x in self.weights)
-        self.num_pages = config.num_kv_pages(
-            parallel.smallest_device_memory(parallel.mesh_devices(mesh))
-        )
+        self.weight_bytes = parallel.total_bytes(self.weights)
+        self.weight_bytes_per_device = parallel.total_bytes(self.weights, per_device=True)
+        if target is None:
+            memory = parallel.smallest_device_memory(parallel.mesh_devices(mesh))
+        else:  # a device there, with these weights loaded
+            memory = (target.device_memory()[0], self.weight_bytes_per_device)
+            if memory[1] > memory[0]:
+                raise ValueError(
+                    f"the weights need {memory[1] / 2**30:.2f} GiB per device and a "
+                    f"{target.chip.name} has {memory[0] / 2**30:.2f} GiB ({memory[1] - memory[0]} "
+                    "bytes over): raise tensor_parallel_size or use quantization='int8'"
+                )
+        self.num_pages = config.num_kv_pages(memory)
         m = config.model
-        self.kv_caches = parallel.zeros_kv(
-            mesh,
-            m.num_layers,
-            (self.num_pages, config.cache.page_size, 2 * m.num_kv_heads, m.head_dim),
-            config.kv_dtype,
-            m.num_kv_heads,
-        )
+        kv_shape = (self.num_pages, config.cache.page_size, 2 * m.num_kv_heads, m.head_dim)
+        if target is None:
+            self.kv_caches = parallel.zeros_kv(
+                mesh, m.num_layers, kv_shape, config.kv_dtype, m.num_kv_heads
+            )
+        else:
+            self.kv_caches = parallel.abstract_kv(
+                mesh, self.compile_device, m.num_layers, kv_shape, config.kv_dtype, m.num_kv_heads
+            )
         self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches)
         sched = config.scheduler
         self.shapes = StepShapes.make(
@@ -203,7 +233,7 @@ class ModelRunner:
     def scatter_pages(self, pages: list[int], arrays: list[dict[str, np.ndarray]]) -> None:
         self.kv_caches = kv_io.scatter_pages(self.kv_caches, pages, arrays)
 
-    def lower_kv_io(self, abstract) -> list:
+    def lower_kv_io(self, abstract) -> list[tuple[str, jax.stages.Lowered]]:
         """The page gather/scatter programs, for `warmup(extra=...)`."""
         del abstract
         return kv_io.lower_all(self.kv_caches, self.num_pages)
@@ -321,62 +351,89 @@ class ModelRunner:
     def execute_and_sample(self, batch: HostBatch, sampling: SamplingMetadata):
         return self.fetch(self.dispatch(batch, sampling))
 
-    def warmup(self, extra: Callable[[Callable], list] | None = None) -> None:
+    def warmup(
+        self, extra: Callable[[Callable], list[tuple[str, jax.stages.Lowered]]] | None = None
+    ) -> dict[str, jax.stages.Compiled]:
         """Compiles every program a serving step can need, ahead of time and without
         running them: the forward pass for each token bucket, and sampling for each
-        row bucket (with and without the penalty history), plus the programs
-        `extra(abstract)` lowers (the draft model's). The batches are abstract
-        (shapes only), so warm-up computes nothing; the programs land in the jit
-        caches (and the persistent compilation cache) that steps then use. Tracing
-        is Python and goes one program at a time; XLA compiles (or loads from the
-        persistent cache) on a few threads."""
+        row bucket (with and without the penalty history), plus the (name, program)
+        pairs `extra(abstract)` lowers (the draft model's, the KV pages' transfers).
+        The batches are abstract (shapes only), so warm-up computes nothing; the
+        programs land in the jit caches (and the persistent compilation cache) that
+        steps then use. Tracing is Python and goes one program at a time; XLA
+        compiles (or loads from the persistent cache) on a few threads.
+
+        Returns the compiled programs by name ('forward T=64', 'sample B=8',
+        'sample+history B=8', ...). For a compile-only target (`target=`), the same
+        programs, traced and compiled for its devices."""
         t0, before, hits = time.perf_counter(), self.compiles.count, self.compiles.cache_hits
         num_sampling = 2 * len(self.row_buckets)
         total = len(self.token_buckets) + num_sampling
         bar = tqdm(total=2 * total, desc=f"warm-up: tracing, then compiling {total} programs")
-        lowered = []
-        with self._on_mesh():  # traced in the context the steps run in
+        lowered: list[tuple[str, jax.stages.Lowered]] = []
+        # Traced in the context the steps run in (the mesh), for the device compiled for.
+        with self._on_mesh(), self._compiling_for():
             for t in self.token_buckets:
                 batch = _abstract_tree(StepInput.from_host(self.build([], token_bucket=t)))
-                lowered.append(
-                    self.programs.forward.lower(self.model_def, self.weights, self.kv_caches, batch)
+                program = self.programs.forward.lower(
+                    self.model_def, self.weights, self.kv_caches, batch
                 )
+                lowered.append((f"forward T={t}", program))
                 bar.update(1)
-            selected = lowered[0].out_info[0]  # [R, D] whatever the token bucket
+            selected = lowered[0][1].out_info[0]  # [R, D] whatever the token bucket
             no_prev = _abstract_tree(self._no_prev_tokens)
             for b in self.row_buckets:
                 for history in (False, True):
                     sampling = _abstract_tree(self.build_sampling([], b, with_history=history))
-                    lowered.append(
-                        self.programs.sample_step.lower(
-                            self.model_def, self.weights, selected, sampling, no_prev
-                        )
+                    program = self.programs.sample_step.lower(
+                        self.model_def, self.weights, selected, sampling, no_prev
                     )
+                    lowered.append((f"sample{'+history' if history else ''} B={b}", program))
                     bar.update(1)
-        num_extra = 0
-        if extra is not None:
-            more = extra(_abstract_tree)
-            num_extra, total = len(more), total + len(more)
-            lowered += more
-            bar.total = 2 * total
-            bar.update(num_extra)
-        threads = min(4, os.cpu_count() or 1)
-        with bar, concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            for _ in pool.map(lambda program: program.compile(), lowered):
-                bar.update(1)
+            num_extra = 0
+            if extra is not None:
+                more = extra(_abstract_tree)
+                num_extra, total = len(more), total + len(more)
+                lowered += more
+                bar.total = 2 * total
+                bar.update(num_extra)
+            threads = min(4, os.cpu_count() or 1)
+            with bar, concurrent.futures.ThreadPoolExecutor(threads) as pool:
+
+                def compile_one(program: jax.stages.Lowered) -> jax.stages.Compiled:
+                    with self._compiling_for():  # (a thread's default device is its own)
+                        compiled = program.compile()
+                    bar.update(1)
+                    return compiled
+
+                compiled = dict(
+                    zip(
+                        [name for name, _ in lowered],
+                        pool.map(compile_one, [program for _, program in lowered]),
+                        strict=True,
+                    )
+                )
         self.warmed_up = True
         self.warmup_seconds = time.perf_counter() - t0
         logger.info(
-            "warm-up: %d step programs (%d forward, %d sampling, %d draft model) ready in "
-            "%.1fs: %d built, %d of them loaded from the persistent compilation cache",
+            "warm-up: %d step programs (%d forward, %d sampling, %d more) ready in "
+            "%.1fs%s: %d built, %d of them loaded from the persistent compilation cache",
             total,
             len(self.token_buckets),
             num_sampling,
             num_extra,
             self.warmup_seconds,
+            f" for {self.compile_device.device_kind}" if self.compile_device else "",
             self.compiles.count - before,
             self.compiles.cache_hits - hits,
         )
+        return compiled
+
+    def _compiling_for(self):
+        """The compile-only target's device as the default one (see `targets`)."""
+        if self.compile_device is None:
+            return contextlib.nullcontext()
+        return compiling_for(self.compile_device)
 
 
 def _to_host(x) -> np.ndarray:

@@ -15,6 +15,7 @@ COMMANDS = {
     "client": ("server.client", "stream a completion from a server"),
     "bench": ("server.cli.bench", "throughput and latency benchmarks"),
     "convert": ("server.cli.convert", "write a model directory as an orbax checkpoint"),
+    "preflight": ("server.cli.preflight", "compile for a TPU or GPU target before renting it"),
 }
 
 

@@ -1,0 +1,228 @@
+"""Pre-flight: what an engine would do on a TPU or GPU that is not here.
+
+`preflight(config, target)` builds the engine for `target`'s compile-only devices
+(`jaxserve.targets`): the same `LLMEngine` and the same warm-up a TPU VM or a GPU
+machine runs, compiling every step program with the device's compilers, but with
+shapes for weights and KV caches. From the compiled programs it reports:
+
+- per device: weight bytes, KV pages and tokens, maximum concurrency at
+  max_model_len (the start-up log's numbers there), and the programs' temporary
+  memory; a model that does not fit fails naming what and by how much;
+- the program count and compile time;
+- per decode batch: the bytes and flops of a decode step (its forward and
+  sampling programs, from XLA's cost analysis of the compiled programs, with each
+  Pallas kernel's own cost estimate), an estimated step time
+  max(bytes / bandwidth, flops / peak) against the chip's figures, and the bytes
+  set beside the minimum a decode step must move: the weights once, every
+  sequence's KV up to max_model_len once, and the new KV rows. XLA's
+  `optimal_seconds` is not used: it counts custom calls as free.
+- KV-sized copies: any copy, transpose or re-layout in a step program of a buffer
+  as large as a layer's KV cache (the cache must stay in place).
+
+The figures assume sequences at max_model_len (the kernels' cost estimates bound
+attention by each sequence's page-table capacity), so the step time is the
+longest-context one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.runner.input_batch import pick_bucket
+from jaxserve.targets import Target
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeEstimate:
+    batch: int  # decoding sequences
+    programs: tuple[str, ...]
+    bytes_accessed: float
+    flops: float
+    min_bytes: float  # weights + live KV read once + new KV written (per device)
+    seconds: float  # max(bytes / bandwidth, flops / peak)
+    bound: str  # "memory" or "compute"
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def bytes_ratio(self) -> float:
+        return self.bytes_accessed / self.min_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class PreflightReport:
+    target: Target
+    config: EngineConfig
+    num_programs: int
+    compile_seconds: float
+    weight_bytes: int  # per device
+    kv_bytes: int  # per device
+    temp_bytes: int  # the largest temporary allocation of any program, per device
+    kv_pages: int  # null page included
+    kv_tokens: int
+    max_concurrency: float  # at max_model_len
+    decode: tuple[DecodeEstimate, ...]
+    kv_copies: dict[str, list[str]]  # program -> its KV-sized copies (none expected)
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.target.chip.hbm_bytes
+
+    def format(self) -> str:
+        c, t, gib = self.config, self.target, 2**30
+        lines = [
+            f"jaxserve preflight: {c.model.architecture} ({c.dtype}, KV {c.kv_dtype}"
+            f"{', ' + c.quantization if c.quantization else ''}) on {t.name} "
+            f"({t.chip.device_kind}), tensor_parallel_size={c.parallel.tensor_parallel_size}",
+            f"programs: {self.num_programs} compiled in {self.compile_seconds:.1f}s",
+            f"per device: HBM {self.hbm_bytes / gib:.2f} GiB = weights "
+            f"{self.weight_bytes / gib:.2f} + KV {self.kv_bytes / gib:.2f} + largest temp "
+            f"{self.temp_bytes / gib:.2f} GiB (free {self.free_bytes / gib:.2f})",
+            f"KV cache: {self.kv_pages - 1} pages x {c.cache.page_size} = {self.kv_tokens} "
+            f"tokens; maximum concurrency at max_model_len {c.max_model_len}: "
+            f"{self.max_concurrency:.2f}x",
+            f"decode steps at max_model_len context (estimate = max(bytes / "
+            f"{t.chip.hbm_bandwidth / 1e9:.0f} GB/s, flops / {t.chip.peak_flops / 1e12:.0f} "
+            "TFLOP/s); not XLA's optimal_seconds):",
+            f"  {'batch':>5} {'GB moved':>9} {'GB min':>8} {'ratio':>6} {'GFLOP':>8} "
+            f"{'ms/step':>8} {'tok/s':>9}  bound",
+        ]
+        for d in self.decode:
+            lines.append(
+                f"  {d.batch:>5} {d.bytes_accessed / 1e9:>9.3f} {d.min_bytes / 1e9:>8.3f} "
+                f"{d.bytes_ratio:>6.2f} {d.flops / 1e9:>8.1f} {d.seconds * 1e3:>8.3f} "
+                f"{d.tokens_per_s:>9.1f}  {d.bound}"
+            )
+        copies = {k: v for k, v in self.kv_copies.items() if v}
+        lines.append(
+            "KV caches stay in place in every program"
+            if not copies
+            else f"KV-sized copies in {len(copies)} programs: "
+            + "; ".join(f"{k}: {len(v)}" for k, v in copies.items())
+        )
+        return "\n".join(lines)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.hbm_bytes - self.weight_bytes - self.kv_bytes - self.temp_bytes
+
+
+def preflight(
+    config: EngineConfig, target: Target, decode_batches: tuple[int, ...] = (1, 8, 64)
+) -> PreflightReport:
+    """Builds `config`'s engine for `target` and reports on its compiled programs.
+
+    Raises ValueError naming what does not fit (weights, KV pages, temporaries).
+    """
+    from jaxserve.engine import LLMEngine
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(config, target=target)
+    seconds = time.perf_counter() - t0
+    runner, compiled = engine.runner, engine.compiled
+    config = runner.config
+    temp = max((_memory(c).temp_size_in_bytes for c in compiled.values()), default=0)
+    kv_bytes = runner.kv_bytes_per_device
+    weights = runner.weight_bytes_per_device
+    hbm = target.chip.hbm_bytes
+    if weights + kv_bytes + temp > hbm:
+        raise ValueError(
+            f"{target.name}: weights {weights / 2**30:.2f} GiB + KV cache "
+            f"{kv_bytes / 2**30:.2f} GiB + the programs' temporaries {temp / 2**30:.2f} GiB "
+            f"per device exceed the chip's {hbm / 2**30:.2f} GiB by "
+            f"{(weights + kv_bytes + temp - hbm) / 2**30:.2f} GiB: lower "
+            "kv_cache_memory_fraction or max_num_batched_tokens, or raise tensor_parallel_size"
+        )
+    kv_layer = runner.kv_caches[0]
+    kv_layer = getattr(kv_layer, "pages", kv_layer)
+    kv_shards = [kv_layer.sharding.shard_shape(kv_layer.shape)]
+    decode = []
+    for b in decode_batches:
+        if b > config.scheduler.max_num_seqs:
+            continue
+        names = (
+            f"forward T={pick_bucket(b, runner.token_buckets, what='tokens')}",
+            f"sample B={pick_bucket(b, runner.row_buckets, what='rows')}",
+        )
+        costs = [program_cost(compiled[n]) for n in names]
+        bytes_accessed = sum(c[1] for c in costs)
+        flops = sum(c[0] for c in costs)
+        memory_s = bytes_accessed / target.chip.hbm_bandwidth
+        compute_s = flops / target.chip.peak_flops
+        decode.append(
+            DecodeEstimate(
+                batch=b,
+                programs=names,
+                bytes_accessed=bytes_accessed,
+                flops=flops,
+                min_bytes=weights + b * _kv_bytes_per_token(config) * (config.max_model_len + 1),
+                seconds=max(memory_s, compute_s),
+                bound="memory" if memory_s >= compute_s else "compute",
+            )
+        )
+    return PreflightReport(
+        target=target,
+        config=config,
+        num_programs=len(compiled),
+        compile_seconds=seconds,
+        weight_bytes=weights,
+        kv_bytes=kv_bytes,
+        temp_bytes=temp,
+        kv_pages=runner.num_pages,
+        kv_tokens=runner.kv_tokens,
+        max_concurrency=runner.kv_tokens / config.max_model_len,
+        decode=tuple(decode),
+        kv_copies={n: kv_sized_copies(c.as_text(), kv_shards) for n, c in compiled.items()},
+    )
+
+
+def _kv_bytes_per_token(config: EngineConfig) -> float:
+    """One token's K and V (and scales) in every layer, per device."""
+    return config.kv_bytes_per_page(per_device=True) / config.cache.page_size
+
+
+def _memory(compiled):
+    return compiled.memory_analysis()
+
+
+def program_cost(compiled) -> tuple[float, float]:
+    """(flops, bytes accessed) of a compiled program, per device, from XLA's cost
+    analysis (with each Pallas kernel's own `pl.CostEstimate`). Where the platform's
+    executable offers none (XLA:GPU), the same analysis runs over its optimized
+    module with the host's XLA."""
+    analysis = compiled.cost_analysis()
+    if not analysis:
+        from jax._src import xla_bridge
+        from jax._src.lib import xla_client
+
+        module = compiled.runtime_executable().hlo_modules()[0]
+        analysis = xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+    if isinstance(analysis, list):
+        analysis = analysis[0]
+    return float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
+
+
+# An HLO instruction's result shape and opcode: `name = bf16[2048,16,4,128]{...} copy(...)`.
+_INSTRUCTION = re.compile(r"=\s*(\w+)\[([\d,]*)\][^ ]*\s+(copy|transpose|copy-start)\(")
+
+
+def kv_sized_copies(hlo_text: str, kv_shapes: list[tuple[int, ...]]) -> list[str]:
+    """The copies and transposes in `hlo_text` (a compiled program) whose result has
+    as many elements as a KV cache layer (per device): the whole-cache re-layouts
+    that XLA inserts around a kernel when it gives the cache another layout."""
+    sizes = {int(np.prod(s)) for s in kv_shapes}
+    found = []
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.search(line)
+        if m and m.group(2):
+            elements = int(np.prod([int(d) for d in m.group(2).split(",")]))
+            if elements in sizes:
+                found.append(line.strip()[:160])
+    return found
