@@ -33,12 +33,14 @@ DEVICE_SIDE = {
     "jaxserve.llm",
     "jaxserve.multihost",
     "jaxserve.parallel",
+    "jaxserve.preflight",  # builds the engine for a compile-only target
     "jaxserve.ray_replicas",  # its actors build and drive an LLMEngine
     "jaxserve.runner.draft",
     "jaxserve.runner.kv_io",
     "jaxserve.runner.model_runner",
     "jaxserve.runner.sampler",
     "jaxserve.runner.step",
+    "jaxserve.targets",  # compile-only devices of TPUs and GPUs
 }
 JAXSERVE_MODULES = sorted(m.name for m in pkgutil.walk_packages(jaxserve.__path__, "jaxserve."))
 HOST_MODULES = [m for m in JAXSERVE_MODULES if m not in DEVICE_SIDE] + ["models.config"]
