@@ -14,6 +14,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 if os.environ.get("JAXSERVE_TEST_ACCELERATOR") != "1":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+ACCELERATOR = os.environ.get("JAXSERVE_TEST_ACCELERATOR") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The accelerator suite (tests marked `accelerator`) runs alone, on a GPU or TPU
+    machine, with JAXSERVE_TEST_ACCELERATOR=1; everywhere else it is deselected."""
+    keep = [i for i in items if (i.get_closest_marker("accelerator") is not None) == ACCELERATOR]
+    dropped = [i for i in items if i not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")

@@ -11,10 +11,16 @@ programs used up; `tests/conftest.py` now releases them after each module, and
 the fresh processes keep a margin. Extra arguments go to every pytest
 (e.g. `-m "not slow"`, `-x`). Exits non-zero if any group fails (a crash
 included) or a folder runs no test.
+
+`--accelerator` runs the accelerator suite instead, on a GPU or TPU machine: the
+tests marked `accelerator` (native Pallas kernels against the reference, greedy
+parity of the engine on the device against the CPU, `jaxserve bench --roofline`),
+in one pytest process on the machine's own platform.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import subprocess
@@ -26,6 +32,11 @@ NO_TESTS = 5  # pytest's exit code when nothing ran (e.g. all deselected)
 
 
 def main(argv: list[str]) -> int:
+    if "--accelerator" in argv:
+        argv = [a for a in argv if a != "--accelerator"]
+        env = {**os.environ, "JAXSERVE_TEST_ACCELERATOR": "1"}
+        cmd = [sys.executable, "-m", "pytest", str(TESTS), "-m", "accelerator", "-s", *argv]
+        return subprocess.run(cmd, env=env).returncode
     folders = sorted(p for p in TESTS.iterdir() if p.is_dir() and p.name.endswith("_tests"))
     totals: dict[str, int] = {}
     failed = []

@@ -297,6 +297,20 @@ def _serve_in_process(model_dir: str, kwargs: dict):
     return server, loop
 
 
+def _device_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Read bandwidth of the default device (GPU, TPU) in bytes/s: the best of
+    `repeats` reductions over a `num_bytes` array."""
+    x = jax.numpy.ones(num_bytes // 4, jax.numpy.float32)
+    total = jax.jit(jax.numpy.sum)
+    total(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        total(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return num_bytes / best
+
+
 def _roofline(llm: LLM) -> dict:
     """Batch-1 decode step time against the bytes a step must read.
 
@@ -304,7 +318,8 @@ def _roofline(llm: LLM) -> dict:
     kept: on a shared machine one probe can read low, which would overstate the
     utilization.
     """
-    probes = [report.memory_bandwidth()]
+    probe = report.memory_bandwidth if jax.default_backend() == "cpu" else _device_bandwidth
+    probes = [probe()]
     engine = llm.engine
     weights = engine.model_info().weight_bytes
     engine.add_request(
@@ -316,7 +331,7 @@ def _roofline(llm: LLM) -> dict:
     times = []
     engine.run(lambda out: times.append(time.perf_counter()))
     step = float(np.median(np.diff(times)))
-    probes.append(report.memory_bandwidth())
+    probes.append(probe())
     bandwidth = max(probes)
     # every layer's K and V of one token, scales of a quantized cache included
     kv_token = llm.config.kv_bytes_per_page() / llm.config.cache.page_size
