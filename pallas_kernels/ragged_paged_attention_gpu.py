@@ -1,19 +1,27 @@
 """Ragged paged attention for GPUs: a Pallas Triton kernel.
 
 Same signature and semantics as the reference in `ragged_paged_attention.py`
-(see its glossary). The grid is (sequence b, query block i, kv head k): a
-program takes `block_q` query rows of one sequence and all G query heads that
-share kv head k, and walks that sequence's pages `pages_per_block` at a time
-with an online softmax, so a sequence's KV is never gathered whole. Programs
-whose query block lies past their sequence's end exit at once.
+(see its glossary). The grid is (sequence b, query block i, head block c): a
+program takes `block_q` query rows of one sequence and `heads` of the G query
+heads that share one kv head, and walks that sequence's KV `block_kv` tokens at
+a time (several pages, or a slice of one) with an online softmax, so a
+sequence's KV is never gathered whole. Programs whose query block lies past
+their sequence's end exit at once.
 
-Each page block's K and V are loaded once and used by all G query heads. Rows
+Each kv tile is loaded once and used by all the program's query heads. Rows
 that belong to another sequence are masked on store; kv positions at or past
 the sequence's length are masked in the scores and zeroed in V, so stale or NaN
 slots never leak into the output.
 
-Triton needs every loaded block to have a power-of-two size: head_dim and
-block_q * (pages_per_block * page_size) must be powers of two.
+Triton needs every loaded block to have a power-of-two size: head_dim is padded
+to one (80 -> 128, the padded lanes masked), block_q and block_kv are powers of
+two, and so is the page size (a tile is whole pages or an aligned slice of one).
+
+Shared memory decides the tiles: Triton keeps the program's query blocks and
+each kv tile in it, and a program that asks for more than the device allows per
+block does not compile (RESOURCE_EXHAUSTED). `GpuBlockSizes.tile` picks the
+largest kv tile, and if need be fewer query heads per program, that
+`shared_memory_bytes` says fits the device.
 """
 
 from __future__ import annotations
@@ -30,44 +38,149 @@ from pallas_kernels.ragged_paged_attention import pad_page_table, validate_input
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
+# The shared memory one block may opt in to (bytes), by device kind.
+_SHARED_MEMORY = (
+    (("h100", "h200", "h800", "gh200"), 232_448),  # sm90: 227 KiB
+    (("a100", "a800"), 166_912),  # sm80: 163 KiB
+)
+_OTHER_SHARED_MEMORY = 101_376  # sm86, sm89 (A10, L4, L40, RTX 30xx/40xx): 99 KiB
+
+
+def shared_memory_bytes(
+    *, block_q: int, block_kv: int, heads: int, head_dim: int, q_dtype, kv_dtype, quantized: bool
+) -> int:
+    """An upper bound on the shared memory Triton asks for one program of the
+    attention kernel (bytes); `head_dim` is the padded one.
+
+    Fitted to the requests of Triton as jaxlib 0.10.2 bundles it (the same on sm80 and
+    sm90), which `test_gpu_compile.py` reads back from the compiler: for the largest
+    requests (kv tiles of whole pages, no soft cap) it is exact to 64 bytes, and no
+    request measured exceeds it by more. It adds up
+      - the `heads` query blocks, dot operands kept across the kv loop:
+        heads * block_q * H in the wider of the query and dot dtypes;
+      - per kv token: K and V as loaded (2 * H in the cache dtype) and 4 bytes per
+        lane more (their copies on the way to the dots), the two float32 scales of a
+        quantized cache, and with float32 dots the token's column of the [block_q,
+        block_kv] probabilities (4 * block_q).
+    Triton's allocator reuses buffers whose lifetimes do not overlap, so some shapes
+    (a one-page or part-page tile, a soft cap, block_q 32) ask for less, down to half;
+    num_warps and num_stages move the request by a few bytes (the kv loads are
+    gathers, which Triton does not pipeline), which `_SLACK` covers.
+    """
+    q, kv = jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize
+    dot = jnp.dtype(_dot_dtype(q_dtype, kv_dtype, quantized)).itemsize
+    queries = heads * block_q * head_dim * max(q, dot)
+    per_token = (2 * kv + 4) * head_dim + 8 * quantized + (4 * block_q if dot == 4 else 0)
+    return queries + block_kv * per_token
+
+
+def _dot_dtype(q_dtype, kv_dtype, quantized: bool):
+    """The dots' operand dtype: a quantized cache is dequantized into the queries' dtype;
+    a float cache of another dtype meets the queries in the wider of the two."""
+    return jnp.dtype(q_dtype) if quantized else jnp.promote_types(q_dtype, kv_dtype)
+
+
+_SLACK = 256  # bytes a chosen tile leaves free beyond the bound (requests exceeded it by <= 64)
+
 
 @dataclasses.dataclass(frozen=True)
 class GpuBlockSizes:
     """Tile sizes of the GPU kernel.
 
     block_q: query rows per program (>= 16: Triton's smallest dot).
-    pages_per_block: KV pages per inner-loop iteration; with the page size it
-      sets the kv tile (block_kv = pages_per_block * page_size, >= 16).
+    block_kv: kv tokens per inner-loop step, a power of two >= 16 (whole pages, or an
+      aligned slice of one page); None: the largest that fits, from 64 tokens (or one
+      page, if larger) down to 16.
+    heads_per_block: query heads of one kv head per program, a divisor of G; None: all
+      G, unless even a 16-token tile does not fit with them (then K and V are read
+      once per head block).
     num_warps, num_stages: Triton launch parameters.
-    Defaults: 16 query rows, a 64-token kv tile, 4 warps, 2 stages: small tiles
-    that suit decode-heavy ragged batches on A100/H100 for head_dim <= 128.
+    shared_memory: bytes of shared memory a program may use (the device's opt-in limit
+      per block), against which the tiles left as None are chosen.
     """
 
     block_q: int = 16
-    pages_per_block: int | None = None  # None: 64 tokens' worth of pages
+    block_kv: int | None = None
+    heads_per_block: int | None = None
     num_warps: int = 4
     num_stages: int = 2
+    shared_memory: int = _OTHER_SHARED_MEMORY
 
     def __post_init__(self):
         if self.block_q < 16 or self.block_q & (self.block_q - 1):
             raise ValueError(f"block_q must be a power of two >= 16, got {self.block_q}")
-        if self.pages_per_block is not None and self.pages_per_block <= 0:
-            raise ValueError(f"pages_per_block must be positive, got {self.pages_per_block}")
+        if self.block_kv is not None and (
+            self.block_kv < 16 or self.block_kv & (self.block_kv - 1)
+        ):
+            raise ValueError(f"block_kv must be a power of two >= 16, got {self.block_kv}")
+        if self.heads_per_block is not None and self.heads_per_block <= 0:
+            raise ValueError(f"heads_per_block must be positive, got {self.heads_per_block}")
         if self.num_warps <= 0 or self.num_stages <= 0:
             raise ValueError("num_warps and num_stages must be positive")
 
-    def resolve_pages_per_block(self, page_size: int) -> int:
-        return self.pages_per_block or max(1, 64 // page_size)
-
     @classmethod
     def for_device(cls, device_kind: str, head_dim: int) -> GpuBlockSizes:
-        """Defaults by GPU and head_dim: Hopper and Ampere parts have the shared memory
-        for 3 pipeline stages at head_dim <= 128; wider heads halve the kv tile."""
+        """Defaults by GPU and head_dim: the device's shared memory (which sets the
+        tiles, `tile`), 8 warps for heads wider than 128 lanes, and 3 pipeline stages
+        on Hopper and Ampere parts."""
         kind = device_kind.lower()
-        big = any(name in kind for name in ("h100", "h200", "h800", "a100", "a800", "gh200"))
+        smem = next(
+            (size for names, size in _SHARED_MEMORY if any(name in kind for name in names)),
+            _OTHER_SHARED_MEMORY,
+        )
         if head_dim > 128:
-            return cls(block_q=16, pages_per_block=None, num_warps=8, num_stages=2)
-        return cls(block_q=16, num_warps=4, num_stages=3 if big else 2)
+            return cls(num_warps=8, num_stages=2, shared_memory=smem)
+        return cls(
+            num_warps=4, num_stages=3 if smem > _OTHER_SHARED_MEMORY else 2, shared_memory=smem
+        )
+
+    def tile(
+        self,
+        *,
+        page_size: int,
+        pages: int,
+        group: int,
+        head_dim: int,
+        q_dtype,
+        kv_dtype,
+        quantized: bool,
+    ) -> tuple[int, int]:
+        """(block_kv, heads per program) for these shapes: those set, else the largest
+        kv tile that fits in `shared_memory` with all G query heads, else with fewer
+        (splitting the heads re-reads K and V, a smaller tile does not). No tile is
+        longer than the page table (rounded up to a power of two)."""
+        if page_size & (page_size - 1):
+            raise ValueError(f"the GPU kernel needs a power-of-two page size, got {page_size}")
+        if self.heads_per_block is not None and group % self.heads_per_block:
+            raise ValueError(
+                f"heads_per_block must divide the {group} query heads per kv head, "
+                f"got {self.heads_per_block}"
+            )
+        top = min(max(64, page_size), max(16, pl.next_power_of_2(pages * page_size)))
+        tiles = (
+            [self.block_kv]
+            if self.block_kv
+            else [top >> i for i in range(top.bit_length()) if top >> i >= 16]
+        )
+        heads = [self.heads_per_block] if self.heads_per_block else _divisors(group)
+        for g in heads:
+            for block_kv in tiles:
+                need = shared_memory_bytes(
+                    block_q=self.block_q,
+                    block_kv=block_kv,
+                    heads=g,
+                    head_dim=head_dim,
+                    q_dtype=q_dtype,
+                    kv_dtype=kv_dtype,
+                    quantized=quantized,
+                )
+                if need + _SLACK <= self.shared_memory:
+                    return block_kv, g
+        return tiles[-1], heads[-1]  # nothing fits: the smallest, and Triton says by how much
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
 
 
 def _kernel(
@@ -80,20 +193,32 @@ def _kernel(
     sliding_window,
     soft_cap,
     block_q,
-    pages_per_block,
-    group,
+    block_kv,
+    heads,
     true_head_dim,
+    dot_dtype,
 ):
-    if quantized:  # the K and V scales of head k, [P, S] each
+    if quantized:  # the K and V scales of this kv head, [P, S] each
         ks_ref, vs_ref, pages_ref, kv_lens_ref, cu_ref, num_seqs_ref, _, o_ref = refs
     else:
         pages_ref, kv_lens_ref, cu_ref, num_seqs_ref, _, o_ref = refs
     b, i = pl.program_id(0), pl.program_id(1)
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]  # head_dim: padded to a power of 2
-    block_kv = pages_per_block * page_size
+    pages_per_tile = max(1, block_kv // page_size)
+    tiles_per_page = max(1, page_size // block_kv)
     q_start, q_end = cu_ref[b], cu_ref[b + 1]
     q_len = q_end - q_start
     kv_len = kv_lens_ref[b]
+
+    def load(ref, j):  # kv positions [j * block_kv, (j + 1) * block_kv): [block_kv, ...]
+        if tiles_per_page == 1:  # whole pages
+            pages = pages_ref[pl.ds(j * pages_per_tile, pages_per_tile)]
+            return ref[pages].reshape(block_kv, -1)
+        # A slice of one page (j >= 0: lax's truncating div and rem, which Triton lowers;
+        # jnp's floor division does not lower there).
+        n = jnp.int32(tiles_per_page)
+        page = pages_ref[jax.lax.div(j, n)]
+        return ref[page, pl.ds(jax.lax.rem(j, n) * block_kv, block_kv)].reshape(block_kv, -1)
 
     @pl.when((b < num_seqs_ref[0]) & (i * block_q < q_len))
     def _():
@@ -109,18 +234,17 @@ def _kernel(
         num_blocks = last_pos // block_kv + 1
 
         qs = [
-            q_ref[pl.ds(row0, block_q), pl.ds(g, 1), :].reshape(block_q, -1) for g in range(group)
-        ]  # G x [bq, H]
+            q_ref[pl.ds(row0, block_q), pl.ds(g, 1), :].reshape(block_q, -1).astype(dot_dtype)
+            for g in range(heads)
+        ]  # heads x [bq, H]
 
         def body(j, carry):
-            pages = pages_ref[pl.ds(j * pages_per_block, pages_per_block)]
-            k = k_ref[pages].reshape(block_kv, head_dim)
-            v = v_ref[pages].reshape(block_kv, head_dim)
-            if quantized:  # dequantize the tile, into the queries' dtype
-                ks = ks_ref[pages].reshape(block_kv, 1)
-                vs = vs_ref[pages].reshape(block_kv, 1)
-                k = (k.astype(jnp.float32) * ks).astype(q_ref.dtype)
-                v = (v.astype(jnp.float32) * vs).astype(q_ref.dtype)
+            k, v = load(k_ref, j), load(v_ref, j)
+            if quantized:  # dequantize the tile, into the dots' dtype
+                k = (k.astype(jnp.float32) * load(ks_ref, j)).astype(dot_dtype)
+                v = (v.astype(jnp.float32) * load(vs_ref, j)).astype(dot_dtype)
+            else:  # a cache in another float dtype than the queries: the wider of the two
+                k, v = k.astype(dot_dtype), v.astype(dot_dtype)
             kv_pos = j * block_kv + jnp.arange(block_kv)
             lanes = jnp.arange(head_dim)[None, :] < true_head_dim  # padded lanes read junk
             k = jnp.where(lanes, k, jnp.zeros_like(k))
@@ -130,7 +254,7 @@ def _kernel(
             if sliding_window is not None:
                 visible &= kv_pos[None, :] > q_pos[:, None] - sliding_window
             new = []
-            for g in range(group):
+            for g in range(heads):
                 m, denom, acc = carry[g]
                 s = plgpu.dot(qs[g], k, trans_b=True).astype(jnp.float32) * sm_scale
                 if soft_cap is not None:
@@ -152,10 +276,10 @@ def _kernel(
                 jnp.zeros((block_q,), jnp.float32),
                 jnp.zeros((block_q, head_dim), jnp.float32),
             )
-            for _ in range(group)
+            for _ in range(heads)
         )
         carry = jax.lax.fori_loop(start_block, num_blocks, body, init)
-        for g in range(group):
+        for g in range(heads):
             _, denom, acc = carry[g]
             out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
             plgpu.store(
@@ -191,17 +315,22 @@ def ragged_paged_attention(
     k_heads = kv2 // 2
     group = n // k_heads
     bq = block_sizes.block_q
-    ppb = min(block_sizes.resolve_pages_per_block(s), page_indices.shape[1])
-    if ppb * s < 16 or (ppb * s) & (ppb * s - 1):
-        raise ValueError(
-            f"the GPU kernel needs pages_per_block * page_size to be a power of two >= 16, "
-            f"got {ppb} * {s}"
-        )
     # Triton tiles are powers of two: a head_dim such as 80 is read as 128 lanes, the
     # lanes past head_dim masked to zero (queries are zero-padded to match).
     hp = max(16, pl.next_power_of_2(h))
+    dot_dtype = _dot_dtype(queries.dtype, kv_cache.dtype, quantized)
+    block_kv, heads = block_sizes.tile(
+        page_size=s,
+        pages=page_indices.shape[1],
+        group=group,
+        head_dim=hp,
+        q_dtype=queries.dtype,
+        kv_dtype=kv_cache.dtype,
+        quantized=quantized,
+    )
+    head_blocks = group // heads
     num_seqs_b = kv_lens.shape[0]
-    pages = pad_page_table(page_indices, ppb)
+    pages = pad_page_table(page_indices, max(1, block_kv // s))
     m_pad = pages.shape[1]
     t_pad = t + bq  # room for a last query block that runs past the batch
     q = jnp.pad(queries.reshape(t, k_heads, group, h), ((0, bq), (0, 0), (0, 0), (0, hp - h)))
@@ -212,34 +341,47 @@ def ragged_paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         block_q=bq,
-        pages_per_block=ppb,
-        group=group,
+        block_kv=block_kv,
+        heads=heads,
         true_head_dim=h,
         quantized=quantized,
+        dot_dtype=dot_dtype,
     )
-    whole = lambda *shape: pl.BlockSpec(shape, lambda b, i, k: (0,) * len(shape))
+    # Program (b, i, c): sequence b, query block i, head block c, which is query heads
+    # [c % head_blocks * heads, ...) of kv head c // head_blocks.
+    whole = lambda *shape: pl.BlockSpec(shape, lambda b, i, c: (0,) * len(shape))
+    q_spec = pl.BlockSpec(
+        (t_pad, None, heads, hp), lambda b, i, c: (0, c // head_blocks, c % head_blocks, 0)
+    )
     scale_specs, scales = [], []
-    if quantized:  # [P, S, K, 2]: head k's K scales, then its V scales
+    if quantized:  # [P, S, K, 2]: kv head k's K scales, then its V scales
         scale_specs = [
-            pl.BlockSpec((p, s, None, None), lambda b, i, k, half=half: (0, 0, k, half))
+            pl.BlockSpec(
+                (p, s, None, None), lambda b, i, c, half=half: (0, 0, c // head_blocks, half)
+            )
             for half in (0, 1)
         ]
         scales = [kv_scales.reshape(p, s, k_heads, 2)] * 2
     out = pl.pallas_call(
         kernel,
-        grid=(num_seqs_b, pl.cdiv(t, bq), k_heads),
+        grid=(num_seqs_b, pl.cdiv(t, bq), k_heads * head_blocks),
         in_specs=[
-            pl.BlockSpec((t_pad, None, group, hp), lambda b, i, k: (0, k, 0, 0)),
-            pl.BlockSpec((p, s, None, None, hp), lambda b, i, k: (0, 0, k, 0, 0)),
-            pl.BlockSpec((p, s, None, None, hp), lambda b, i, k: (0, 0, k, 1, 0)),
+            q_spec,
+            *(
+                pl.BlockSpec(
+                    (p, s, None, None, hp),
+                    lambda b, i, c, half=half: (0, 0, c // head_blocks, half, 0),
+                )
+                for half in (0, 1)
+            ),
             *scale_specs,
-            pl.BlockSpec((None, m_pad), lambda b, i, k: (b, 0)),
+            pl.BlockSpec((None, m_pad), lambda b, i, c: (b, 0)),
             whole(num_seqs_b),
             whole(num_seqs_b + 1),
             whole(1),
-            pl.BlockSpec((t_pad, None, group, hp), lambda b, i, k: (0, k, 0, 0)),
+            q_spec,
         ],
-        out_specs=pl.BlockSpec((t_pad, None, group, hp), lambda b, i, k: (0, k, 0, 0)),
+        out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct((t_pad, k_heads, group, hp), queries.dtype),
         # The output starts as zeros: rows of padding tokens, which no program owns,
         # come out zero as in the reference.
