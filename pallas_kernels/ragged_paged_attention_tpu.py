@@ -1,13 +1,25 @@
 """Ragged paged attention for TPUs: a Pallas Mosaic kernel, and the KV write.
 
 Same signature and semantics as the reference in `ragged_paged_attention.py`
-(see its glossary). The grid is (sequence b, query block i, kv head k), run in
-order. The batch layout (kv_lens, the page table, cu_q_lens, num_seqs) is
+(see its glossary). The grid is (sequence b, query block i, kv-head block), run
+in order. The batch layout (kv_lens, the page table, cu_q_lens, num_seqs) is
 prefetched into SMEM; queries, the KV cache and the output stay in HBM and move
-by DMA: a program copies its `block_q` query rows (all G heads of kv head k)
+by DMA: a program copies its `block_q` query rows (all G heads of its kv heads)
 into VMEM, then walks its sequence's pages `pages_per_block` at a time, copying
-each page's K and V rows of head k into VMEM, with an online softmax. A
-sequence's KV is never gathered whole.
+each page's K and V rows of its kv heads into VMEM, with an online softmax per
+query head whose state lives in VMEM. A sequence's KV is never gathered whole.
+
+What the TPU's tiled layouts allow a DMA (Mosaic checks it when it compiles): an
+array's two minor axes are tiled (8 sublanes of 32-bit words x 128 lanes: 8 rows
+of float32, 16 of bfloat16, 32 of int8), and a DMA window must start and end on
+tile boundaries of those axes; the leading axes are free. So
+- queries and outputs are laid out [T, K, G, H]: a query block starts at any
+  token (sequences start at arbitrary rows) because the token axis is untiled;
+- a program reads the cache as it is stored, [P, S, 2K, H], in windows of whole
+  row tiles: `kv_rows_per_program` rows (a tile, or all 2K) of each page, and
+  picks each head's K and V rows in VMEM. Any other view of the cache (e.g.
+  [P, S, K, 2, H]) is not a bitcast of XLA's layout for every dtype and head_dim:
+  XLA then copies the whole cache around every call.
 
 The output block is written back by DMA at the block's first row. A last block
 that runs past its sequence writes zeros into the next rows, which belong to a
@@ -72,7 +84,8 @@ def _kernel(
     cu_ref,
     num_seqs_ref,
     # inputs (HBM): queries, pages, [scales,] the output's initial value (aliased);
-    # the output (HBM); scratch: q, k, v, [scales,] o in VMEM, DMA semaphores
+    # the output (HBM); scratch (VMEM): q, q head-major, kv, o, the softmax state (m, l,
+    # acc), DMA semaphores, [scales,] [a float32 q/o block for 16-bit queries]
     q_hbm,
     kv_hbm,
     *refs,
@@ -82,25 +95,50 @@ def _kernel(
     pages_per_block,
     pages_per_seq,
     quantized,
+    static_kv_heads,
+    interpret,
 ):
-    if quantized:
-        scales_hbm, _, o_hbm, q_vmem, k_vmem, v_vmem, s_vmem, o_vmem, sems = refs
-    else:
-        _, o_hbm, q_vmem, k_vmem, v_vmem, o_vmem, sems = refs
-    b, i, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    group, block_q, _ = q_vmem.shape
-    page_size = k_vmem.shape[1]
+    refs = list(refs)
+    scales_hbm = refs.pop(0) if quantized else None
+    _, o_hbm, q_vmem, qh_vmem, kv_vmem, o_vmem, m_ref, l_ref, acc_ref, sems, *optional = refs
+    s_vmem = optional.pop(0) if quantized else None
+    stage_vmem = optional.pop(0) if optional else None
+    b, i, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_q, heads, group, head_dim = q_vmem.shape  # heads: kv heads per program
+    page_size, rows = kv_vmem.shape[1], kv_vmem.shape[2]  # rows = 2 * heads
     block_kv = pages_per_block * page_size
     q_start = cu_ref[b]
     q_len = cu_ref[b + 1] - q_start
     kv_len = kv_lens_ref[b]
+    # The first of this program's KV rows in a page: a multiple of `rows`, a whole tile
+    # of the cache's layout, so the page DMA is aligned; 0 where one block has all 2K.
+    row_start = 0 if rows == kv_hbm.shape[2] else pl.multiple_of(hb * rows, rows)
 
     @pl.when((b < num_seqs_ref[0]) & (i * block_q < q_len))
     def _():
+        # Queries and outputs are [T + bq, K, G, H]: the row offset is on the untiled
+        # token axis, so a block may start at any row.
         row0 = q_start + i * block_q
-        q_copy = pltpu.make_async_copy(q_hbm.at[k, :, pl.ds(row0, block_q), :], q_vmem, sems.at[0])
+        q_copy = pltpu.make_async_copy(
+            q_hbm.at[pl.ds(row0, block_q), pl.ds(hb * heads, heads)], q_vmem, sems.at[0]
+        )
         q_copy.start()
         q_copy.wait()
+
+        # A head-major copy [heads * G, bq, H], so that the loops over heads index an
+        # untiled axis. Mosaic reads a packed (16-bit) row only at a row it can prove
+        # tile-aligned: 16-bit queries go through a float32 block (exact both ways).
+        q32 = q_vmem
+        if stage_vmem is not None:
+            stage_vmem[...] = q_vmem[...].astype(jnp.float32)
+            q32 = stage_vmem
+
+        def copy_q(h, _):
+            row = q32[:, h // group, pl.ds(h % group, 1), :][:, 0]
+            qh_vmem[h] = row.astype(qh_vmem.dtype)
+            return 0
+
+        jax.lax.fori_loop(0, heads * group, copy_q, 0)
         offs = jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
         row_valid = i * block_q + offs < q_len  # [bq, 1]
         q_pos = kv_len - q_len + i * block_q + offs  # [bq, 1]
@@ -110,80 +148,157 @@ def _kernel(
             first_pos = kv_len - q_len + i * block_q
             start_block = jnp.maximum(first_pos - sliding_window + 1, 0) // block_kv
         num_blocks = last_pos // block_kv + 1
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-        def body(j, carry):
+        def body(j, _):
             copies = []
             for p in range(pages_per_block):
                 page = pages_ref[b * pages_per_seq + j * pages_per_block + p]
-                for buf, half in ((k_vmem, 0), (v_vmem, 1)):
-                    copies.append(
-                        pltpu.make_async_copy(kv_hbm.at[page, :, k, half, :], buf.at[p], sems.at[1])
-                    )
-                if quantized:  # this page's K and V scales of head k: [S, 2]
-                    src = scales_hbm.at[page, :, k, :]
+                # Whole rows of the page's layout tile: [S, 2 * heads, H].
+                src = kv_hbm.at[page, :, pl.ds(row_start, rows), :]
+                copies.append(pltpu.make_async_copy(src, kv_vmem.at[p], sems.at[1]))
+                if quantized:  # this page's scales, all heads: [S, 2K]
+                    src = scales_hbm.at[page]
                     copies.append(pltpu.make_async_copy(src, s_vmem.at[p], sems.at[1]))
             for c in copies:
                 c.start()
             for c in copies:
                 c.wait()
-            kk = k_vmem[...].reshape(block_kv, -1)
-            vv = v_vmem[...].reshape(block_kv, -1)
-            if quantized:  # dequantize in VMEM, into the queries' dtype
-                sc = s_vmem[...].reshape(block_kv, 2)
-                kk = (kk.astype(jnp.float32) * sc[:, 0:1]).astype(q_vmem.dtype)
-                vv = (vv.astype(jnp.float32) * sc[:, 1:2]).astype(q_vmem.dtype)
             kv_pos = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
             # Slots at or past the sequence's length may hold anything (NaN included).
-            vv = jnp.where(kv_pos.reshape(block_kv, 1) < kv_len, vv, jnp.zeros_like(vv))
+            v_live = kv_pos.reshape(block_kv, 1) < kv_len
             visible = (kv_pos <= q_pos) & row_valid  # [bq, L]
             if sliding_window is not None:
                 visible &= kv_pos > q_pos - sliding_window
-            new = []
-            for g in range(group):
-                m, denom, acc = carry[g]
-                s = (
-                    jax.lax.dot_general(
-                        q_vmem[g], kk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-                    )
-                    * sm_scale
-                )
-                if soft_cap is not None:
-                    s = soft_cap * jnp.tanh(s / soft_cap)
-                s = jnp.where(visible, s, MASK_VALUE)
-                m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
-                prob = jnp.exp(s - m_new)
-                correction = jnp.exp(m - m_new)
-                denom = denom * correction + prob.sum(axis=-1, keepdims=True)
-                acc = acc * correction + jax.lax.dot_general(
-                    prob.astype(vv.dtype),
-                    vv,
-                    (((1,), (0,)), ((), ())),
-                    preferred_element_type=jnp.float32,
-                )
-                new.append((m_new, denom, acc))
-            return tuple(new)
+            if quantized:
+                sc = s_vmem[...].reshape(block_kv, -1)  # [L, 2K]
+                lane = jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
 
-        head_dim = q_vmem.shape[-1]
-        init = tuple(
-            (
-                jnp.full((block_q, 1), MASK_VALUE, jnp.float32),
-                jnp.zeros((block_q, 1), jnp.float32),
-                jnp.zeros((block_q, head_dim), jnp.float32),
-            )
-            for _ in range(group)
+            def one_kv_head(k, _):
+                kk, vv = (
+                    x.reshape(block_kv, head_dim) for x in _load_kv_head(kv_vmem, k, interpret)
+                )
+                if quantized:  # dequantize in VMEM, into the queries' dtype
+                    row = 2 * (hb * heads + k)  # head k's K scale; its V scale follows
+                    k_sc = jnp.sum(jnp.where(lane == row, sc, 0.0), axis=1, keepdims=True)
+                    v_sc = jnp.sum(jnp.where(lane == row + 1, sc, 0.0), axis=1, keepdims=True)
+                    kk = (kk.astype(jnp.float32) * k_sc).astype(q_vmem.dtype)
+                    vv = (vv.astype(jnp.float32) * v_sc).astype(q_vmem.dtype)
+                vv = jnp.where(v_live, vv, jnp.zeros_like(vv))
+
+                def one_head(g, _):
+                    h = k * group + g
+                    s = (
+                        jax.lax.dot_general(
+                            qh_vmem[h],
+                            kk,
+                            (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32,
+                        )
+                        * sm_scale
+                    )
+                    if soft_cap is not None:
+                        s = soft_cap * jnp.tanh(s / soft_cap)
+                    s = jnp.where(visible, s, MASK_VALUE)
+                    m = m_ref[h]
+                    m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
+                    prob = jnp.exp(s - m_new)
+                    correction = jnp.exp(m - m_new)
+                    l_ref[h] = l_ref[h] * correction + prob.sum(axis=-1, keepdims=True)
+                    acc_ref[h] = acc_ref[h] * correction + jax.lax.dot_general(
+                        prob.astype(vv.dtype),
+                        vv,
+                        (((1,), (0,)), ((), ())),
+                        preferred_element_type=jnp.float32,
+                    )
+                    m_ref[h] = m_new
+                    return 0
+
+                jax.lax.fori_loop(0, group, one_head, 0)
+                return 0
+
+            if static_kv_heads:  # unrolled: Mosaic reads these packed rows only at static rows
+                for k in range(heads):
+                    one_kv_head(k, 0)
+            else:
+                jax.lax.fori_loop(0, heads, one_kv_head, 0)
+            return 0
+
+        jax.lax.fori_loop(start_block, num_blocks, body, 0)
+
+        def write_out(h, _):
+            denom = l_ref[h]
+            out = jnp.where(row_valid, acc_ref[h] / jnp.where(denom > 0, denom, 1.0), 0.0)
+            o32[:, h // group, pl.ds(h % group, 1), :] = out.astype(o32.dtype)[:, None]
+            return 0
+
+        o32 = o_vmem if stage_vmem is None else stage_vmem
+        jax.lax.fori_loop(0, heads * group, write_out, 0)
+        if stage_vmem is not None:
+            o_vmem[...] = stage_vmem[...].astype(o_vmem.dtype)
+        o_copy = pltpu.make_async_copy(
+            o_vmem, o_hbm.at[pl.ds(row0, block_q), pl.ds(hb * heads, heads)], sems.at[0]
         )
-        carry = jax.lax.fori_loop(start_block, num_blocks, body, init)
-        for g in range(group):
-            _, denom, acc = carry[g]
-            out = jnp.where(row_valid, acc / jnp.where(denom > 0, denom, 1.0), 0.0)
-            o_vmem[g] = out.astype(o_vmem.dtype)
-        o_copy = pltpu.make_async_copy(o_vmem, o_hbm.at[k, :, pl.ds(row0, block_q), :], sems.at[0])
         o_copy.start()
         o_copy.wait()
 
 
+def _load_kv_head(kv_vmem, k, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """Head k's K and V rows (rows 2k and 2k + 1) of a [pages, S, rows, H] VMEM block,
+    each [pages, S, H] in the cache's dtype; k may be traced.
+
+    A 16- or 8-bit dtype packs 2 or 4 consecutive rows into one 32-bit sublane word
+    (the lower row in the lower bits). Mosaic loads a packed row only at a row offset
+    it can prove tile-aligned, and unpacking single rows of a partly filled tile made
+    compiles slow (~10 s for bfloat16 with 2 KV heads); so it loads the 32-bit word row
+    that holds both of head k's rows and shifts them apart. Only bit patterns move.
+    """
+    dtype = kv_vmem.dtype
+    packing = 4 // dtype.itemsize
+    rows = kv_vmem.shape[2]
+    if packing == 1 or rows % packing:  # unpacked, or too few rows to fill a word
+        k_row = kv_vmem[:, :, pl.ds(2 * k, 1), :]
+        v_row = kv_vmem[:, :, pl.ds(2 * k + 1, 1), :]
+        return k_row[:, :, 0], v_row[:, :, 0]
+    if interpret:  # the interpreter has no ref bitcast: bitcast the loaded block
+        words = pltpu.bitcast(kv_vmem[...], jnp.uint32)  # [pages, S, rows // packing, H]
+        word = jax.lax.dynamic_index_in_dim(words, 2 * k // packing, axis=2, keepdims=False)
+    else:
+        word = kv_vmem.bitcast(jnp.uint32)[:, :, pl.ds(2 * k // packing, 1), :][:, :, 0]
+    if packing == 2:  # bfloat16: K in the low half, V in the high half
+        k_bits = pltpu.bitcast(word << 16, jnp.float32)
+        v_bits = pltpu.bitcast(word & jnp.uint32(0xFFFF0000), jnp.float32)
+        return k_bits.astype(dtype), v_bits.astype(dtype)  # exact: bf16 is f32's top half
+    shift = (2 * k % packing) * 8  # int8 / fp8: K and V are bytes shift/8 and shift/8 + 1
+    k_byte = (word >> shift).astype(jnp.uint8)
+    v_byte = (word >> (shift + 8)).astype(jnp.uint8)
+    return pltpu.bitcast(k_byte, dtype), pltpu.bitcast(v_byte, dtype)
+
+
+def _static_kv_heads(kv_dtype, rows: int, head_dim: int) -> bool:
+    """Whether the loop over a program's kv heads must be unrolled. Mosaic loads a row of
+    a packed (8- or 16-bit) cache block at a traced row only as the 32-bit word row
+    holding it, and only where head_dim fills whole 128-lane tiles; elsewhere (e.g.
+    bfloat16 head_dim 64 or 80, int8 with 3 KV heads: 6 rows, not whole words) each
+    head's rows are read at static rows. The unrolled loop compiles slower (~1 s more
+    with 8 heads)."""
+    packing = 4 // jnp.dtype(kv_dtype).itemsize
+    return packing > 1 and (rows % packing != 0 or head_dim % 128 != 0)
+
+
 def _interpret(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
+
+
+def kv_rows_per_program(num_kv_heads: int, kv_dtype) -> int:
+    """KV rows (2 per kv head) one program copies from each page: a whole tile of rows
+    of the cache's TPU layout (8 sublanes of 32-bit words: 8 rows of float32, 16 of
+    bfloat16, 32 of int8 / fp8) where 2K is a multiple of it, else all 2K rows. A DMA
+    may only start and end on tile boundaries of the tiled (2K, H) axes."""
+    tile = 8 * (4 // jnp.dtype(kv_dtype).itemsize)
+    return tile if (2 * num_kv_heads) % tile == 0 else 2 * num_kv_heads
 
 
 @functools.partial(
@@ -208,19 +323,20 @@ def ragged_paged_attention(
     validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales)
     quantized = kv_scales is not None
     t, n, h = queries.shape
-    p, s, kv2, _ = kv_cache.shape
+    _, s, kv2, _ = kv_cache.shape
     k_heads = kv2 // 2
     group = n // k_heads
+    rows = kv_rows_per_program(k_heads, kv_cache.dtype)
+    heads = rows // 2
     bq = block_sizes.block_q
     ppb = min(block_sizes.resolve_pages_per_block(s), page_indices.shape[1])
     num_seqs_b = page_indices.shape[0]
     padded = pad_page_table(page_indices, ppb)
     m_pad = padded.shape[1]
     pages = padded.reshape(-1)
-    # [K, G, T + bq, H]: one DMA fetches a block's rows for all heads of kv head k;
+    # [T + bq, K, G, H]: one DMA fetches a block's rows for all heads of its kv heads;
     # bq rows of padding give a last query block that runs past the batch room.
     q = jnp.pad(queries.reshape(t, k_heads, group, h), ((0, bq), (0, 0), (0, 0), (0, 0)))
-    q = q.transpose(1, 2, 0, 3)
     kernel = functools.partial(
         _kernel,
         sm_scale=sm_scale,
@@ -229,25 +345,32 @@ def ragged_paged_attention(
         pages_per_block=ppb,
         pages_per_seq=m_pad,
         quantized=quantized,
+        static_kv_heads=_static_kv_heads(kv_cache.dtype, rows, h),
+        interpret=interpret,
     )
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    # A quantized cache adds its scales [P, S, K, 2] (an input) and a VMEM block of them.
-    scales = [kv_scales.reshape(p, s, k_heads, 2)] if quantized else []
-    scales_vmem = [pltpu.VMEM((ppb, s, 2), jnp.float32)] if quantized else []
+    # A quantized cache adds its scales [P, S, 2K] (an input) and a VMEM block of them.
+    scales = [kv_scales] if quantized else []
+    scales_vmem = [pltpu.VMEM((ppb, s, kv2), jnp.float32)] if quantized else []
+    packed_q = queries.dtype.itemsize < 4  # staged through float32 in VMEM
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
-            grid=(num_seqs_b, pl.cdiv(t, bq), k_heads),
+            grid=(num_seqs_b, pl.cdiv(t, bq), k_heads // heads),
             in_specs=[any_spec] * (3 + len(scales)),
             out_specs=any_spec,
             scratch_shapes=[
-                pltpu.VMEM((group, bq, h), queries.dtype),
-                pltpu.VMEM((ppb, s, h), kv_cache.dtype),
-                pltpu.VMEM((ppb, s, h), kv_cache.dtype),
-                *scales_vmem,
-                pltpu.VMEM((group, bq, h), queries.dtype),
+                pltpu.VMEM((bq, heads, group, h), queries.dtype),
+                pltpu.VMEM((heads * group, bq, h), queries.dtype),
+                pltpu.VMEM((ppb, s, rows, h), kv_cache.dtype),
+                pltpu.VMEM((bq, heads, group, h), queries.dtype),
+                pltpu.VMEM((heads * group, bq, 1), jnp.float32),
+                pltpu.VMEM((heads * group, bq, 1), jnp.float32),
+                pltpu.VMEM((heads * group, bq, h), jnp.float32),
                 pltpu.SemaphoreType.DMA((2,)),
+                *scales_vmem,
+                *([pltpu.VMEM((bq, heads, group, h), jnp.float32)] if packed_q else []),
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(q.shape, queries.dtype),
@@ -258,17 +381,8 @@ def ragged_paged_attention(
         ),
         interpret=_interpret(interpret),
         name="ragged_paged_attention_tpu",
-    )(
-        kv_lens,
-        pages,
-        cu_q_lens,
-        num_seqs,
-        q,
-        kv_cache.reshape(p, s, k_heads, 2, h),
-        *scales,
-        jnp.zeros_like(q),
-    )
-    return out.transpose(2, 0, 1, 3)[:t].reshape(t, n, h)
+    )(kv_lens, pages, cu_q_lens, num_seqs, q, kv_cache, *scales, jnp.zeros_like(q))
+    return out[:t].reshape(t, n, h)
 
 
 def _write_kernel(slots_ref, new_vmem, kv_in_hbm, kv_out_hbm, sem):

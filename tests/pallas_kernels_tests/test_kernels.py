@@ -88,6 +88,25 @@ def test_sliding_window_and_soft_cap(kernel, kw):
     run_and_compare(kernel, "mixed", **kw)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8_e4m3"])
+def test_tpu_kernel_reads_packed_pages_at_a_traced_head(kv_dtype):
+    """head_dim 128 with 4 KV heads: the TPU kernel loops over a program's KV heads with a
+    traced index and shifts each head's K and V out of 32-bit words of 2 (bfloat16) or 4
+    (int8 / fp8) packed rows (other head_dims, as the tests above use, unroll that loop)."""
+    assert not tpu._static_kv_heads(jnp.int8, 8, 128)  # this case takes the traced path
+    if kv_dtype == "bf16":
+        run_and_compare("tpu", "mixed", heads=(8, 4), head_dim=128, dtype=ml_dtypes.bfloat16)
+        return
+    from test_quantization import quantized_case  # (it imports this module)
+
+    args, t = quantized_case("mixed", kv_dtype, heads=(8, 4), head_dim=128)
+    want = np.asarray(ref.ragged_paged_attention_jit(*args, sm_scale=0.25))
+    got = np.asarray(tpu.ragged_paged_attention(*args, sm_scale=0.25, interpret=True))
+    assert np.isfinite(got).all()  # unowned scales (and fp8 pages) are NaN
+    np.testing.assert_allclose(got[:t], want[:t], atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(got[t:], 0.0)
+
+
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])
 def test_kv_write_equals_the_reference_exactly(kernel, dtype):
