@@ -318,6 +318,10 @@ class EngineConfig:
     warmup: bool = True  # compile every bucket before serving
     compile_guard: bool = False  # after warm-up, any compilation raises (tests)
     compilation_cache_dir: str | None = None  # JAX's persistent compilation cache
+    # A bundle of compiled programs to load at start-up instead of compiling any
+    # (`jaxserve.runner.bundle`; made by `jaxserve preflight --output` or
+    # `LLM.save_compiled`); it must have been made for this target and configuration.
+    compiled_dir: str | None = None
     stats_interval_s: float = 10.0  # the periodic stats log line; 0 disables it
 
     def __post_init__(self):
@@ -365,12 +369,28 @@ class EngineConfig:
                 f"{self.parallel.num_processes}: the draft model is not sent to the "
                 "followers yet; use 'ngram' across hosts"
             )
+        self._check_compiled_dir()
         draft = self.speculative.draft if self.speculative else None
         if draft is not None and draft.vocab_size != self.model.vocab_size:
             raise ValueError(
                 f"speculative_config.model {self.speculative.model!r} has a vocabulary of "
                 f"{draft.vocab_size} tokens, the target {self.model.vocab_size}: a draft "
                 "model must share the target's tokenizer"
+            )
+
+    def _check_compiled_dir(self) -> None:
+        value, p = self.compiled_dir, self.parallel
+        if value is None:
+            return
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"compiled must be a bundle's directory, got {value!r}")
+        # A loaded program runs on the devices it was made for (their ids): a
+        # replica's slice or another host's devices would need it re-targeted.
+        if p.data_parallel_size > 1 or p.num_processes > 1:
+            raise ValueError(
+                f"compiled={value!r} with data_parallel_size={p.data_parallel_size}, "
+                f"num_processes={p.num_processes}: compiled bundles serve one engine in one "
+                "process (data-parallel replicas and multi-host meshes compile at start-up)"
             )
 
     @property

@@ -28,6 +28,7 @@ from jaxserve.metrics import EngineStats, StatsSnapshot
 from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.request import ResumedSample, Sequence, Status
 from jaxserve.request_state import RequestState, check_resume
+from jaxserve.runner import bundle
 from jaxserve.runner.draft import DraftRunner
 from jaxserve.runner.input_batch import SampleRow, SeqWork
 from jaxserve.runner.model_runner import ModelRunner, PendingStep
@@ -144,9 +145,15 @@ class LLMEngine:
         `target`: build for a TPU or GPU that is not here (`jaxserve.targets`): warm-up
         compiles every step program for its compile-only devices (`compiled`), and
         the engine runs nothing (`jaxserve preflight`)."""
+        if target is not None and config.compiled_dir:
+            raise ValueError(
+                f"compiled={config.compiled_dir!r}: a bundle is loaded onto this machine's "
+                "devices; an engine built for a compile-only target compiles its programs"
+            )
         self.config = config
         self.tokenizer = tokenizer
-        if config.compilation_cache_dir:
+        # (A compiled bundle compiles nothing: its programs never touch the cache.)
+        if config.compilation_cache_dir and not config.compiled_dir:
             import jax
 
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
@@ -225,7 +232,13 @@ class LLMEngine:
             "on" if config.scheduler.enable_prefix_caching else "off",
         )
         self.compiled: dict = {}  # warm-up's programs by name
-        if config.warmup or target is not None:
+        if config.compiled_dir:  # warm-up loads the bundle's programs instead
+            self.compiled = self.runner.load_compiled(
+                config.compiled_dir, kv_transfer=self.tier is not None
+            )
+            if self.drafter:
+                self.drafter.use_compiled(self.compiled)
+        elif config.warmup or target is not None:
             extras = [self.drafter.lower_all] if self.drafter else []
             if self.tier is not None:
                 extras.append(self.runner.lower_kv_io)
@@ -234,6 +247,13 @@ class LLMEngine:
             )
             if self.drafter:
                 self.drafter.warmed_up = True
+
+    def save_compiled(self, directory: str) -> int:
+        """Writes warm-up's programs and their manifest into `directory`, a bundle
+        that `compiled=directory` loads instead of compiling (`jaxserve.runner.bundle`);
+        returns the bytes written."""
+        described = self.runner.manifest(kv_transfer=self.tier is not None)
+        return bundle.save(directory, self.compiled, described)
 
     # ------------------------------------------------------- what front ends read
 

@@ -49,6 +49,11 @@ class LLM:
     directory to load the tokenizer from; `skip_tokenizer_init=True` loads none
     (prompts and outputs are token ids only, as in vLLM).
 
+    `compiled` names a bundle of compiled programs (`save_compiled`, or `jaxserve
+    preflight --output` for a TPU or GPU): start-up loads them and compiles nothing.
+    A bundle made for another target, jax version, code or configuration is refused
+    with a ValueError naming each difference.
+
     >>> llm = LLM(model="path/to/model", dtype="float32")
     >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
     >>> out[0].outputs[0].text
@@ -73,6 +78,7 @@ class LLM:
         seed: int = 0,
         warmup: bool = True,
         compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
+        compiled: str | os.PathLike | None = None,
         mesh: Mesh | None = None,
         **engine_args,
     ):
@@ -98,6 +104,7 @@ class LLM:
             seed=seed,
             warmup=warmup,
             compilation_cache_dir=compilation_cache_dir,
+            compiled_dir=None if compiled is None else os.fspath(compiled),
             **engine_args,
         )
         parallel = self.config.parallel
@@ -126,6 +133,18 @@ class LLM:
             else None
         )
         self._ids = itertools.count()
+
+    def save_compiled(self, directory: str | os.PathLike) -> int:
+        """Writes this engine's compiled programs (warm-up's) with their manifest into
+        `directory`: a bundle for `LLM(..., compiled=directory)` on this machine's
+        platform (for a TPU or GPU from here: `jaxserve preflight --output`). Returns
+        the bytes written."""
+        if not isinstance(self.engine, LLMEngine):
+            raise ValueError(
+                "save_compiled is for one engine in this process, not data-parallel "
+                "replicas or a multi-host follower"
+            )
+        return self.engine.save_compiled(os.fspath(directory))
 
     def follow(self) -> int:
         """A follower process (process_id > 0): runs the leader's steps until the

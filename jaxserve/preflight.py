@@ -19,6 +19,10 @@ shapes for weights and KV caches. From the compiled programs it reports:
 - KV-sized copies: any copy, transpose or re-layout in a step program of a buffer
   as large as a layer's KV cache (the cache must stay in place).
 
+With `output`, the compiled programs are also written there as a bundle
+(`jaxserve.runner.bundle`) that an engine on the target loads instead of
+compiling (`LLM(compiled=DIR)`, `jaxserve serve --compiled=DIR`).
+
 The figures assume sequences at max_model_len (the kernels' cost estimates bound
 attention by each sequence's page-table capacity), so the step time is the
 longest-context one.
@@ -70,6 +74,8 @@ class PreflightReport:
     max_concurrency: float  # at max_model_len
     decode: tuple[DecodeEstimate, ...]
     kv_copies: dict[str, list[str]]  # program -> its KV-sized copies (none expected)
+    bundle_dir: str | None = None  # where the programs were written (`output`)
+    bundle_bytes: int = 0
 
     @property
     def hbm_bytes(self) -> int:
@@ -107,6 +113,12 @@ class PreflightReport:
             else f"KV-sized copies in {len(copies)} programs: "
             + "; ".join(f"{k}: {len(v)}" for k, v in copies.items())
         )
+        if self.bundle_dir:
+            lines.append(
+                f"bundle: {self.num_programs} programs ({self.bundle_bytes / 2**20:.1f} MiB) "
+                f"written to {self.bundle_dir}; load with compiled={self.bundle_dir} on "
+                f"{t.chip.device_kind} x{t.num_chips} (never yet loaded on a real device)"
+            )
         return "\n".join(lines)
 
     @property
@@ -115,9 +127,13 @@ class PreflightReport:
 
 
 def preflight(
-    config: EngineConfig, target: Target, decode_batches: tuple[int, ...] = (1, 8, 64)
+    config: EngineConfig,
+    target: Target,
+    decode_batches: tuple[int, ...] = (1, 8, 64),
+    output: str | None = None,
 ) -> PreflightReport:
-    """Builds `config`'s engine for `target` and reports on its compiled programs.
+    """Builds `config`'s engine for `target` and reports on its compiled programs;
+    with `output`, writes them there as a bundle (written only if they fit).
 
     Raises ValueError naming what does not fit (weights, KV pages, temporaries).
     """
@@ -167,6 +183,7 @@ def preflight(
                 bound="memory" if memory_s >= compute_s else "compute",
             )
         )
+    bundle_bytes = engine.save_compiled(output) if output else 0
     return PreflightReport(
         target=target,
         config=config,
@@ -180,6 +197,8 @@ def preflight(
         max_concurrency=runner.kv_tokens / config.max_model_len,
         decode=tuple(decode),
         kv_copies={n: kv_sized_copies(c.as_text(), kv_shards) for n, c in compiled.items()},
+        bundle_dir=output,
+        bundle_bytes=bundle_bytes,
     )
 
 

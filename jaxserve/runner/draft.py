@@ -38,6 +38,7 @@ from jaxserve import parallel
 from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.request import Sequence
+from jaxserve.runner import bundle
 from jaxserve.runner.input_batch import SeqWork, StepShapes, build_batch, pick_bucket
 from jaxserve.runner.sampler import argmax
 from jaxserve.runner.step import ModelDef, StepInput, StepPrograms
@@ -239,6 +240,12 @@ class DraftRunner:
             raise RuntimeError("a draft-model step compiled after warm-up")
 
     # ---------------------------------------------------------------- warm-up
+
+    def use_compiled(self, compiled: dict) -> None:
+        """Steps with a compiled bundle's draft programs (`ModelRunner.load_compiled`)."""
+        self.programs = bundle.step_programs(compiled, self.programs, "draft ", sampling=False)
+        self.propose_step = bundle.by_shape(compiled, "draft propose k=", static_argnums=(0, 4))
+        self.warmed_up = True
 
     def lower_all(self, abstract) -> list[tuple[str, jax.stages.Lowered]]:
         """The draft's programs, lowered from abstract shapes (`abstract(tree)` turns

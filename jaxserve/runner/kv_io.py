@@ -12,9 +12,11 @@ cached prefix (see runner/draft.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.kv.transfer import ArraySpec, KVLayout
+from jaxserve.runner.bundle import by_shape
 from pallas_kernels.quantization import QuantizedKV, kv_element_dtype
 
 _SAMPLE = 4096  # elements of each weight hashed into the model's fingerprint
@@ -75,6 +78,25 @@ def _scatter(kv_caches: list, pages: jax.Array, data: dict[str, jax.Array]) -> l
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class PagePrograms:
+    """The gather and scatter: jitted (`JITTED`), or a compiled bundle's (`loaded`)."""
+
+    gather: Callable  # (kv_caches, pages [n]) -> named arrays
+    scatter: Callable  # (kv_caches, pages [n], named arrays) -> kv_caches (donated)
+
+
+JITTED = PagePrograms(_gather, _scatter)
+
+
+def loaded(compiled: dict) -> PagePrograms:
+    """The bundle's programs, picked by the padded page count."""
+    return PagePrograms(
+        gather=by_shape(compiled, "kv gather n=", key_argnums=(1,)),
+        scatter=by_shape(compiled, "kv scatter n=", key_argnums=(1,)),
+    )
+
+
 def lower_all(kv_caches: list, num_pages: int) -> list:
     """The gather and scatter programs for every padded page count up to `num_pages`,
     (name, lowered) for warm-up (a serving loop then compiles nothing when pages move)."""
@@ -94,14 +116,21 @@ def lower_all(kv_caches: list, num_pages: int) -> list:
         n *= 2
 
 
-def gather_pages(kv_caches: list, pages: list[int]) -> dict[str, jax.Array]:
+def gather_pages(
+    kv_caches: list, pages: list[int], programs: PagePrograms = JITTED
+) -> dict[str, jax.Array]:
     """Starts copying `pages` out (asynchronous: dispatched before the next step, which
     may overwrite them); {"kv": [n', L, page, 2K, H] (, "scales": [n', L, page, 2K])}
     on the device, n' >= n."""
-    return _gather(kv_caches, _padded(pages))
+    return programs.gather(kv_caches, _padded(pages))
 
 
-def scatter_pages(kv_caches: list, pages: list[int], arrays: list[dict[str, np.ndarray]]) -> list:
+def scatter_pages(
+    kv_caches: list,
+    pages: list[int],
+    arrays: list[dict[str, np.ndarray]],
+    programs: PagePrograms = JITTED,
+) -> list:
     """Writes each page's arrays into `pages`; returns the new caches (donated)."""
     idx = _padded(pages)
     data = {}
@@ -109,4 +138,4 @@ def scatter_pages(kv_caches: list, pages: list[int], arrays: list[dict[str, np.n
         data[name] = np.zeros((len(idx), *first.shape), first.dtype)
         for i, a in enumerate(arrays):
             data[name][i] = a[name]
-    return _scatter(kv_caches, idx, data)
+    return programs.scatter(kv_caches, idx, data)

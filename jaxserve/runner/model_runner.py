@@ -20,7 +20,7 @@ from jaxserve import parallel
 from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.kv.transfer import KVLayout
-from jaxserve.runner import kv_io
+from jaxserve.runner import bundle, kv_io
 from jaxserve.runner.input_batch import (
     HostBatch,
     SampleRow,
@@ -169,6 +169,8 @@ class ModelRunner:
                     "bytes over): raise tensor_parallel_size or use quantization='int8'"
                 )
         self.num_pages = config.num_kv_pages(memory)
+        if config.compiled_dir and config.cache.num_pages is None:
+            self.num_pages = _bundle_pages(config.compiled_dir, self.num_pages)
         m = config.model
         kv_shape = (self.num_pages, config.cache.page_size, 2 * m.num_kv_heads, m.head_dim)
         if target is None:
@@ -180,6 +182,7 @@ class ModelRunner:
                 mesh, self.compile_device, m.num_layers, kv_shape, config.kv_dtype, m.num_kv_heads
             )
         self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches)
+        self.kv_programs = kv_io.JITTED
         sched = config.scheduler
         self.shapes = StepShapes.make(
             min_token_bucket=config.min_token_bucket,
@@ -228,10 +231,10 @@ class ModelRunner:
         return kv_io.kv_layout(self.config, self.weights)
 
     def gather_pages(self, pages: list[int]) -> dict[str, jax.Array]:
-        return kv_io.gather_pages(self.kv_caches, pages)
+        return kv_io.gather_pages(self.kv_caches, pages, self.kv_programs)
 
     def scatter_pages(self, pages: list[int], arrays: list[dict[str, np.ndarray]]) -> None:
-        self.kv_caches = kv_io.scatter_pages(self.kv_caches, pages, arrays)
+        self.kv_caches = kv_io.scatter_pages(self.kv_caches, pages, arrays, self.kv_programs)
 
     def lower_kv_io(self, abstract) -> list[tuple[str, jax.stages.Lowered]]:
         """The page gather/scatter programs, for `warmup(extra=...)`."""
@@ -429,11 +432,63 @@ class ModelRunner:
         )
         return compiled
 
+    # ------------------------------------------------------- compiled bundles
+
+    def manifest(self, *, kv_transfer: bool) -> dict:
+        """What this runner's programs depend on (`bundle.manifest`); `kv_transfer`:
+        the KV pages' programs are among them."""
+        devices = parallel.mesh_devices(self.mesh)
+        if self.mesh is None and self.compile_device is not None:
+            devices = [self.compile_device]
+        config = dataclasses.replace(
+            self.config, attention_backend=resolve_backend_name(self.config.attention_backend)
+        )
+        return bundle.manifest(
+            config,
+            device=devices[0],
+            num_devices=len(devices),
+            num_pages=self.num_pages,
+            token_buckets=self.token_buckets,
+            row_buckets=self.row_buckets,
+            weights=self.weights,
+            kv_transfer=kv_transfer,
+            cpu_kernels=cpu_library.is_loaded(),
+        )
+
+    def load_compiled(self, directory: str, *, kv_transfer: bool) -> dict[str, jax.stages.Compiled]:
+        """Warm-up from a bundle: checks its manifest against this runner's, loads its
+        programs (compiling none) and steps with them from now on; returns them by name
+        (the draft model's too, for `DraftRunner.use_compiled`). Raises ValueError
+        naming each field where the bundle was made for something else."""
+        t0 = time.perf_counter()
+        compiled = bundle.load(
+            directory, self.manifest(kv_transfer=kv_transfer), parallel.mesh_devices(self.mesh)
+        )
+        self.programs = bundle.step_programs(compiled, self.programs)
+        if kv_transfer:
+            self.kv_programs = kv_io.loaded(compiled)
+        self.warmed_up = True
+        self.warmup_seconds = time.perf_counter() - t0
+        logger.info(
+            "warm-up: %d programs loaded from %s in %.1fs (none compiled)",
+            len(compiled),
+            directory,
+            self.warmup_seconds,
+        )
+        return compiled
+
     def _compiling_for(self):
         """The compile-only target's device as the default one (see `targets`)."""
         if self.compile_device is None:
             return contextlib.nullcontext()
         return compiling_for(self.compile_device)
+
+
+def _bundle_pages(directory: str, budget: int) -> int:
+    """The KV page count of a bundle's programs (its caches' shape) where this engine's
+    budget holds that many; else the budget's (and the manifest check refuses it)."""
+    pages = bundle.read_manifest(directory).get("engine", {}).get("num_kv_pages")
+    return pages if isinstance(pages, int) and 2 <= pages <= budget else budget
 
 
 def _to_host(x) -> np.ndarray:

@@ -120,6 +120,12 @@ flags.DEFINE_string(
     DEFAULT_COMPILATION_CACHE,
     "JAX persistent compilation cache ('' disables it).",
 )
+flags.DEFINE_string(
+    "compiled",
+    None,
+    "A bundle of compiled programs (jaxserve preflight --output, LLM.save_compiled) to "
+    "load instead of compiling; made for this target and these engine flags.",
+)
 
 # Speculative decoding: vLLM's speculative_config, flat.
 flags.DEFINE_enum(
@@ -171,6 +177,7 @@ ENGINE_FLAGS = (
     "async_scheduling",
     "warmup",
     "compilation_cache_dir",
+    "compiled",
     *SPECULATIVE_FLAGS,
 )
 
@@ -191,6 +198,7 @@ def engine_kwargs() -> dict:
     kw["compilation_cache_dir"] = kw["compilation_cache_dir"] or None
     kw["kv_offload_dir"] = kw["kv_offload_dir"] or None
     kw["ray_address"] = kw["ray_address"] or None
+    kw["compiled"] = kw["compiled"] or None
     return gather_speculative(kw)
 
 

@@ -12,6 +12,13 @@ step time and tokens/s from the compiled programs' bytes and flops against the
 chip's bandwidth and peak, with the bytes beside the minimum a step must move.
 A model that does not fit fails, naming what and by how much.
 
+With --output=DIR the compiled programs are written to DIR as a bundle, with a
+manifest of what they depend on (target, jax version, code, engine settings);
+on the target, `jaxserve serve --compiled=DIR` (or `LLM(compiled=DIR)`) with the
+same engine flags loads them instead of compiling. Such a bundle has not yet been
+loaded on a real TPU or GPU by this project's tests (deserializing needs the
+target's runtime).
+
 Targets: v4-N, v5e-N, v5p-N, v6e-N (TPU; v4/v5p count TensorCores, as Google
 names them), h100xN, a100xN. Without --config, the platform's preset
 (configs/tpu.toml, configs/gpu.toml) sets the defaults: bfloat16, and 90% of
@@ -47,12 +54,15 @@ flags.DEFINE_string("target", None, "v5e-8, v6e-4, v5p-8, v4-8, h100x8, a100x4, 
 flags.DEFINE_list(
     "decode_batches", ["1", "8", "64"], "Decode batch sizes to estimate step times for."
 )
+flags.DEFINE_string(
+    "output", None, "Directory to write the compiled programs to, as a bundle (--compiled)."
+)
 flags.mark_flags_as_required(["target"])
 
 # The platform presets' values where the flag is not given (configs/tpu.toml, gpu.toml).
 _DEVICE_DEFAULTS = {"dtype": "bfloat16", "kv_cache_memory_fraction": 0.9}
 # LLM(...) arguments that are not the engine's.
-_NOT_ENGINE = ("tokenizer", "skip_tokenizer_init")
+_NOT_ENGINE = ("tokenizer", "skip_tokenizer_init", "compiled")
 
 
 def main(argv) -> None:
@@ -60,6 +70,8 @@ def main(argv) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         target = Target.parse(FLAGS.target)
+        if FLAGS.compiled:
+            raise ValueError("--compiled loads a bundle; preflight makes one (--output)")
         kw = {k: v for k, v in engine_kwargs().items() if k not in _NOT_ENGINE}
         if not FLAGS.config:
             for name, value in _DEVICE_DEFAULTS.items():
@@ -72,7 +84,7 @@ def main(argv) -> None:
             kw["speculative_config"] = {**spec, "model": resolve_model_dir(spec["model"])}
         config = engine_config(model_dir, ModelConfig.from_pretrained(model_dir), **kw)
         batches = tuple(int(b) for b in FLAGS.decode_batches)
-        report = preflight(config, target, decode_batches=batches)
+        report = preflight(config, target, decode_batches=batches, output=FLAGS.output)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         raise SystemExit(f"jaxserve preflight: {e}") from None
     print(report.format())

@@ -35,6 +35,7 @@ DEVICE_SIDE = {
     "jaxserve.parallel",
     "jaxserve.preflight",  # builds the engine for a compile-only target
     "jaxserve.ray_replicas",  # its actors build and drive an LLMEngine
+    "jaxserve.runner.bundle",  # serializes and loads compiled programs
     "jaxserve.runner.draft",
     "jaxserve.runner.kv_io",
     "jaxserve.runner.model_runner",

@@ -1,0 +1,312 @@
+"""Compiled bundles (`jaxserve.runner.bundle`): one process writes its compiled
+programs, a fresh process loads them with `LLM(compiled=DIR)`, compiles no step
+program, and serves the same outputs as the engine that compiled them; a bundle
+made for another target, jax version or configuration is refused naming the field.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from jaxserve import LLM
+from jaxserve.config import engine_config
+from jaxserve.llm import resolve_model_dir
+from jaxserve.runner import bundle
+from models.config import ModelConfig
+
+# Small shapes keep the program count low: token buckets 1, 2, ..., 32 and row
+# buckets 1, 2, 4 -> 6 forward + 6 sampling programs.
+SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=128)
+
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +"
+STEP_PROGRAMS = {"jit(_forward)", "jit(_sample)", "jit(_propose)", "jit(_gather)", "jit(_scatter)"}
+# What loading the weights and allocating the KV caches compile, bundle or not (no
+# step program): `jnp.array`'s staging copy per weight shape, the caches' zero fill
+# (on a mesh: `parallel.zeros_kv`'s jitted lambda).
+LOAD_HELPERS = {"jit(stage)", "jit(convert_element_type)", "jit(broadcast_in_dim)", "jit(<lambda>)"}
+
+# Runs in a fresh process: `make` compiles (warm-up), writes the bundle and serves;
+# `load` loads the bundle and serves. Both print the outputs and counters as JSON.
+SCRIPT = r"""
+import json, logging, os, re, sys
+import jax
+from jaxserve import LLM, SamplingParams
+
+# Every XLA compilation in this process, by the jitted function's name.
+compiled_names = []
+class Names(logging.Handler):
+    def emit(self, record):
+        m = re.match(r"Finished XLA compilation of (\S+)", record.getMessage())
+        if m:
+            compiled_names.append(m.group(1))
+jax.config.update("jax_log_compiles", True)
+logging.getLogger("jax").addHandler(Names())
+
+mode, bundle_dir, cache_dir, kw = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+if mode == "make":
+    llm = LLM("demo-model", compilation_cache_dir=None, compile_guard=True, **kw)
+    llm.save_compiled(bundle_dir)
+else:  # a persistent cache is configured: the bundle must not go through it
+    llm = LLM("demo-model", compiled=bundle_dir, compilation_cache_dir=cache_dir,
+              compile_guard=True, **kw)
+runner = llm.engine.runner
+warmup_compiles = runner.compiles.count
+shared = sys.argv[5]
+first = llm.generate(
+    [shared, "The quick brown fox", "import numpy as np\n", "x"],
+    [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=7, max_tokens=20, n=2, logprobs=2),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, max_tokens=12,
+                       presence_penalty=0.5, repetition_penalty=1.2),
+        SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=1),
+    ],
+    use_tqdm=False,
+)
+# The shared prefix again: its full pages come from the prefix cache.
+second = llm.generate(
+    [shared + " fibonacci(n - 2)", shared + " 1"],
+    [SamplingParams(temperature=0, max_tokens=16), SamplingParams(temperature=1.0, seed=5)],
+    use_tqdm=False,
+)
+# Other long prompts fill a small pool (evicting the shared prefix's pages: to the KV
+# tier where there is one), then the shared prefix once more.
+third = llm.generate(
+    [f"class Item{i}:\n    def __init__(self, value_{i}, other_{i}):" * 2 for i in range(4)]
+    + [shared + " fibonacci(n)"],
+    SamplingParams(temperature=0, max_tokens=12),
+    use_tqdm=False,
+)
+outs = [
+    {
+        "tokens": [c.token_ids for c in o.outputs],
+        "logprobs": [c.cumulative_logprob for c in o.outputs],
+        "cached": o.num_cached_tokens,
+    }
+    for o in first + second + third
+]
+print("RESULT " + json.dumps({
+    "outputs": outs,
+    "warmup_compiles": warmup_compiles,
+    "compiles": runner.compiles.count,
+    "compiled_names": sorted(set(compiled_names)),
+    "cache_hits": runner.compiles.cache_hits,
+    "cache_files": sorted(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else [],
+    "programs": len(llm.engine.compiled),
+    "tier": llm.engine.tier and [llm.engine.tier.stats.stores, llm.engine.tier.stats.loads],
+}))
+"""
+
+
+def _run(mode: str, bundle_dir, cache_dir, devices: int = 1, **kw) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            SCRIPT,
+            mode,
+            str(bundle_dir),
+            str(cache_dir),
+            json.dumps(kw),
+            PROMPT,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.mark.slow
+def test_a_fresh_process_serves_from_the_bundle_compiling_nothing(tmp_path):
+    made = _run("make", tmp_path / "bundle", tmp_path / "unused", **SMALL)
+    assert made["warmup_compiles"] == made["programs"] == 12  # 6 forward + 2 x 3 sampling
+    assert {"jit(_forward)", "jit(_sample)"} <= set(made["compiled_names"])
+    loaded = _run("load", tmp_path / "bundle", tmp_path / "xla-cache", **SMALL)
+    assert loaded["programs"] == 12
+    assert loaded["warmup_compiles"] == loaded["compiles"] == 0  # loaded, then served
+    assert set(loaded["compiled_names"]) <= LOAD_HELPERS  # the whole process: no step
+    assert loaded["cache_hits"] == 0 and loaded["cache_files"] == []  # not via the cache
+    assert loaded["outputs"] == made["outputs"]  # tokens and logprobs, n=2 included
+    assert len(made["outputs"][1]["tokens"]) == 2
+    assert made["outputs"][4]["cached"] > 0  # the second round hit the prefix cache
+
+    # The command line: `jaxserve generate --compiled` with the same engine flags.
+    flags = [f"--{k}={v}" for k, v in SMALL.items()]
+    cli = subprocess.run(
+        [sys.executable, "-m", "server.cli.main", "generate", f"--compiled={tmp_path / 'bundle'}"]
+        + flags
+        + ["--compilation_cache_dir=", f"--prompt={PROMPT}", "--max_tokens=24", "--ignore_eos"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert "12 programs loaded from" in cli.stderr and "(none compiled)" in cli.stderr
+    assert json.loads(cli.stdout)["token_ids"] == made["outputs"][0]["tokens"][0]
+
+
+@pytest.mark.slow
+def test_draft_model_kv_tier_and_tensor_parallel_programs_load_from_the_bundle(tmp_path):
+    """Speculative decoding with a draft model (its forwards and proposer) and a KV
+    tier whose page gather/scatter run when the small pool evicts and reloads, on a
+    mesh of two (CPU) devices."""
+    kw = dict(
+        SMALL,
+        devices=2,
+        tensor_parallel_size=2,
+        num_kv_pages=24,
+        kv_offload_bytes=1 << 22,
+        speculative_config={
+            "method": "draft_model",
+            "model": resolve_model_dir("demo-model-tiny"),
+            "num_speculative_tokens": 2,
+        },
+    )
+    made = _run("make", tmp_path / "bundle", tmp_path / "unused", **kw)
+    names = sorted(os.listdir(tmp_path / "bundle"))
+    assert any(n.startswith("draft_propose") for n in names)
+    assert any(n.startswith("kv_scatter") for n in names)
+    assert set(made["compiled_names"]) >= STEP_PROGRAMS
+    stores, loads = made["tier"]
+    assert stores > 0 and loads > 0  # pages went to the tier and came back
+    loaded = _run("load", tmp_path / "bundle", tmp_path / "xla-cache", **kw)
+    assert loaded["programs"] == made["programs"] == len(names) - 1  # (the manifest)
+    # The runner's counter also saw the draft model's weights load (LOAD_HELPERS);
+    # serving compiled nothing, and no step program was compiled in the process.
+    assert loaded["compiles"] == loaded["warmup_compiles"]
+    assert set(loaded["compiled_names"]) <= LOAD_HELPERS
+    assert loaded["cache_hits"] == 0 and loaded["cache_files"] == []
+    assert loaded["tier"] == made["tier"]
+    assert loaded["outputs"] == made["outputs"]
+
+
+# ------------------------------------------------------------------ refusals
+# No step program is compiled below: manifests are built from a config, and the
+# engines are built with warmup=False.
+
+
+def _manifest(**args) -> dict:
+    model_dir = resolve_model_dir("demo-model")
+    config = engine_config(model_dir, ModelConfig.from_pretrained(model_dir), **args)
+    return bundle.manifest(
+        config,
+        device=jax.devices()[0],
+        num_devices=1,
+        num_pages=65,
+        token_buckets=[8, 16, 32],
+        row_buckets=[1, 2, 4],
+        weights=[jax.ShapeDtypeStruct((4, 4), "float32")],
+        kv_transfer=False,
+        cpu_kernels=True,
+    )
+
+
+def test_check_names_each_field_with_both_values():
+    ours = _manifest(max_num_seqs=4)
+    bundle.check(ours, _manifest(max_num_seqs=4), "DIR")  # the same: accepted
+    theirs = _manifest(max_num_seqs=8, dtype="bfloat16")
+    with pytest.raises(ValueError) as e:
+        bundle.check(theirs, ours, "DIR")
+    message = str(e.value)
+    assert "engine.max_num_seqs: bundle's 8, this engine's 4" in message
+    assert "engine.dtype: bundle's 'bfloat16', this engine's 'float32'" in message
+
+
+def _write(directory, manifest: dict) -> None:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, bundle.MANIFEST), "w") as f:
+        json.dump({"format": bundle.FORMAT, **manifest, "programs": {}}, f)
+
+
+@pytest.fixture(scope="module")
+def engine_manifest():
+    """The manifest of an LLM of the SMALL settings on this machine (not warmed up)."""
+    llm = LLM("demo-model", warmup=False, **SMALL)
+    return llm.engine.runner.manifest(kv_transfer=False)
+
+
+@pytest.mark.parametrize(
+    "field,value,expected",
+    [
+        (("versions", "jax"), "0.9.0", "versions.jax: bundle's '0.9.0', this engine's"),
+        (("target", "platform"), "tpu", "target.platform: bundle's 'tpu', this engine's 'cpu'"),
+        (("engine", "max_num_batched_tokens"), 64, "engine.max_num_batched_tokens: bundle's 64"),
+        (("engine", "kv_transfer"), True, "engine.kv_transfer: bundle's True, this engine's False"),
+    ],
+)
+def test_llm_refuses_a_bundle_made_for_something_else(
+    tmp_path, engine_manifest, field, value, expected
+):
+    manifest = json.loads(json.dumps(engine_manifest))
+    manifest[field[0]][field[1]] = value
+    _write(tmp_path, manifest)
+    with pytest.raises(ValueError, match="made for another target") as e:
+        LLM("demo-model", compiled=tmp_path, **SMALL)
+    assert expected in str(e.value)
+
+
+def test_refusals_before_any_loading(tmp_path, engine_manifest):
+    with pytest.raises(ValueError, match="holds no bundle"):
+        LLM("demo-model", compiled=tmp_path, **SMALL)
+    with pytest.raises(ValueError, match="data_parallel_size=2"):
+        LLM("demo-model", compiled=tmp_path, data_parallel_size=2, **SMALL)
+    # A bundle for more KV pages than this engine's budget holds.
+    manifest = json.loads(json.dumps(engine_manifest))
+    manifest["engine"]["num_kv_pages"] = 10**6
+    _write(tmp_path / "big", manifest)
+    with pytest.raises(ValueError, match="num_kv_pages: bundle's 1000000, this engine's 65"):
+        LLM("demo-model", compiled=tmp_path / "big", **SMALL)
+
+
+def test_a_corrupt_program_file_is_refused(tmp_path):
+    f = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((3,), "float32")).compile()
+    bundle.save(str(tmp_path), {"forward T=3": f}, {"engine": {}})
+    program = tmp_path / "forward_T=3.bin"
+    program.write_bytes(program.read_bytes()[:-8])
+    with pytest.raises(ValueError, match="corrupt"):
+        bundle.load(str(tmp_path), {"engine": {}}, jax.devices()[:1])
+
+
+def test_a_shape_without_a_program_raises_instead_of_compiling(tmp_path):
+    args = [jax.ShapeDtypeStruct((n,), "float32") for n in (2, 4)]
+    compiled = {f"f n={a.shape[0]}": jax.jit(lambda x: x * 2).lower(a).compile() for a in args}
+    bundle.save(str(tmp_path), compiled, {"engine": {}})
+    loaded = bundle.load(str(tmp_path), {"engine": {}}, jax.devices()[:1])
+    f = bundle.by_shape(loaded, "f n=", key_argnums=(0,))
+    assert f(jax.numpy.ones(4)).tolist() == [2.0] * 4
+    with pytest.raises(ValueError, match=r"no compiled f program for argument shapes \(\(3,\),\)"):
+        f(jax.numpy.ones(3))
+
+
+@pytest.mark.slow
+def test_preflight_writes_a_gpu_bundle_that_this_cpu_refuses(tmp_path):
+    """`preflight(output=)` serializes the programs compiled for a compile-only H100;
+    loading them needs the GPU's runtime, which is not here: the platform is refused."""
+    from jaxserve.preflight import preflight
+    from jaxserve.targets import Target
+
+    model_dir = resolve_model_dir("demo-model-tiny")
+    gpu = dict(SMALL, dtype="bfloat16", kv_cache_memory_fraction=0.5)
+    config = engine_config(model_dir, ModelConfig.from_pretrained(model_dir), **gpu)
+    out = str(tmp_path / "h100")
+    report = preflight(config, Target.parse("h100"), decode_batches=(1,), output=out)
+    assert f"written to {out}" in report.format() and report.bundle_bytes > 0
+    found = bundle.read_manifest(out)
+    assert found["target"] == {
+        "platform": "gpu",
+        "device_kind": "NVIDIA H100 80GB HBM3",
+        "num_devices": 1,
+    }
+    assert found["engine"]["attention_backend"] == "pallas_gpu"
+    assert len(found["programs"]) == report.num_programs == 12
+    with pytest.raises(ValueError, match="target.platform: bundle's 'gpu', this engine's 'cpu'"):
+        LLM(model_dir, compiled=out, **gpu)
