@@ -317,6 +317,22 @@ def test_block_sizes_are_validated():
     assert tpu.TpuBlockSizes.for_device("TPU v5 lite", 128).resolve_pages_per_block(16) == 8
     assert gpu.GpuBlockSizes.for_device("NVIDIA H100 80GB HBM3", 128).num_stages == 3
     assert gpu.GpuBlockSizes.for_device("NVIDIA L4", 256).num_warps == 8
+    with pytest.raises(ValueError, match="block_kv must be a power of two >= 16"):
+        gpu.GpuBlockSizes(block_kv=48)
+    # the kv tiles are chosen against the device's shared memory (test_gpu_compile.py)
+    assert gpu.GpuBlockSizes.for_device("NVIDIA H100 80GB HBM3", 256).shared_memory == 232448
+    assert gpu.GpuBlockSizes.for_device("NVIDIA A100-SXM4-80GB", 64).shared_memory == 166912
+    sizes = gpu.GpuBlockSizes(heads_per_block=3)
+    with pytest.raises(ValueError, match="heads_per_block must divide the 8 query heads"):
+        sizes.tile(
+            page_size=16,
+            pages=8,
+            group=8,
+            head_dim=128,
+            q_dtype="bfloat16",
+            kv_dtype="bfloat16",
+            quantized=False,
+        )
 
 
 @pytest.mark.slow
