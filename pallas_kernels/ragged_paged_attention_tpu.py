@@ -288,6 +288,37 @@ def _static_kv_heads(kv_dtype, rows: int, head_dim: int) -> bool:
     return packing > 1 and (rows % packing != 0 or head_dim % 128 != 0)
 
 
+def attention_cost(
+    queries: jax.Array,  # [T, N, H]
+    kv_cache: jax.Array,  # [P, S, 2K, H]
+    page_indices: jax.Array,  # [B, M]
+    *,
+    block_q: int,
+    quantized: bool,
+    soft_cap: float | None,
+) -> pl.CostEstimate:
+    """What XLA is told the attention kernel costs (without it, a Pallas call counts as
+    0 flops and 0 bytes). The batch's lengths are not in the shapes, so this is a bound:
+    every query token attends its sequence's whole page-table capacity, M * S tokens
+    (the longest context a step of these shapes can hold; decode steps of short
+    sequences cost far less), and each query block with work (at most one per
+    sequence plus T / bq) reads its sequence's pages once.
+    """
+    t, n, h = queries.shape
+    _, s, kv2, _ = kv_cache.shape
+    ctx = page_indices.shape[1] * s
+    blocks = min(page_indices.shape[0], t) + t // block_q
+    kv_row_bytes = kv2 * h * kv_cache.dtype.itemsize + (kv2 * 4 if quantized else 0)
+    scores = t * n * ctx
+    return pl.CostEstimate(
+        flops=4 * h * scores,  # q.k and p.v: 2 flops per multiply-add each
+        transcendentals=scores * (2 if soft_cap is not None else 1),  # exp [, tanh]
+        bytes_accessed=2 * queries.size * queries.dtype.itemsize  # queries, output
+        + blocks * ctx * kv_row_bytes  # pages [and scales]
+        + page_indices.size * 4,
+    )
+
+
 def _interpret(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
 
@@ -379,6 +410,9 @@ def ragged_paged_attention(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary", "arbitrary", "arbitrary")
         ),
+        cost_estimate=attention_cost(
+            queries, kv_cache, page_indices, block_q=bq, quantized=quantized, soft_cap=soft_cap
+        ),
         interpret=_interpret(interpret),
         name="ragged_paged_attention_tpu",
     )(kv_lens, pages, cu_q_lens, num_seqs, q, kv_cache, *scales, jnp.zeros_like(q))
@@ -424,6 +458,10 @@ def write_kv(
         out_shape=jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
         input_output_aliases={2: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        # A copy: no flops; each new row is read into VMEM and written to its slot.
+        cost_estimate=pl.CostEstimate(
+            flops=0, transcendentals=0, bytes_accessed=2 * new.size * new.dtype.itemsize
+        ),
         interpret=_interpret(interpret),
         name="write_kv_tpu",
     )(slot_mapping, new, kv_cache)
