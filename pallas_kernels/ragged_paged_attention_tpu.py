@@ -10,9 +10,10 @@ each page's K and V rows of its kv heads into VMEM, with an online softmax per
 query head whose state lives in VMEM. A sequence's KV is never gathered whole.
 
 What the TPU's tiled layouts allow a DMA (Mosaic checks it when it compiles): an
-array's two minor axes are tiled (8 sublanes of 32-bit words x 128 lanes: 8 rows
-of float32, 16 of bfloat16, 32 of int8), and a DMA window must start and end on
-tile boundaries of those axes; the leading axes are free. So
+array's two minor axes are tiled (at most 8 sublanes of 32-bit words x 128 lanes:
+8 rows of float32, 16 of bfloat16, 32 of int8; XLA gives short axes shorter tiles),
+and a DMA window must start and end on tile boundaries of those axes; the leading
+axes are free. So
 - queries and outputs are laid out [T, K, G, H]: a query block starts at any
   token (sequences start at arbitrary rows) because the token axis is untiled;
 - a program reads the cache as it is stored, [P, S, 2K, H], in windows of whole
@@ -29,6 +30,12 @@ are "arbitrary".
 
 The KV write is a second kernel: one DMA per token, from VMEM into its slot of
 the cache, which is aliased input to output (updated in place when donated).
+
+Both kernels tell XLA what they cost (`attention_cost`; a Pallas call without a
+CostEstimate counts as 0 flops and 0 bytes), and block sizes are chosen by the VMEM
+they need (`kernel_vmem_bytes`) against what the generation has (`vmem_capacity`):
+the capacities and Mosaic's own VMEM are the deviceless compiler's figures
+(tests/pallas_kernels_tests/test_tpu_compile.py compiles a grid for v4-v6e).
 """
 
 from __future__ import annotations
@@ -46,6 +53,31 @@ from pallas_kernels.ragged_paged_attention import pad_page_table, validate_input
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+_MIB = 2**20
+# VMEM one kernel may allocate, per generation (device kind, lower case): the deviceless
+# compiler (libtpu, jax 0.10.2) fails RESOURCE_EXHAUSTED past it, whatever
+# vmem_limit_bytes says (v4 16 MiB, v5p 64 MiB, v5e and v6e 128 MiB; v2/v3 16 MiB).
+_VMEM_CAPACITY = {"v6": 128 * _MIB, "v5 lite": 128 * _MIB, "v5e": 128 * _MIB, "v5": 64 * _MIB}
+_VMEM_CAPACITY_OTHER = 16 * _MIB
+# XLA's default scoped VMEM for a kernel; above it the kernel asks for more explicitly.
+_SCOPED_VMEM = 16 * _MIB
+# Mosaic's own VMEM beyond the scratch buffers (the kv tile's [L, H] values as they are
+# unpacked, dequantized and cast; the [bq, L] scores), per element of the kv tile (H
+# padded to 128 lanes): what XLA reserves for the compiled kernel minus
+# `scratch_vmem_bytes` was at most 160 bytes per element (L 128 to 512, head_dim 64 to
+# 256, every query/cache dtype; float32 queries over bfloat16 head_dim 64 the most).
+_MOSAIC_VMEM_PER_KV_ELEMENT = 176
+
+
+def vmem_capacity(device_kind: str) -> int:
+    """VMEM a kernel may use on a TPU of this kind ('TPU v5 lite', 'TPU v4', ...)."""
+    kind = device_kind.lower()
+    for key, capacity in _VMEM_CAPACITY.items():
+        if key in kind:
+            return capacity
+    return _VMEM_CAPACITY_OTHER
+
+
 @dataclasses.dataclass(frozen=True)
 class TpuBlockSizes:
     """Tile sizes of the TPU kernel.
@@ -53,8 +85,8 @@ class TpuBlockSizes:
     block_q: query rows per program, a multiple of 8 (the sublane tile).
     pages_per_block: KV pages copied per inner-loop iteration; the kv tile is
       pages_per_block * page_size tokens, best a multiple of 128 (the lane tile).
-    Defaults (`for_device`): 16 query rows and a 128-token kv tile on v5e/v6e
-    (16 MiB of scoped VMEM is ample); 8 rows on older generations.
+    Defaults (`for_device`): 16 query rows where the kernel's VMEM fits the
+    generation, else 8; a 128-token kv tile.
     """
 
     block_q: int = 16
@@ -70,11 +102,49 @@ class TpuBlockSizes:
         return self.pages_per_block or max(1, 128 // page_size)
 
     @classmethod
-    def for_device(cls, device_kind: str, head_dim: int) -> TpuBlockSizes:
+    def for_device(
+        cls,
+        device_kind: str,
+        head_dim: int,
+        *,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        page_size: int = 16,
+        q_dtype=jnp.bfloat16,
+        kv_dtype=jnp.bfloat16,
+    ) -> TpuBlockSizes:
+        """The largest block_q (16, else 8) whose VMEM (`kernel_vmem_bytes`) fits the
+        generation's capacity (`vmem_capacity`). Without the head counts it sizes for
+        the largest head block the kernel makes: 16 KV heads (32 int8 rows, a whole
+        tile) of 8 query heads each, bfloat16 queries over int8 pages. Raises
+        ValueError where not even 8 rows fit."""
         kind = device_kind.lower()
         if "v2" in kind or "v3" in kind:
             return cls(block_q=8)
-        return cls(block_q=16 if head_dim <= 128 else 8)
+        if num_heads is None or num_kv_heads is None:
+            num_heads, num_kv_heads, q_dtype, kv_dtype = 128, 16, jnp.bfloat16, jnp.int8
+        capacity = vmem_capacity(device_kind)
+        needs = {}
+        for block_q in (16, 8):
+            sizes = cls(block_q=block_q)
+            needs[block_q] = kernel_vmem_bytes(
+                block_q,
+                sizes.resolve_pages_per_block(page_size),
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                page_size=page_size,
+                q_dtype=q_dtype,
+                kv_dtype=kv_dtype,
+            )
+            if needs[block_q] <= capacity:
+                return sizes
+        raise ValueError(
+            f"the TPU attention kernel needs {needs} bytes of VMEM by block_q for "
+            f"{num_heads} query heads, {num_kv_heads} KV heads, head_dim {head_dim}, "
+            f"{jnp.dtype(q_dtype).name} queries over {jnp.dtype(kv_dtype).name} pages; "
+            f"{device_kind} allows {capacity}"
+        )
 
 
 def _kernel(
@@ -288,6 +358,66 @@ def _static_kv_heads(kv_dtype, rows: int, head_dim: int) -> bool:
     return packing > 1 and (rows % packing != 0 or head_dim % 128 != 0)
 
 
+def _vmem_bytes(shape: tuple[int, ...], dtype) -> int:
+    """Bytes of a VMEM buffer in Mosaic's tiled layout: the last two axes padded to
+    whole (8 * packing, 128) tiles (16-bit types pack 2 rows per sublane, 8-bit 4)."""
+    *lead, rows, lanes = shape
+    itemsize = jnp.dtype(dtype).itemsize
+    sublanes = 8 * (4 // itemsize)
+    padded = -(-rows // sublanes) * sublanes * (-(-lanes // 128) * 128)
+    return functools.reduce(lambda a, b: a * b, lead, 1) * padded * itemsize
+
+
+def scratch_vmem_bytes(
+    block_q: int,
+    pages_per_block: int,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    q_dtype,
+    kv_dtype,
+) -> int:
+    """VMEM the attention kernel's scratch buffers take for these shapes (what
+    `ragged_paged_attention` allocates), padded to tiles."""
+    group = num_heads // num_kv_heads
+    rows = kv_rows_per_program(num_kv_heads, kv_dtype)
+    heads = rows // 2
+    hg = heads * group
+    quantized = jnp.dtype(kv_dtype).itemsize == 1
+    buffers = [
+        ((block_q, heads, group, head_dim), q_dtype),  # q
+        ((hg, block_q, head_dim), q_dtype),  # q, head-major
+        ((pages_per_block, page_size, rows, head_dim), kv_dtype),  # kv
+        ((block_q, heads, group, head_dim), q_dtype),  # o
+        ((hg, block_q, 1), jnp.float32),  # m
+        ((hg, block_q, 1), jnp.float32),  # l
+        ((hg, block_q, head_dim), jnp.float32),  # acc
+    ]
+    if quantized:
+        buffers.append(((pages_per_block, page_size, 2 * num_kv_heads), jnp.float32))
+    if jnp.dtype(q_dtype).itemsize < 4:
+        buffers.append(((block_q, heads, group, head_dim), jnp.float32))  # q/o staging
+    return sum(_vmem_bytes(shape, dtype) for shape, dtype in buffers)
+
+
+def kernel_vmem_bytes(block_q: int, pages_per_block: int, **shapes) -> int:
+    """VMEM to budget for the attention kernel: its scratch buffers and Mosaic's own."""
+    kv_tile = pages_per_block * shapes["page_size"] * (-(-shapes["head_dim"] // 128) * 128)
+    return (
+        scratch_vmem_bytes(block_q, pages_per_block, **shapes)
+        + _MOSAIC_VMEM_PER_KV_ELEMENT * kv_tile
+    )
+
+
+def _vmem_limit(need: int) -> int | None:
+    """vmem_limit_bytes for a kernel that needs `need` bytes: None (XLA's default
+    scoped VMEM) where that suffices, else `need` in whole MiB (the compiler refuses it
+    on a generation with less VMEM: `TpuBlockSizes.for_device` picks sizes that fit)."""
+    return None if need <= _SCOPED_VMEM else -(-need // _MIB) * _MIB
+
+
 def attention_cost(
     queries: jax.Array,  # [T, N, H]
     kv_cache: jax.Array,  # [P, S, 2K, H]
@@ -324,10 +454,11 @@ def _interpret(interpret: bool):
 
 
 def kv_rows_per_program(num_kv_heads: int, kv_dtype) -> int:
-    """KV rows (2 per kv head) one program copies from each page: a whole tile of rows
-    of the cache's TPU layout (8 sublanes of 32-bit words: 8 rows of float32, 16 of
-    bfloat16, 32 of int8 / fp8) where 2K is a multiple of it, else all 2K rows. A DMA
-    may only start and end on tile boundaries of the tiled (2K, H) axes."""
+    """KV rows (2 per kv head) one program copies from each page: 8 sublanes' worth
+    (8 rows of float32, 16 of bfloat16, 32 of int8 / fp8) where 2K is a multiple of it,
+    else all 2K rows. A DMA may only start and end on tile boundaries of the tiled
+    (2K, H) axes, and XLA's tile of the cache's rows divides this (2 to 8 rows for
+    float32 and bfloat16, 4 to 32 for int8 / fp8, by 2K)."""
     tile = 8 * (4 // jnp.dtype(kv_dtype).itemsize)
     return tile if (2 * num_kv_heads) % tile == 0 else 2 * num_kv_heads
 
@@ -408,7 +539,19 @@ def ragged_paged_attention(
         # The output starts as zeros (rows of padding tokens stay zero).
         input_output_aliases={6 + len(scales): 0},
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary", "arbitrary", "arbitrary")
+            dimension_semantics=("arbitrary", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=_vmem_limit(
+                kernel_vmem_bytes(
+                    bq,
+                    ppb,
+                    num_heads=n,
+                    num_kv_heads=k_heads,
+                    head_dim=h,
+                    page_size=s,
+                    q_dtype=queries.dtype,
+                    kv_dtype=kv_cache.dtype,
+                )
+            ),
         ),
         cost_estimate=attention_cost(
             queries, kv_cache, page_indices, block_q=bq, quantized=quantized, soft_cap=soft_cap
