@@ -1,0 +1,210 @@
+"""Every program the engine compiles at warm-up, compiled for real for TPUs and GPUs
+that are not here (`jaxserve.targets`: Mosaic and XLA:TPU, Triton and XLA:GPU).
+
+Each case builds the engine itself for a compile-only target (`LLMEngine(target=...)`,
+the warm-up a TPU VM or a GPU machine runs) from a `config.json` alone: a small
+model, and real-size ones (Llama-3-8B, Qwen2.5-7B, Gemma-2-9B, Mixtral-8x7B shapes,
+with 2 of their layers: every layer compiles alike, and the program count and
+compile time stay within the test budget; `jaxserve preflight` compiles them whole,
+benchmarks/README.md). Small step budgets (8 sequences and 64 tokens; 2 and 16 at
+real sizes) keep each engine at 9-15 programs while every kind of program is there:
+forward and sampling buckets (the structured-output bitmask is a sampling input), speculative
+verification rows and the draft model's programs, int8 weights, int8/fp8 KV pages,
+MoE, tensor parallelism over the target's devices.
+"""
+
+import json
+
+import pytest
+
+from jaxserve.config import ModelConfig, engine_config
+from jaxserve.engine import LLMEngine
+from jaxserve.preflight import program_cost
+from jaxserve.targets import Target
+
+SMALL = dict(
+    architectures=["Qwen2ForCausalLM"],
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+)
+REAL = {
+    "llama3_8b": dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
+    "qwen25_7b": dict(
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+    ),
+    "gemma2_9b": dict(
+        architectures=["Gemma2ForCausalLM"],
+        vocab_size=256000,
+        hidden_size=3584,
+        intermediate_size=14336,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        max_position_embeddings=8192,
+        sliding_window=4096,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        query_pre_attn_scalar=256,
+        hidden_activation="gelu_pytorch_tanh",
+    ),
+    "mixtral_8x7b": dict(
+        architectures=["MixtralForCausalLM"],
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+    ),
+}
+STEP = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, block_size=16)
+# Real sizes: the same kinds of programs, fewer buckets (each compiles for seconds).
+REAL_STEP = dict(max_num_seqs=2, max_num_batched_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """name -> a directory holding only config.json (2 layers of the real ones)."""
+    dirs = {}
+    for name, hf in [("small", SMALL), *REAL.items()]:
+        path = tmp_path_factory.mktemp(name)
+        (path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, **hf}))
+        dirs[name] = str(path)
+    return dirs
+
+
+def build(model_dir: str, target: str, **args) -> LLMEngine:
+    spec = args.get("speculative_config")
+    if spec and spec.get("model") == "self":  # the draft: the same small model
+        args["speculative_config"] = {**spec, "model": model_dir}
+    kw = {"dtype": "bfloat16", "kv_cache_memory_fraction": 0.5, **STEP, **args}
+    config = engine_config(model_dir, ModelConfig.from_pretrained(model_dir), **kw)
+    return LLMEngine(config, target=Target.parse(target))
+
+
+def expected_programs(engine: LLMEngine) -> int:
+    runner = engine.runner
+    count = len(runner.token_buckets) + 2 * len(runner.row_buckets)
+    if engine.drafter is not None:  # a forward per token bucket and the proposer
+        count += len(runner.token_buckets) + 1
+    return count
+
+
+def check(engine: LLMEngine, target: str) -> None:
+    programs = engine.compiled
+    assert len(programs) == expected_programs(engine), sorted(programs)
+    chip = Target.parse(target).chip
+    assert engine.runner.compile_device.device_kind == chip.device_kind
+    for name, compiled in programs.items():
+        flops, bytes_accessed = program_cost(compiled)
+        assert bytes_accessed > 0, name
+        if name.startswith("forward"):
+            assert flops > 0, name
+    kernel = "tpu_custom_call" if chip.platform == "tpu" else "__gpu$xla.gpu.triton"
+    assert kernel in programs["forward T=1"].as_text()  # the Pallas kernels, not the reference
+
+
+SMALL_CASES = [
+    # (target, engine arguments)
+    ("v5e", {}),
+    ("v6e", {}),
+    ("h100", {}),
+    ("a100", {}),
+    ("v5e", dict(quantization="int8", kv_cache_dtype="int8")),
+    ("h100", dict(quantization="int8", kv_cache_dtype="fp8_e4m3")),
+    ("v6e", dict(kv_cache_dtype="fp8_e5m2", dtype="float32")),
+    ("a100", dict(kv_cache_dtype="int8", dtype="float32")),
+    (
+        "v5e",
+        dict(
+            speculative_config={
+                "method": "draft_model",
+                "model": "self",
+                "num_speculative_tokens": 3,
+            }
+        ),
+    ),
+    (
+        "h100",
+        dict(
+            speculative_config={"method": "ngram", "num_speculative_tokens": 4}, quantization="int8"
+        ),
+    ),
+    ("v5e-4", dict(tensor_parallel_size=4)),
+    ("v6e-8", dict(tensor_parallel_size=8, kv_cache_dtype="int8")),
+    ("h100x4", dict(tensor_parallel_size=4, quantization="int8")),
+]
+
+
+@pytest.mark.parametrize(
+    "target,args", SMALL_CASES, ids=[f"{t}-{i}" for i, (t, _) in enumerate(SMALL_CASES)]
+)
+def test_small_model_warmup_compiles_for_the_target(model_dirs, target, args):
+    engine = build(model_dirs["small"], target, **args)
+    check(engine, target)
+
+
+REAL_CASES = [
+    ("llama3_8b", "v6e-4", dict(tensor_parallel_size=4)),
+    ("llama3_8b", "a100", {}),
+    ("qwen25_7b", "h100", dict(quantization="int8")),
+    ("qwen25_7b", "v5e-8", dict(tensor_parallel_size=8, kv_cache_dtype="int8")),
+    ("gemma2_9b", "v5e-4", dict(tensor_parallel_size=4)),
+    ("gemma2_9b", "h100", dict(kv_cache_dtype="fp8_e4m3")),
+    ("mixtral_8x7b", "h100x8", dict(tensor_parallel_size=8)),
+    ("mixtral_8x7b", "v6e-8", dict(tensor_parallel_size=8, quantization="int8")),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model,target,args", REAL_CASES, ids=[f"{m}-{t}" for m, t, _ in REAL_CASES]
+)
+def test_real_size_warmup_compiles_for_the_target(model_dirs, model, target, args):
+    engine = build(model_dirs[model], target, **REAL_STEP, **args)
+    check(engine, target)
+
+
+def test_a_compile_only_engine_runs_no_request(model_dirs):
+    from jaxserve.sampling_params import SamplingParams
+
+    engine = build(model_dirs["small"], "h100", max_num_batched_tokens=16, max_num_seqs=2)
+    with pytest.raises(RuntimeError, match="compile for a target that is not here"):
+        engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
+
+
+def test_a_model_that_does_not_fit_the_chip_is_refused_naming_what(model_dirs, tmp_path):
+    whole = tmp_path / "llama3_8b_whole"  # all 32 layers: ~8.0e9 parameters
+    whole.mkdir()
+    (whole / "config.json").write_text(json.dumps({"num_hidden_layers": 32, **REAL["llama3_8b"]}))
+    with pytest.raises(
+        ValueError, match=r"the weights need 29\.92 GiB per device and a v5e has 16"
+    ):
+        build(str(whole), "v5e", dtype="float32")
+    # bfloat16: the weights fit (14.96 GiB), a KV cache in 90% of the chip does not.
+    with pytest.raises(ValueError, match=r"kv_cache_memory_fraction=0\.9 .* holds 0 pages"):
+        build(str(whole), "v5e", kv_cache_memory_fraction=0.9)
