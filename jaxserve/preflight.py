@@ -168,6 +168,8 @@ def preflight(
             f"sample B={pick_bucket(b, runner.row_buckets, what='rows')}",
         )
         costs = [program_cost(compiled[n]) for n in names]
+        if target.platform == "cuda":  # Triton's lowering drops the kernels' estimates
+            costs.append(kernel_cost(runner, int(names[0].split("=")[1])))
         bytes_accessed = sum(c[1] for c in costs)
         flops = sum(c[0] for c in costs)
         memory_s = bytes_accessed / target.chip.hbm_bandwidth
@@ -226,6 +228,44 @@ def program_cost(compiled) -> tuple[float, float]:
     if isinstance(analysis, list):
         analysis = analysis[0]
     return float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
+
+
+def kernel_cost(runner, token_bucket: int) -> tuple[float, float]:
+    """(flops, bytes accessed) per device that the Pallas kernels of the forward
+    program for `token_bucket` declare (`pl.CostEstimate`), summed over the traced
+    step: the figures XLA:GPU's analysis cannot see (JAX's Triton lowering drops them;
+    Mosaic's custom calls carry them into XLA:TPU's)."""
+    from jaxserve import parallel
+    from jaxserve.runner.model_runner import abstract_tree
+    from jaxserve.runner.step import StepInput
+    from jaxserve.targets import compiling_for
+
+    batch = abstract_tree(StepInput.from_host(runner.build([], token_bucket=token_bucket)))
+    with parallel.on_mesh(runner.mesh), compiling_for(runner.compile_device):
+        traced = runner.programs.forward.trace(
+            runner.model_def, runner.weights, runner.kv_caches, batch
+        )
+    flops = bytes_accessed = 0.0
+    for estimate, times in _pallas_estimates(traced.jaxpr.jaxpr, 1):
+        flops += times * estimate.flops
+        bytes_accessed += times * estimate.bytes_accessed
+    return flops, bytes_accessed
+
+
+def _pallas_estimates(jaxpr, times: int):
+    """(cost estimate, how many times it runs) of every pallas_call in `jaxpr` and
+    the jaxprs inside it (a scan's body runs `length` times)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            if eqn.params.get("cost_estimate") is not None:
+                yield eqn.params["cost_estimate"], times
+            continue
+        repeat = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _pallas_estimates(inner, repeat)
 
 
 # An HLO instruction's result shape and opcode: `name = bf16[2048,16,4,128]{...} copy(...)`.

@@ -377,17 +377,17 @@ class ModelRunner:
         # Traced in the context the steps run in (the mesh), for the device compiled for.
         with self._on_mesh(), self._compiling_for():
             for t in self.token_buckets:
-                batch = _abstract_tree(StepInput.from_host(self.build([], token_bucket=t)))
+                batch = abstract_tree(StepInput.from_host(self.build([], token_bucket=t)))
                 program = self.programs.forward.lower(
                     self.model_def, self.weights, self.kv_caches, batch
                 )
                 lowered.append((f"forward T={t}", program))
                 bar.update(1)
             selected = lowered[0][1].out_info[0]  # [R, D] whatever the token bucket
-            no_prev = _abstract_tree(self._no_prev_tokens)
+            no_prev = abstract_tree(self._no_prev_tokens)
             for b in self.row_buckets:
                 for history in (False, True):
-                    sampling = _abstract_tree(self.build_sampling([], b, with_history=history))
+                    sampling = abstract_tree(self.build_sampling([], b, with_history=history))
                     program = self.programs.sample_step.lower(
                         self.model_def, self.weights, selected, sampling, no_prev
                     )
@@ -395,7 +395,7 @@ class ModelRunner:
                     bar.update(1)
             num_extra = 0
             if extra is not None:
-                more = extra(_abstract_tree)
+                more = extra(abstract_tree)
                 num_extra, total = len(more), total + len(more)
                 lowered += more
                 bar.total = 2 * total
@@ -498,5 +498,5 @@ def _to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def _abstract_tree(tree):
+def abstract_tree(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
