@@ -449,7 +449,10 @@ class EngineConfig:
         if self.cache.memory_fraction is not None and device_memory is not None:
             limit, in_use = device_memory
             budget_bytes = int(self.cache.memory_fraction * limit) - in_use
-            what = f"kv_cache_memory_fraction={self.cache.memory_fraction} of {limit} bytes"
+            what = (
+                f"kv_cache_memory_fraction={self.cache.memory_fraction} of {limit} bytes, "
+                f"less {in_use} in use (the weights),"
+            )
         else:
             budget_bytes = self.cache.memory_bytes
             what = f"kv_cache_memory_bytes={budget_bytes}"

@@ -34,6 +34,7 @@ import dataclasses
 import re
 import time
 
+import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig
@@ -45,6 +46,7 @@ from jaxserve.targets import Target
 class DecodeEstimate:
     batch: int  # decoding sequences
     programs: tuple[str, ...]
+    parts: tuple[float, ...]  # bytes of each program (and, on GPUs, of the kernels)
     bytes_accessed: float
     flops: float
     min_bytes: float  # weights + live KV read once + new KV written (per device)
@@ -79,7 +81,8 @@ class PreflightReport:
 
     @property
     def hbm_bytes(self) -> int:
-        return self.target.chip.hbm_bytes
+        """What a device gives JAX (`Target.device_bytes_limit`)."""
+        return self.target.device_bytes_limit
 
     def format(self) -> str:
         c, t, gib = self.config, self.target, 2**30
@@ -88,23 +91,25 @@ class PreflightReport:
             f"{', ' + c.quantization if c.quantization else ''}) on {t.name} "
             f"({t.chip.device_kind}), tensor_parallel_size={c.parallel.tensor_parallel_size}",
             f"programs: {self.num_programs} compiled in {self.compile_seconds:.1f}s",
-            f"per device: HBM {self.hbm_bytes / gib:.2f} GiB = weights "
+            f"per device: JAX's memory {self.hbm_bytes / gib:.2f} GiB = weights "
             f"{self.weight_bytes / gib:.2f} + KV {self.kv_bytes / gib:.2f} + largest temp "
             f"{self.temp_bytes / gib:.2f} GiB (free {self.free_bytes / gib:.2f})",
             f"KV cache: {self.kv_pages - 1} pages x {c.cache.page_size} = {self.kv_tokens} "
             f"tokens; maximum concurrency at max_model_len {c.max_model_len}: "
-            f"{self.max_concurrency:.2f}x",
+            f"{self.max_concurrency:.2f}x (serve with --num_kv_pages={self.kv_pages} for "
+            "this pool, and the same engine flags)",
             f"decode steps at max_model_len context (estimate = max(bytes / "
             f"{t.chip.hbm_bandwidth / 1e9:.0f} GB/s, flops / {t.chip.peak_flops / 1e12:.0f} "
             "TFLOP/s); not XLA's optimal_seconds):",
             f"  {'batch':>5} {'GB moved':>9} {'GB min':>8} {'ratio':>6} {'GFLOP':>8} "
-            f"{'ms/step':>8} {'tok/s':>9}  bound",
+            f"{'ms/step':>8} {'tok/s':>9}  bound   GB by program",
         ]
         for d in self.decode:
             lines.append(
                 f"  {d.batch:>5} {d.bytes_accessed / 1e9:>9.3f} {d.min_bytes / 1e9:>8.3f} "
                 f"{d.bytes_ratio:>6.2f} {d.flops / 1e9:>8.1f} {d.seconds * 1e3:>8.3f} "
-                f"{d.tokens_per_s:>9.1f}  {d.bound}"
+                f"{d.tokens_per_s:>9.1f}  {d.bound:<7} "
+                + ", ".join(f"{n} {b / 1e9:.3f}" for n, b in zip(d.programs, d.parts, strict=True))
             )
         copies = {k: v for k, v in self.kv_copies.items() if v}
         lines.append(
@@ -139,6 +144,14 @@ def preflight(
     """
     from jaxserve.engine import LLMEngine
 
+    parallel = config.parallel
+    if parallel.tensor_parallel_size != target.num_chips or parallel.data_parallel_size != 1:
+        raise ValueError(
+            f"target {target.name} has {target.num_chips} chips and preflight compiles one "
+            f"engine over all of them: tensor_parallel_size must be {target.num_chips}, got "
+            f"{parallel.tensor_parallel_size} (data_parallel_size "
+            f"{parallel.data_parallel_size}; a replica's target is its own chips)"
+        )
     t0 = time.perf_counter()
     engine = LLMEngine(config, target=target)
     seconds = time.perf_counter() - t0
@@ -147,12 +160,12 @@ def preflight(
     temp = max((_memory(c).temp_size_in_bytes for c in compiled.values()), default=0)
     kv_bytes = runner.kv_bytes_per_device
     weights = runner.weight_bytes_per_device
-    hbm = target.chip.hbm_bytes
+    hbm = target.device_bytes_limit
     if weights + kv_bytes + temp > hbm:
         raise ValueError(
             f"{target.name}: weights {weights / 2**30:.2f} GiB + KV cache "
             f"{kv_bytes / 2**30:.2f} GiB + the programs' temporaries {temp / 2**30:.2f} GiB "
-            f"per device exceed the chip's {hbm / 2**30:.2f} GiB by "
+            f"per device exceed the {hbm / 2**30:.2f} GiB a device gives JAX by "
             f"{(weights + kv_bytes + temp - hbm) / 2**30:.2f} GiB: lower "
             "kv_cache_memory_fraction or max_num_batched_tokens, or raise tensor_parallel_size"
         )
@@ -170,6 +183,7 @@ def preflight(
         costs = [program_cost(compiled[n]) for n in names]
         if target.platform == "cuda":  # Triton's lowering drops the kernels' estimates
             costs.append(kernel_cost(runner, int(names[0].split("=")[1])))
+            names = (*names, "attention kernels")
         bytes_accessed = sum(c[1] for c in costs)
         flops = sum(c[0] for c in costs)
         memory_s = bytes_accessed / target.chip.hbm_bandwidth
@@ -178,9 +192,10 @@ def preflight(
             DecodeEstimate(
                 batch=b,
                 programs=names,
+                parts=tuple(c[1] for c in costs),
                 bytes_accessed=bytes_accessed,
                 flops=flops,
-                min_bytes=weights + b * _kv_bytes_per_token(config) * (config.max_model_len + 1),
+                min_bytes=min_decode_bytes(runner, b),
                 seconds=max(memory_s, compute_s),
                 bound="memory" if memory_s >= compute_s else "compute",
             )
@@ -204,9 +219,30 @@ def preflight(
     )
 
 
-def _kv_bytes_per_token(config: EngineConfig) -> float:
-    """One token's K and V (and scales) in every layer, per device."""
-    return config.kv_bytes_per_page(per_device=True) / config.cache.page_size
+def min_decode_bytes(runner, batch: int) -> float:
+    """The least a decode step of `batch` sequences at max_model_len must move, per
+    device: every weight a step reads once (of an untied embedding table only the
+    batch's rows; of an MoE layer's experts only those its batch can reach, at most
+    batch * top_k of them), each sequence's KV once (up to a sliding-window layer's
+    window), and the new K/V rows written."""
+    from jaxserve import parallel
+
+    config = runner.config
+    m = config.model
+    unread = 0.0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(runner.model_def.state(runner.weights)):
+        name = jax.tree_util.keystr(path)
+        size = parallel.total_bytes(leaf, per_device=True)
+        if "embed_tokens" in name and not m.tie_word_embeddings:
+            unread += size * (1 - min(batch, m.vocab_size) / m.vocab_size)
+        elif "experts" in name and m.moe is not None:
+            reach = min(batch * m.moe.top_k, m.moe.num_experts) / m.moe.num_experts
+            unread += size * (1 - reach)
+    per_token_layer = config.kv_bytes_per_page(per_device=True) / config.cache.page_size
+    per_token_layer /= m.num_layers
+    context = config.max_model_len
+    kv = sum(min(context, w or context) + 1 for w in m.sliding_windows) * per_token_layer
+    return runner.weight_bytes_per_device - unread + batch * kv
 
 
 def _memory(compiled):

@@ -13,9 +13,10 @@ TensorCores: 4 chips). `Target.devices()` needs the compiler of its platform:
 `pip install "jax[tpu]==<jax>"` (libtpu) for TPUs, `jax-cuda12-plugin` and
 `jax-cuda12-pjrt` at the jax version for GPUs (the test extras install both).
 The process must not have initialised a CUDA backend (on a machine without a GPU,
-run with JAX_PLATFORMS=cpu: `jaxserve preflight` sets it), and libtpu must be
-told not to query a TPU VM's metadata server (TPU_SKIP_MDS_QUERY=1, also set by
-the CLI).
+run with JAX_PLATFORMS=cpu: `jaxserve preflight` sets it), libtpu must be told not
+to query a TPU VM's metadata server (TPU_SKIP_MDS_QUERY=1), and, for several
+processes to compile at once, that libtpu may be loaded by more than one
+(ALLOW_MULTIPLE_LIBTPU_LOAD=1): the CLI and the tests set both.
 
 The chips' figures are their makers' published ones (HBM per chip, HBM
 bandwidth, dense bfloat16 peak), used for capacity and for roofline estimates.
@@ -41,6 +42,9 @@ class Chip:
     tpu_topologies: tuple[tuple[int, str], ...] = ()
     gpu_config: str = ""  # GpuTargetConfigProto text (GPU)
     counts_cores: bool = False  # v4-N / v5p-N name TensorCores: N / 2 chips
+    # The share of HBM the runtime gives JAX (its `bytes_limit`): XLA's GPU client takes
+    # 75% by default (XLA_PYTHON_CLIENT_MEM_FRACTION); a TPU's runtime reserves little.
+    usable_fraction: float = 1.0
 
 
 def _gpu_config(
@@ -103,6 +107,7 @@ CHIPS: dict[str, Chip] = {
         84_942_979_072,
         3.35e12,
         989e12,
+        usable_fraction=0.75,
         gpu_config=_gpu_config(
             name="NVIDIA H100 80GB HBM3",
             major=9,
@@ -123,6 +128,7 @@ CHIPS: dict[str, Chip] = {
         85_100_068_864,
         2.039e12,
         312e12,
+        usable_fraction=0.75,
         gpu_config=_gpu_config(
             name="NVIDIA A100-SXM4-80GB",
             major=8,
@@ -200,21 +206,30 @@ class Target:
                     topology=f"1x1x{self.num_chips}",
                 )
         except (RuntimeError, NotImplementedError, jax.errors.JaxRuntimeError) as e:
-            raise RuntimeError(
-                f"cannot compile for {self.name} here: {e}. It needs "
-                + (
-                    '`pip install "jax[tpu]==' + jax.__version__ + '"` (libtpu)'
-                    if chip.platform == "tpu"
-                    else f"`pip install jax-cuda12-plugin=={jax.__version__} "
-                    f"jax-cuda12-pjrt=={jax.__version__}`, and JAX_PLATFORMS=cpu on a "
-                    "machine without a GPU"
-                )
-            ) from e
+            raise RuntimeError(f"cannot compile for {self.name} here: {e}{_hint(chip)}") from e
         return list(topo.devices)[: self.num_chips]
 
-    def device_memory(self) -> tuple[int, int]:
-        """(bytes limit, bytes in use) as a device of this target reports them empty."""
-        return self.chip.hbm_bytes, 0
+    @property
+    def device_bytes_limit(self) -> int:
+        """The `bytes_limit` a device of this target reports to JAX (what the KV budget
+        `kv_cache_memory_fraction` is a fraction of, on the device as here)."""
+        return int(self.chip.hbm_bytes * self.chip.usable_fraction)
+
+
+def _hint(chip: Chip) -> str:
+    """What to install or set where a target's compile-only devices cannot be made."""
+    import importlib.util
+
+    if chip.platform == "tpu":
+        if importlib.util.find_spec("libtpu") is None:
+            return f' (install libtpu: pip install "jax[tpu]=={jax.__version__}")'
+        return (
+            " (another process may hold libtpu: ALLOW_MULTIPLE_LIBTPU_LOAD=1 lets several "
+            "compile-only processes load it)"
+        )
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        return f' (install the CUDA plugin: pip install "jax[cuda12-local]=={jax.__version__}")'
+    return " (on a machine without a GPU, run with JAX_PLATFORMS=cpu)"
 
 
 def compiling_for(device):

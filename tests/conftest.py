@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 if os.environ.get("JAXSERVE_TEST_ACCELERATOR") != "1":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # test processes side by side
 ACCELERATOR = os.environ.get("JAXSERVE_TEST_ACCELERATOR") == "1"
 
 

@@ -161,7 +161,7 @@ class ModelRunner:
         if target is None:
             memory = parallel.smallest_device_memory(parallel.mesh_devices(mesh))
         else:  # a device there, with these weights loaded
-            memory = (target.device_memory()[0], self.weight_bytes_per_device)
+            memory = (target.device_bytes_limit, self.weight_bytes_per_device)
             if memory[1] > memory[0]:
                 raise ValueError(
                     f"the weights need {memory[1] / 2**30:.2f} GiB per device and a "

@@ -39,6 +39,7 @@ import os
 # before jax is imported (it reads JAX_PLATFORMS once).
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["TPU_SKIP_MDS_QUERY"] = "1"
+os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # several compile-only processes at once
 
 from absl import flags
 
@@ -59,8 +60,26 @@ flags.DEFINE_string(
 )
 flags.mark_flags_as_required(["target"])
 
-# The platform presets' values where the flag is not given (configs/tpu.toml, gpu.toml).
-_DEVICE_DEFAULTS = {"dtype": "bfloat16", "kv_cache_memory_fraction": 0.9}
+# Without --config: the platform's preset (configs/tpu.toml, configs/gpu.toml; a test
+# keeps these equal to the files), under the flags given.
+DEVICE_PRESETS = {
+    "tpu": dict(
+        dtype="bfloat16",
+        attention_backend="pallas_tpu",
+        block_size=32,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        kv_cache_memory_fraction=0.9,
+    ),
+    "cuda": dict(
+        dtype="bfloat16",
+        attention_backend="pallas_gpu",
+        block_size=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        kv_cache_memory_fraction=0.9,
+    ),
+}
 # LLM(...) arguments that are not the engine's.
 _NOT_ENGINE = ("tokenizer", "skip_tokenizer_init", "compiled")
 
@@ -74,9 +93,11 @@ def main(argv) -> None:
             raise ValueError("--compiled loads a bundle; preflight makes one (--output)")
         kw = {k: v for k, v in engine_kwargs().items() if k not in _NOT_ENGINE}
         if not FLAGS.config:
-            for name, value in _DEVICE_DEFAULTS.items():
+            for name, value in DEVICE_PRESETS[target.platform].items():
                 if not FLAGS[name].present:
                     kw[name] = value
+        if not FLAGS.tensor_parallel_size.present and kw["tensor_parallel_size"] == 1:
+            kw["tensor_parallel_size"] = target.num_chips  # one engine over the target's chips
         kw["compilation_cache_dir"] = None  # programs for another machine
         model_dir = resolve_model_dir(FLAGS.model)
         spec = kw.get("speculative_config")

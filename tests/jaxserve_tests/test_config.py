@@ -202,7 +202,8 @@ def test_pool_from_a_fraction_of_device_memory():
     # 0.5 * 1 MiB - 256 KiB of weights = 256 KiB = 32 pages of 8 KiB.
     assert cfg.num_kv_pages(device_memory=(1 << 20, 1 << 18)) == 32
     assert cfg.num_kv_pages(device_memory=None) == 64 * 16 + 1  # CPU: the byte budget
-    with pytest.raises(ValueError, match="kv_cache_memory_fraction=0.5 of 1048576 bytes holds 0"):
+    full = r"fraction=0.5 of 1048576 bytes, less 1048576 in use \(the weights\), holds 0"
+    with pytest.raises(ValueError, match=full):
         cfg.num_kv_pages(device_memory=(1 << 20, 1 << 20))
     with pytest.raises(ValueError, match="kv_cache_memory_fraction must be in"):
         CacheConfig(memory_fraction=1.5)

@@ -208,3 +208,48 @@ def test_a_model_that_does_not_fit_the_chip_is_refused_naming_what(model_dirs, t
     # bfloat16: the weights fit (14.96 GiB), a KV cache in 90% of the chip does not.
     with pytest.raises(ValueError, match=r"kv_cache_memory_fraction=0\.9 .* holds 0 pages"):
         build(str(whole), "v5e", kv_cache_memory_fraction=0.9)
+
+
+def test_preflight_cli_presets_are_the_config_files():
+    import pathlib
+    import tomllib
+
+    from server.cli.preflight import DEVICE_PRESETS
+
+    configs = pathlib.Path(__file__).resolve().parents[2] / "configs"
+    for platform, name in (("tpu", "tpu"), ("cuda", "gpu")):
+        assert DEVICE_PRESETS[platform] == tomllib.loads((configs / f"{name}.toml").read_text())
+
+
+def test_preflight_reports_the_engines_figures(model_dirs):
+    from jaxserve.preflight import preflight
+
+    args = {"dtype": "bfloat16", "kv_cache_memory_fraction": 0.5, **STEP}
+    path = model_dirs["small"]
+    config = engine_config(path, ModelConfig.from_pretrained(path), **args)
+    report = preflight(config, Target.parse("h100"), decode_batches=(1, 8, 64))
+    # h100: JAX's 75% of 79.1 GiB; half of it for weights and KV.
+    assert report.hbm_bytes == int(84_942_979_072 * 0.75)
+    assert report.kv_pages == config.num_kv_pages((report.hbm_bytes, report.weight_bytes))
+    assert [d.batch for d in report.decode] == [1, 8]  # 64 > max_num_seqs
+    for d in report.decode:
+        assert d.programs[:2] == (f"forward T={d.batch}", f"sample B={d.batch}")
+        assert d.bytes_accessed == sum(d.parts) and d.min_bytes > report.weight_bytes * 0.9
+        assert d.bytes_ratio >= 1.0  # a compiled step moves at least the minimum
+    assert not any(report.kv_copies.values())
+    text = report.format()
+    assert f"--num_kv_pages={report.kv_pages}" in text and "GB by program" in text
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 4, got 1"):
+        preflight(config, Target.parse("h100x4"))
+
+
+def test_kv_sized_copies_finds_a_whole_cache_copy():
+    from jaxserve.preflight import kv_sized_copies
+
+    hlo = (
+        "%copy.12 = f32[2049,16,4,64]{3,2,1,0:T(4,128)} copy(%kv_caches_0_.1)\n"
+        "%copy.13 = f32[16,4,64]{2,1,0} copy(%p)\n"
+        "%t = bf16[64,4,16,2049]{3,2,1,0} transpose(%x), dimensions={3,2,1,0}\n"
+    )
+    found = kv_sized_copies(hlo, [(2049, 16, 4, 64)])
+    assert len(found) == 2 and "copy.12" in found[0] and "transpose" in found[1]
