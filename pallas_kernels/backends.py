@@ -136,7 +136,15 @@ def _cpu_attention(queries, kv_cache, *args, **kwargs):
 def _tpu_attention(queries, kv_cache, *args, interpret=False, **kwargs):
     """The TPU kernel with block sizes for the device it is traced for."""
     kind = traced_device_kind("tpu") or "TPU v5 lite"
-    sizes = tpu.TpuBlockSizes.for_device(kind, queries.shape[-1])
+    sizes = tpu.TpuBlockSizes.for_device(
+        kind,
+        queries.shape[-1],
+        num_heads=queries.shape[1],
+        num_kv_heads=kv_cache.shape[2] // 2,
+        page_size=kv_cache.shape[1],
+        q_dtype=queries.dtype,
+        kv_dtype=kv_cache.dtype,
+    )
     return tpu.ragged_paged_attention(
         queries, kv_cache, *args, block_sizes=sizes, interpret=interpret, **kwargs
     )
