@@ -178,7 +178,14 @@ class GpuBlockSizes:
                 slack = _SLACK if self.block_q <= 32 else need // 4
                 if need + slack <= self.shared_memory:
                     return block_kv, g
-        return tiles[-1], heads[-1]  # nothing fits: the smallest, and Triton says by how much
+        if self.block_kv and self.heads_per_block:  # as asked: the compiler has the last word
+            return self.block_kv, self.heads_per_block
+        raise ValueError(
+            f"no kv tile fits the GPU's {self.shared_memory} bytes of shared memory: "
+            f"block_q={self.block_q}, head_dim={head_dim}, {heads[-1]} query head(s) a "
+            f"block, {jnp.dtype(q_dtype).name} queries over {jnp.dtype(kv_dtype).name} pages "
+            f"need {need + slack} bytes at the smallest tile ({tiles[-1]} tokens)"
+        )
 
 
 def _divisors(n: int) -> list[int]:

@@ -444,3 +444,17 @@ def test_tiles_against_the_reference(page_size, sizes, q_dtype, kv_dtype, kw):
     tol = 2e-2 if q_dtype == "bfloat16" else 2e-5
     np.testing.assert_allclose(got[:t], want[:t], atol=tol, rtol=tol)
     np.testing.assert_array_equal(got[t:], 0.0)
+
+
+def test_no_tile_that_fits_is_a_clear_error():
+    sizes = gpu.GpuBlockSizes(shared_memory=4096)
+    with pytest.raises(ValueError, match=r"no kv tile fits the GPU's 4096 bytes .*head_dim=256"):
+        sizes.tile(
+            page_size=16,
+            pages=128,
+            group=8,
+            head_dim=256,
+            q_dtype="float32",
+            kv_dtype="float32",
+            quantized=False,
+        )
