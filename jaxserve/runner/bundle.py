@@ -273,9 +273,12 @@ class ByShape:
         self.what, self.static, self.keys = what, frozenset(static_argnums), key_argnums
         self.names = sorted(programs)
         self.by_key = {}
-        for program in programs.values():
+        for name, program in programs.items():
             args = program.args_info[0]
-            self.by_key[self._key([args[i] for i in key_argnums])] = program
+            key = self._key([args[i] for i in key_argnums])
+            if key in self.by_key:  # the shapes could not tell them apart
+                raise ValueError(f"{what} programs {name!r} and another take shapes {key}")
+            self.by_key[key] = program
 
     @staticmethod
     def _key(args) -> tuple:
