@@ -96,7 +96,7 @@ def main(argv) -> None:
             for name, value in DEVICE_PRESETS[target.platform].items():
                 if not FLAGS[name].present:
                     kw[name] = value
-        if not FLAGS.tensor_parallel_size.present and kw["tensor_parallel_size"] == 1:
+        if not FLAGS["tensor_parallel_size"].present and kw["tensor_parallel_size"] == 1:
             kw["tensor_parallel_size"] = target.num_chips  # one engine over the target's chips
         kw["compilation_cache_dir"] = None  # programs for another machine
         model_dir = resolve_model_dir(FLAGS.model)
