@@ -401,6 +401,10 @@ class ModelRunner:
                 bar.total = 2 * total
                 bar.update(num_extra)
             threads = min(4, os.cpu_count() or 1)
+            if self.compile_device is not None and self.compile_device.platform == "tpu":
+                # libtpu's compile-only client crashed (a segfault) compiling two programs
+                # at once in 2 of ~10 warm-ups here; one at a time never did.
+                threads = 1
             with bar, concurrent.futures.ThreadPoolExecutor(threads) as pool:
 
                 def compile_one(program: jax.stages.Lowered) -> jax.stages.Compiled:
