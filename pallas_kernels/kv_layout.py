@@ -19,16 +19,17 @@ the step program's cache parameter a layout of its own (page axis minor, seen in
 the deviceless compiler for v5e and v6e, jax 0.10.2) while a Pallas call takes its
 operands row-major, so it copied the whole cache in and out around every kernel
 call: 2 whole-cache copies per layer per step. A minor axis of a multiple of 128
-lanes stays row-major and in place (for pages and scales, every dtype). The scales are 2-D
-so that XLA's scatter of a step's scales keeps them in place too (with a unit
-axis, [P, 1, Ws], it re-laid them out around the scatter); a page's row is a
-single-row DMA, which Mosaic allows for float32. Padding
-to the multiple of 128 is explicit so that what the arrays hold is exactly what
-`page_bytes` counts (XLA pads a [.., 320] axis to 384 in memory anyway). It
-costs nothing where 2Kd * H is a multiple of 128 (head_dim 64 with an even Kd,
-every head_dim 128 and 256); the scales' per-page rows are padded to 128 lanes
-(a page of 16 slots and 2 KV heads holds 64 scales: its scales take 512 bytes
-instead of 256, against the pages' 4096 at head_dim 64).
+lanes stays row-major and in place (pages and scales, every dtype). The scales
+are 2-D so that XLA's scatter of a step's scales keeps them in place too (with a
+unit axis, [P, 1, Ws], it re-laid them out around the scatter); a page's scales
+are then one row of a tiled axis, which Mosaic lets a DMA read for float32.
+
+Padding to the multiple of 128 is explicit, so that what the arrays hold is
+exactly what `page_bytes` counts (XLA pads a [.., 320] axis to 384 in memory
+anyway). The pages need none where 2Kd * H is a multiple of 128 (head_dim 64,
+128, 256; head_dim 80 with Kd a multiple of 4). The scales' per-page rows are
+padded to 128 lanes: a page of 16 slots and 2 KV heads has 64 scales, 512 bytes
+instead of 256, beside its 4096 bytes of int8 pages at head_dim 64.
 
 Each page keeps its own leading index, so the attention kernel still fetches
 one page (its lanes of this program's heads, a 128-lane multiple) with one DMA

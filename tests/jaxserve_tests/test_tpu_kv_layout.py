@@ -120,3 +120,13 @@ def test_lane_dense_views_round_trip_and_pages_travel_logically(shards, head_dim
     back = kv_io.scatter_pages(empty, [3, 1, 4], arrays, kv_io.jitted(dense))
     np.testing.assert_array_equal(np.asarray(back[0].scales)[[3, 1, 4]], ds[[3, 1, 4]])
     np.testing.assert_array_equal(np.asarray(back[0].pages)[[3, 1, 4]], dp[[3, 1, 4]])
+
+
+@pytest.mark.sharded
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_lane_dense_cache_split_over_devices_computes_as_the_reference(kv_dtype):
+    """The TPU backend's shard_map over a lane-dense cache split by KV heads (2 fake
+    CPU devices, the Pallas interpreter): each device's run of lanes is its heads."""
+    from fake_devices import run_on_8_devices
+
+    assert run_on_8_devices("lane_dense_tp_check.py", kv_dtype).strip().endswith("ok")
