@@ -407,34 +407,40 @@ class EngineConfig:
     def pages_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.cache.page_size)
 
+    def cache_layout(self, model: ModelConfig, shards: int = 1):
+        """How the attention backend stores `model`'s cache, its KV heads split over
+        `shards` devices (`pallas_kernels.kv_layout`; lane-dense for the TPU
+        backends). 'auto' is resolved for JAX's default backend: the runner resolves
+        it for a compile target's platform first."""
+        from pallas_kernels.backends import get_backend  # (JAX: imported when used)
+
+        backend = get_backend(self.attention_backend)
+        return backend.cache_layout(
+            self.cache.page_size, model.num_kv_heads, model.head_dim, shards
+        )
+
     def kv_bytes_per_page(self, per_device: bool = False) -> int:
         """Bytes one page holds over every layer: the target's, and a draft model's
-        (its KV arrays share the target's page tables, so each page has both). A
+        (its KV arrays share the target's page tables, so each page has both), in
+        the attention backend's layout, its padding included (`cache_layout`). A
         quantized cache stores a byte a value plus a float32 scale per K or V row.
 
         `per_device`: the share of one device of the tensor-parallel group. A model's
         KV heads split over the group where its size divides them; fewer heads (or
         a count it does not divide) are replicated on every device
         (`jaxserve.parallel.kv_cache_sharding`)."""
-        tp = self.parallel.tensor_parallel_size if per_device else 1
+        tp = self.parallel.tensor_parallel_size
         models = [self.model]
         if self.speculative is not None and self.speculative.draft is not None:
             models.append(self.speculative.draft)
-
-        def row_bytes(head_dim: int) -> int:  # one token's K (or V) of one head
-            if self.cache.quantized:
-                return head_dim + KV_SCALE_BYTES
-            return head_dim * (4 if self.kv_dtype == "float32" else 2)
-
-        return sum(
-            m.num_layers
-            * self.cache.page_size
-            * 2
-            * m.num_kv_heads
-            * row_bytes(m.head_dim)
-            // (tp if m.num_kv_heads % tp == 0 else 1)
-            for m in models
-        )
+        itemsize = 1 if self.cache.quantized else (4 if self.kv_dtype == "float32" else 2)
+        total = 0
+        for m in models:
+            layout = self.cache_layout(m, tp if m.num_kv_heads % tp == 0 else 1)
+            if per_device:
+                layout = layout.local
+            total += m.num_layers * layout.page_bytes(itemsize, self.cache.quantized)
+        return total
 
     def num_kv_pages(self, device_memory: tuple[int, int] | None = None) -> int:
         """The pool size in pages, null page included.

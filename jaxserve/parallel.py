@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pallas_kernels import quantization
+from pallas_kernels.kv_layout import CacheLayout
 from pallas_kernels.quantization import QuantizedKV
 
 # Tensor parallelism in the Megatron style: attention heads, the MLP's hidden
@@ -124,38 +125,67 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES):
     )
 
 
-def kv_cache_sharding(mesh: Mesh, num_kv_heads: int, rules=DEFAULT_RULES) -> NamedSharding:
-    """Shards a [P, S, 2K, H] cache over its interleaved K/V heads, like the k/v projections.
-
-    The 2K axis splits into contiguous runs of whole (key, value) head pairs
-    exactly when K is divisible by the mesh axis.
-    """
+def kv_heads_axis(mesh: Mesh, num_kv_heads: int, rules=DEFAULT_RULES) -> str | None:
+    """The mesh axis a cache's KV heads split over: the kv_heads rule's, where its
+    size divides K (whole (key, value) head pairs per device); else None (replicated)."""
     axis = rules.get("kv_heads")
     if axis is not None and num_kv_heads % mesh.shape[axis]:
         axis = None
-    return NamedSharding(mesh, PartitionSpec(None, None, axis, None))
+    return axis
 
 
-def kv_cache_shardings(mesh: Mesh, num_kv_heads: int, kv_dtype: str) -> NamedSharding | QuantizedKV:
+def kv_shards(mesh: Mesh | None, num_kv_heads: int) -> int:
+    """How many devices a cache's KV heads split over (`kv_cache_sharding`)."""
+    axis = None if mesh is None else kv_heads_axis(mesh, num_kv_heads)
+    return 1 if axis is None else mesh.shape[axis]
+
+
+def kv_cache_sharding(mesh: Mesh, num_kv_heads: int, rules=DEFAULT_RULES) -> NamedSharding:
+    """Shards a cache over its KV heads, like the k/v projections: axis 2 of either
+    layout (`pallas_kernels.kv_layout`), the 2K rows of [P, S, 2K, H] or the W lanes
+    of a lane-dense [P, S, W], which hold one equal run per device of its heads.
+
+    The axis splits into contiguous runs of whole (key, value) head pairs
+    exactly when K is divisible by the mesh axis.
+    """
+    return NamedSharding(mesh, PartitionSpec(None, None, kv_heads_axis(mesh, num_kv_heads, rules)))
+
+
+def kv_cache_shardings(
+    mesh: Mesh, num_kv_heads: int, kv_dtype: str, scales_ndim: int = 3
+) -> NamedSharding | QuantizedKV:
     """`kv_cache_sharding`, and for a quantized `kv_dtype` a QuantizedKV of shardings:
-    the [P, S, 2K] scales split as the pages' heads."""
+    the scales ([P, S, 2K], or lane-dense [P, Ws]: `scales_ndim`) split on their last
+    axis as the pages' heads."""
     sharding = kv_cache_sharding(mesh, num_kv_heads)
     if kv_dtype not in quantization.QUANTIZED_DTYPES:
         return sharding
-    return QuantizedKV(sharding, NamedSharding(mesh, PartitionSpec(*sharding.spec[:3])))
+    axis = sharding.spec[2]
+    return QuantizedKV(
+        sharding, NamedSharding(mesh, PartitionSpec(*[None] * (scales_ndim - 1), axis))
+    )
+
+
+def _zeros(layout: CacheLayout, num_pages: int, kv_dtype: str):
+    return quantization.zeros_kv(
+        layout.pages_shape(num_pages), kv_dtype, layout.scales_shape(num_pages)
+    )
 
 
 def zeros_kv(
-    mesh: Mesh | None, num_layers: int, shape: tuple[int, ...], kv_dtype: str, num_kv_heads: int
+    mesh: Mesh | None, num_layers: int, layout: CacheLayout, num_pages: int, kv_dtype: str
 ) -> list[jax.Array | QuantizedKV]:
-    """One zeroed [P, S, 2K, H] KV cache per layer (for a quantized `kv_dtype`, int8 /
-    fp8 pages with their [P, S, 2K] scales), each created in place on its devices
+    """One zeroed KV cache per layer of `num_pages` in the attention backend's
+    `layout` (its `shards` from `kv_shards`; for a quantized `kv_dtype`, int8 / fp8
+    pages with their scales), each created in place on its devices
     (`kv_cache_sharding`, the scales split as the pages' heads), never whole on one
     device first."""
     if mesh is None:  # uncommitted, like the weights on one device (see StepPrograms)
-        return [quantization.zeros_kv(shape, kv_dtype) for _ in range(num_layers)]
-    sharding = kv_cache_shardings(mesh, num_kv_heads, kv_dtype)
-    zeros = jax.jit(lambda: quantization.zeros_kv(shape, kv_dtype), out_shardings=sharding)
+        return [_zeros(layout, num_pages, kv_dtype) for _ in range(num_layers)]
+    sharding = kv_cache_shardings(
+        mesh, layout.num_kv_heads, kv_dtype, len(layout.scales_shape(num_pages))
+    )
+    zeros = jax.jit(lambda: _zeros(layout, num_pages, kv_dtype), out_shardings=sharding)
     return [zeros() for _ in range(num_layers)]
 
 
@@ -180,14 +210,16 @@ def abstract_kv(
     mesh: Mesh | None,
     device,
     num_layers: int,
-    shape: tuple[int, ...],
+    layout: CacheLayout,
+    num_pages: int,
     kv_dtype: str,
-    num_kv_heads: int,
 ) -> list:
     """`zeros_kv`'s caches as ShapeDtypeStructs on `mesh` or `device` (see `abstract_state`)."""
-    cache = jax.eval_shape(lambda: quantization.zeros_kv(shape, kv_dtype))
+    cache = jax.eval_shape(lambda: _zeros(layout, num_pages, kv_dtype))
     if mesh is not None:
-        shardings = kv_cache_shardings(mesh, num_kv_heads, kv_dtype)
+        shardings = kv_cache_shardings(
+            mesh, layout.num_kv_heads, kv_dtype, len(layout.scales_shape(num_pages))
+        )
     else:
         shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), cache)
     placed = jax.tree.map(

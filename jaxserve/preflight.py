@@ -169,9 +169,8 @@ def preflight(
             f"{(weights + kv_bytes + temp - hbm) / 2**30:.2f} GiB: lower "
             "kv_cache_memory_fraction or max_num_batched_tokens, or raise tensor_parallel_size"
         )
-    kv_layer = runner.kv_caches[0]
-    kv_layer = getattr(kv_layer, "pages", kv_layer)
-    kv_shards = [kv_layer.sharding.shard_shape(kv_layer.shape)]
+    # One layer's pages (and a quantized cache's scales), per device.
+    kv_shards = [x.sharding.shard_shape(x.shape) for x in jax.tree.leaves(runner.kv_caches[0])]
     decode = []
     for b in decode_batches:
         if b > config.scheduler.max_num_seqs:

@@ -10,6 +10,12 @@ engine switches backend by configuration alone:
   pallas_gpu             the Triton kernels (GPU)
   pallas_*_interpret     the same kernels run by the Pallas interpreter (any device)
   auto                   pallas_tpu on TPU, pallas_gpu on GPU, cpu on the CPU
+
+A backend also owns how its cache is stored (`cache_layout`): the TPU backends
+store it lane-dense, [P, S, W] pages and [P, Ws] scales, which XLA:TPU keeps in
+place around the Mosaic kernels for every head_dim (`pallas_kernels.kv_layout`
+says why); the others store the logical [P, S, 2K, H] and [P, S, 2K]. What each
+computes is the same: only where the values sit differs.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pallas_kernels import ragged_paged_attention as reference
 from pallas_kernels import ragged_paged_attention_gpu as gpu
 from pallas_kernels import ragged_paged_attention_tpu as tpu
 from pallas_kernels.cpu import attention as cpu_attention
+from pallas_kernels.kv_layout import CacheLayout
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.quantization import QuantizedKV, quantize_kv
 
@@ -38,13 +45,21 @@ class AttentionBackend:
     name: str
     write_kv: Callable[..., jax.Array]
     ragged_paged_attention: Callable[..., jax.Array]
+    lane_dense: bool = False  # the cache's layout: see `cache_layout`
+
+    def cache_layout(
+        self, page_size: int, num_kv_heads: int, head_dim: int, shards: int = 1
+    ) -> CacheLayout:
+        """How this backend stores one layer's cache (`pallas_kernels.kv_layout`):
+        `shards` is the number of devices its KV heads split over (1: replicated)."""
+        return CacheLayout(num_kv_heads, head_dim, page_size, self.lane_dense, shards)
 
     def __call__(
         self,
         queries: jax.Array,  # [T, N, H]
         keys: jax.Array,  # [T, K, H]
         values: jax.Array,  # [T, K, H]
-        kv_cache: jax.Array | QuantizedKV,  # [P, S, 2K, H]
+        kv_cache: jax.Array | QuantizedKV,  # `cache_layout`'s: [P, S, 2K, H] or [P, S, W]
         md: AttentionMetadata,
         *,
         sm_scale: float,
@@ -69,9 +84,12 @@ class AttentionBackend:
             return self._write_and_attend(queries, keys, values, kv_cache, md, **kw)
         split = keys.shape[1] % mesh.shape[HEAD_AXIS] == 0  # then the q heads split too
         heads = P(None, HEAD_AXIS, None) if split else P()
-        cache = P(None, None, HEAD_AXIS, None) if split else P()
-        if isinstance(kv_cache, QuantizedKV):  # scales [P, S, 2K] split as the pages' heads
-            cache = QuantizedKV(cache, P(None, None, HEAD_AXIS) if split else P())
+        # Either layout splits the pages' axis 2 (2K rows, or W lanes of equal
+        # per-shard runs) and the scales' last ([P, S, 2K] or [P, Ws]).
+        cache = P(None, None, HEAD_AXIS) if split else P()
+        if isinstance(kv_cache, QuantizedKV):  # the scales split as the pages' heads
+            scales = P(*[None] * (kv_cache.scales.ndim - 1), HEAD_AXIS) if split else P()
+            cache = QuantizedKV(cache, scales)
         return jax.shard_map(
             functools.partial(self._write_and_attend, **kw),
             mesh=mesh,
@@ -84,9 +102,15 @@ class AttentionBackend:
 
     def _write_and_attend(self, queries, keys, values, kv_cache, md, **kw):
         scales = None
+        _, k_heads, head_dim = keys.shape  # this device's KV heads
+        layout = self.cache_layout(kv_cache.shape[1], k_heads, head_dim)
+        if layout.lane_dense and len(kv_cache.shape) == 4:  # handed a logical cache
+            layout = dataclasses.replace(layout, lane_dense=False)
+        if layout.lane_dense:
+            kw["num_kv_heads"] = k_heads
         if isinstance(kv_cache, QuantizedKV):
             keys, values, new_scales = quantize_kv(keys, values, kv_cache.dtype)
-            scales = reference.write_slots(kv_cache.scales, new_scales, md.slot_mapping)
+            scales = layout.write_scales(kv_cache.scales, new_scales, md.slot_mapping)
             kv_cache = kv_cache.pages
         kv_cache = self.write_kv(kv_cache, keys, values, md.slot_mapping)
         out = self.ragged_paged_attention(
@@ -167,12 +191,13 @@ BACKENDS = {
         "reference", reference.write_kv, reference.ragged_paged_attention_jit
     ),
     "cpu": AttentionBackend("cpu", cpu_attention.write_kv, _cpu_attention),
-    "pallas_tpu": AttentionBackend("pallas_tpu", tpu.write_kv, _tpu_attention),
+    "pallas_tpu": AttentionBackend("pallas_tpu", tpu.write_kv, _tpu_attention, lane_dense=True),
     "pallas_gpu": AttentionBackend("pallas_gpu", gpu.write_kv, _gpu_attention),
     "pallas_tpu_interpret": AttentionBackend(
         "pallas_tpu_interpret",
         functools.partial(tpu.write_kv, interpret=True),
         functools.partial(_tpu_attention, interpret=True),
+        lane_dense=True,
     ),
     "pallas_gpu_interpret": AttentionBackend(
         "pallas_gpu_interpret",

@@ -10,7 +10,8 @@ float32 as its scale). Non-finite inputs are not supported (they poison their sl
 A quantized KV cache of one layer is a `QuantizedKV`: the pages `[P, S, 2K, H]`
 in int8 or fp8 (K and V heads interleaved as in the float cache) and their
 scales `[P, S, 2K]` float32, indexed like the pages without the H axis, so
-every backend finds a row's scale at the row's own (page, slot, head).
+every backend finds a row's scale at the row's own (page, slot, head). (That is
+the logical layout; the TPU backend stores both lane-dense, `kv_layout`.)
 
 Why fp8 has per-token scales too (vLLM's default is a per-tensor scale of 1.0,
 TensorRT-LLM's a calibrated per-tensor scale): the engine has no calibration
@@ -71,8 +72,8 @@ class QuantizedKV:
     or page count treats both kinds of cache alike.
     """
 
-    pages: jax.Array  # [P, S, 2K, H] int8 / fp8
-    scales: jax.Array  # [P, S, 2K] float32
+    pages: jax.Array  # [P, S, 2K, H] (lane-dense: [P, S, W]) int8 / fp8
+    scales: jax.Array  # [P, S, 2K] (lane-dense: [P, Ws]) float32
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -99,12 +100,17 @@ def kv_bytes_per_token_head(kv_dtype: str, head_dim: int) -> int:
     return head_dim * jnp.dtype(kv_dtype).itemsize
 
 
-def zeros_kv(shape: tuple[int, int, int, int], kv_dtype: str) -> jax.Array | QuantizedKV:
-    """A zeroed cache `[P, S, 2K, H]` of a resolved kv_cache_dtype name; quantized
-    dtypes get a `QuantizedKV` with unit scales."""
+def zeros_kv(
+    shape: tuple[int, ...], kv_dtype: str, scales_shape: tuple[int, ...] | None = None
+) -> jax.Array | QuantizedKV:
+    """A zeroed cache of pages `shape` (logical `[P, S, 2K, H]`, or a backend's own
+    layout: `kv_layout.CacheLayout.pages_shape`) of a resolved kv_cache_dtype name;
+    quantized dtypes get a `QuantizedKV` with unit scales of `scales_shape`
+    (default: the logical `[P, S, 2K]`, `shape[:3]`)."""
     if kv_dtype not in QUANTIZED_DTYPES:
         return jnp.zeros(shape, kv_dtype)
-    return QuantizedKV(jnp.zeros(shape, kv_element_dtype(kv_dtype)), jnp.ones(shape[:3]))
+    scales = jnp.ones(shape[:3] if scales_shape is None else scales_shape, jnp.float32)
+    return QuantizedKV(jnp.zeros(shape, kv_element_dtype(kv_dtype)), scales)
 
 
 def quantize_kv(

@@ -16,11 +16,16 @@ and a DMA window must start and end on tile boundaries of those axes; the leadin
 axes are free. So
 - queries and outputs are laid out [T, K, G, H]: a query block starts at any
   token (sequences start at arbitrary rows) because the token axis is untiled;
-- a program reads the cache as it is stored, [P, S, 2K, H], in windows of whole
-  row tiles: `kv_rows_per_program` rows (a tile, or all 2K) of each page, and
-  picks each head's K and V rows in VMEM. Any other view of the cache (e.g.
-  [P, S, K, 2, H]) is not a bitcast of XLA's layout for every dtype and head_dim:
-  XLA then copies the whole cache around every call.
+- the cache is stored lane-dense (`pallas_kernels.kv_layout`): pages [P, S, W],
+  each slot's 2K rows of H flattened into W lanes (a multiple of 128), scales
+  [P, Ws]. XLA keeps such arrays row-major in the step program; a minor axis
+  under 128 lanes ([P, S, 2K, 64] pages, [P, S, 2K] scales) it lays out page-axis
+  minor and copies the whole cache around every call. A program reads, from each
+  page, the lanes of its `kv_rows_per_program` rows (rows * H lanes, a multiple of
+  128; or the whole W), and the page's scales, and slices each head's K and V
+  lanes in VMEM (at static offsets: the loop over its heads is unrolled).
+  The kernels also take the logical [P, S, 2K, H] cache (and [P, S, 2K] scales),
+  converted first: a copy, for tests and callers outside the engine.
 
 The output block is written back by DMA at the block's first row. A last block
 that runs past its sequence writes zeros into the next rows, which belong to a
@@ -28,8 +33,9 @@ later sequence (rewritten by its own, later programs) or to padding (which the
 reference also leaves zero) - so the grid must run in order: all its dimensions
 are "arbitrary".
 
-The KV write is a second kernel: one DMA per token, from VMEM into its slot of
-the cache, which is aliased input to output (updated in place when donated).
+The KV write is an XLA scatter of each token's W lanes into its slot, in place
+when the cache is donated. (A Pallas DMA of one slot would be a window of one row
+of the tiled slot axis, which Mosaic refuses for 8- and 16-bit pages.)
 
 Both kernels tell XLA what they cost (`attention_cost`; a Pallas call without a
 CostEstimate counts as 0 flops and 0 bytes), and block sizes are chosen by the VMEM
@@ -48,6 +54,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.kv_layout import CacheLayout, write_rows
 from pallas_kernels.ragged_paged_attention import pad_page_table, validate_inputs
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -165,8 +172,8 @@ def _kernel(
     pages_per_block,
     pages_per_seq,
     quantized,
-    static_kv_heads,
-    interpret,
+    num_kv_heads,
+    head_dim,
 ):
     refs = list(refs)
     scales_hbm = refs.pop(0) if quantized else None
@@ -174,15 +181,16 @@ def _kernel(
     s_vmem = optional.pop(0) if quantized else None
     stage_vmem = optional.pop(0) if optional else None
     b, i, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    block_q, heads, group, head_dim = q_vmem.shape  # heads: kv heads per program
-    page_size, rows = kv_vmem.shape[1], kv_vmem.shape[2]  # rows = 2 * heads
+    block_q, heads, group, _ = q_vmem.shape  # heads: kv heads per program
+    page_size, lanes = kv_vmem.shape[1], kv_vmem.shape[2]  # lanes >= 2 * heads * H
     block_kv = pages_per_block * page_size
     q_start = cu_ref[b]
     q_len = cu_ref[b + 1] - q_start
     kv_len = kv_lens_ref[b]
-    # The first of this program's KV rows in a page: a multiple of `rows`, a whole tile
-    # of the cache's layout, so the page DMA is aligned; 0 where one block has all 2K.
-    row_start = 0 if rows == kv_hbm.shape[2] else pl.multiple_of(hb * rows, rows)
+    # The first of this program's lanes in a slot: a multiple of `lanes` (itself a
+    # multiple of 128), so the page DMA is aligned; 0 where one block has all 2K rows.
+    whole = lanes == kv_hbm.shape[2]
+    lane_start = 0 if whole else pl.multiple_of(hb * lanes, lanes)
 
     @pl.when((b < num_seqs_ref[0]) & (i * block_q < q_len))
     def _():
@@ -226,11 +234,11 @@ def _kernel(
             copies = []
             for p in range(pages_per_block):
                 page = pages_ref[b * pages_per_seq + j * pages_per_block + p]
-                # Whole rows of the page's layout tile: [S, 2 * heads, H].
-                src = kv_hbm.at[page, :, pl.ds(row_start, rows), :]
+                # Whole 128-lane tiles of the page: [S, lanes].
+                src = kv_hbm.at[page] if whole else kv_hbm.at[page, :, pl.ds(lane_start, lanes)]
                 copies.append(pltpu.make_async_copy(src, kv_vmem.at[p], sems.at[1]))
-                if quantized:  # this page's scales, all heads: [S, 2K]
-                    src = scales_hbm.at[page]
+                if quantized:  # this page's scales, all heads: [1, Ws]
+                    src = scales_hbm.at[pl.ds(page, 1)]
                     copies.append(pltpu.make_async_copy(src, s_vmem.at[p], sems.at[1]))
             for c in copies:
                 c.start()
@@ -242,20 +250,29 @@ def _kernel(
             visible = (kv_pos <= q_pos) & row_valid  # [bq, L]
             if sliding_window is not None:
                 visible &= kv_pos > q_pos - sliding_window
-            if quantized:
-                sc = s_vmem[...].reshape(block_kv, -1)  # [L, 2K]
-                lane = jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
+            if quantized:  # [ppb, S, Ws]: each page's scales, broadcast over its slots
+                sc = jnp.broadcast_to(s_vmem[...], (pages_per_block, page_size, s_vmem.shape[2]))
+                lane = jax.lax.broadcasted_iota(jnp.int32, sc.shape, 2)
+                slot = jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
 
-            def one_kv_head(k, _):
+            def scale_column(row):  # [L, 1]: each slot's scale of KV row `row`
+                hit = lane == slot * (2 * num_kv_heads) + row
+                col = jnp.sum(jnp.where(hit, sc, 0.0), axis=2, keepdims=True)
+                return col.reshape(block_kv, 1)
+
+            def one_kv_head(k, _):  # k static: its K and V lanes are static slices
                 kk, vv = (
-                    x.reshape(block_kv, head_dim) for x in _load_kv_head(kv_vmem, k, interpret)
-                )
+                    kv_vmem[:, :, (2 * k + i) * head_dim : (2 * k + i + 1) * head_dim]
+                    for i in (0, 1)
+                )  # [ppb, S, H] each
                 if quantized:  # dequantize in VMEM, into the queries' dtype
                     row = 2 * (hb * heads + k)  # head k's K scale; its V scale follows
-                    k_sc = jnp.sum(jnp.where(lane == row, sc, 0.0), axis=1, keepdims=True)
-                    v_sc = jnp.sum(jnp.where(lane == row + 1, sc, 0.0), axis=1, keepdims=True)
-                    kk = (kk.astype(jnp.float32) * k_sc).astype(q_vmem.dtype)
-                    vv = (vv.astype(jnp.float32) * v_sc).astype(q_vmem.dtype)
+                    kk = kk.astype(jnp.float32).reshape(block_kv, head_dim)
+                    vv = vv.astype(jnp.float32).reshape(block_kv, head_dim)
+                    kk = (kk * scale_column(row)).astype(q_vmem.dtype)
+                    vv = (vv * scale_column(row + 1)).astype(q_vmem.dtype)
+                else:
+                    kk, vv = kk.reshape(block_kv, head_dim), vv.reshape(block_kv, head_dim)
                 vv = jnp.where(v_live, vv, jnp.zeros_like(vv))
 
                 def one_head(g, _):
@@ -289,11 +306,8 @@ def _kernel(
                 jax.lax.fori_loop(0, group, one_head, 0)
                 return 0
 
-            if static_kv_heads:  # unrolled: Mosaic reads these packed rows only at static rows
-                for k in range(heads):
-                    one_kv_head(k, 0)
-            else:
-                jax.lax.fori_loop(0, heads, one_kv_head, 0)
+            for k in range(heads):  # unrolled (static lane offsets)
+                one_kv_head(k, 0)
             return 0
 
         jax.lax.fori_loop(start_block, num_blocks, body, 0)
@@ -313,49 +327,6 @@ def _kernel(
         )
         o_copy.start()
         o_copy.wait()
-
-
-def _load_kv_head(kv_vmem, k, interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """Head k's K and V rows (rows 2k and 2k + 1) of a [pages, S, rows, H] VMEM block,
-    each [pages, S, H] in the cache's dtype; k may be traced.
-
-    A 16- or 8-bit dtype packs 2 or 4 consecutive rows into one 32-bit sublane word
-    (the lower row in the lower bits). Mosaic loads a packed row only at a row offset
-    it can prove tile-aligned, and unpacking single rows of a partly filled tile made
-    compiles slow (~10 s for bfloat16 with 2 KV heads); so it loads the 32-bit word row
-    that holds both of head k's rows and shifts them apart. Only bit patterns move.
-    """
-    dtype = kv_vmem.dtype
-    packing = 4 // dtype.itemsize
-    rows = kv_vmem.shape[2]
-    if packing == 1 or rows % packing:  # unpacked, or too few rows to fill a word
-        k_row = kv_vmem[:, :, pl.ds(2 * k, 1), :]
-        v_row = kv_vmem[:, :, pl.ds(2 * k + 1, 1), :]
-        return k_row[:, :, 0], v_row[:, :, 0]
-    if interpret:  # the interpreter has no ref bitcast: bitcast the loaded block
-        words = pltpu.bitcast(kv_vmem[...], jnp.uint32)  # [pages, S, rows // packing, H]
-        word = jax.lax.dynamic_index_in_dim(words, 2 * k // packing, axis=2, keepdims=False)
-    else:
-        word = kv_vmem.bitcast(jnp.uint32)[:, :, pl.ds(2 * k // packing, 1), :][:, :, 0]
-    if packing == 2:  # bfloat16: K in the low half, V in the high half
-        k_bits = pltpu.bitcast(word << 16, jnp.float32)
-        v_bits = pltpu.bitcast(word & jnp.uint32(0xFFFF0000), jnp.float32)
-        return k_bits.astype(dtype), v_bits.astype(dtype)  # exact: bf16 is f32's top half
-    shift = (2 * k % packing) * 8  # int8 / fp8: K and V are bytes shift/8 and shift/8 + 1
-    k_byte = (word >> shift).astype(jnp.uint8)
-    v_byte = (word >> (shift + 8)).astype(jnp.uint8)
-    return pltpu.bitcast(k_byte, dtype), pltpu.bitcast(v_byte, dtype)
-
-
-def _static_kv_heads(kv_dtype, rows: int, head_dim: int) -> bool:
-    """Whether the loop over a program's kv heads must be unrolled. Mosaic loads a row of
-    a packed (8- or 16-bit) cache block at a traced row only as the 32-bit word row
-    holding it, and only where head_dim fills whole 128-lane tiles; elsewhere (e.g.
-    bfloat16 head_dim 64 or 80, int8 with 3 KV heads: 6 rows, not whole words) each
-    head's rows are read at static rows. The unrolled loop compiles slower (~1 s more
-    with 8 heads)."""
-    packing = 4 // jnp.dtype(kv_dtype).itemsize
-    return packing > 1 and (rows % packing != 0 or head_dim % 128 != 0)
 
 
 def _vmem_bytes(shape: tuple[int, ...], dtype) -> int:
@@ -386,17 +357,19 @@ def scratch_vmem_bytes(
     heads = rows // 2
     hg = heads * group
     quantized = jnp.dtype(kv_dtype).itemsize == 1
+    lanes = _program_lanes(num_kv_heads, head_dim, page_size, kv_dtype)
     buffers = [
         ((block_q, heads, group, head_dim), q_dtype),  # q
         ((hg, block_q, head_dim), q_dtype),  # q, head-major
-        ((pages_per_block, page_size, rows, head_dim), kv_dtype),  # kv
+        ((pages_per_block, page_size, lanes), kv_dtype),  # kv
         ((block_q, heads, group, head_dim), q_dtype),  # o
         ((hg, block_q, 1), jnp.float32),  # m
         ((hg, block_q, 1), jnp.float32),  # l
         ((hg, block_q, head_dim), jnp.float32),  # acc
     ]
     if quantized:
-        buffers.append(((pages_per_block, page_size, 2 * num_kv_heads), jnp.float32))
+        scale_lanes = CacheLayout(num_kv_heads, head_dim, page_size, lane_dense=True).scale_lanes
+        buffers.append(((pages_per_block, 1, scale_lanes), jnp.float32))
     if jnp.dtype(q_dtype).itemsize < 4:
         buffers.append(((block_q, heads, group, head_dim), jnp.float32))  # q/o staging
     return sum(_vmem_bytes(shape, dtype) for shape, dtype in buffers)
@@ -420,11 +393,11 @@ def _vmem_limit(need: int) -> int | None:
 
 def attention_cost(
     queries: jax.Array,  # [T, N, H]
-    kv_cache: jax.Array,  # [P, S, 2K, H]
+    kv_cache: jax.Array,  # [P, S, W] lane-dense
     page_indices: jax.Array,  # [B, M]
     *,
     block_q: int,
-    quantized: bool,
+    scale_lanes: int | None,  # per page, for int8 / fp8 pages
     soft_cap: float | None,
 ) -> pl.CostEstimate:
     """What XLA is told the attention kernel costs (without it, a Pallas call counts as
@@ -435,10 +408,10 @@ def attention_cost(
     sequence plus T / bq) reads its sequence's pages once.
     """
     t, n, h = queries.shape
-    _, s, kv2, _ = kv_cache.shape
+    _, s, w = kv_cache.shape
     ctx = page_indices.shape[1] * s
     blocks = min(page_indices.shape[0], t) + t // block_q
-    kv_row_bytes = kv2 * h * kv_cache.dtype.itemsize + (kv2 * 4 if quantized else 0)
+    kv_row_bytes = w * kv_cache.dtype.itemsize + (scale_lanes * 4 // s if scale_lanes else 0)
     scores = t * n * ctx
     return pl.CostEstimate(
         flops=4 * h * scores,  # q.k and p.v: 2 flops per multiply-add each
@@ -454,42 +427,87 @@ def _interpret(interpret: bool):
 
 
 def kv_rows_per_program(num_kv_heads: int, kv_dtype) -> int:
-    """KV rows (2 per kv head) one program copies from each page: 8 sublanes' worth
+    """KV rows (2 per kv head) one program reads from each page: 8 sublanes' worth
     (8 rows of float32, 16 of bfloat16, 32 of int8 / fp8) where 2K is a multiple of it,
-    else all 2K rows. A DMA may only start and end on tile boundaries of the tiled
-    (2K, H) axes, and XLA's tile of the cache's rows divides this (2 to 8 rows for
-    float32 and bfloat16, 4 to 32 for int8 / fp8, by 2K)."""
+    else all 2K rows. In the lane-dense cache a program's rows are rows * H lanes of
+    each slot, a multiple of 128 (H a multiple of 16), so its page DMA starts and ends
+    on lane-tile boundaries; the VMEM block it fills stays within the budget
+    `for_device` sizes for."""
     tile = 8 * (4 // jnp.dtype(kv_dtype).itemsize)
     return tile if (2 * num_kv_heads) % tile == 0 else 2 * num_kv_heads
 
 
+def _program_lanes(num_kv_heads: int, head_dim: int, page_size: int, kv_dtype) -> int:
+    """Lanes of a slot one program copies: its rows' (`kv_rows_per_program`), or the
+    whole padded width where it takes all 2K rows."""
+    rows = kv_rows_per_program(num_kv_heads, kv_dtype)
+    if rows == 2 * num_kv_heads:
+        return CacheLayout(num_kv_heads, head_dim, page_size, lane_dense=True).row_lanes
+    return rows * head_dim
+
+
+def _validate_dense(queries, kv_cache, kv_scales, num_kv_heads: int | None) -> CacheLayout:
+    """The lane-dense cache's layout; raises ValueError naming what does not fit."""
+    if num_kv_heads is None:
+        raise ValueError("a lane-dense [P, S, W] kv_cache needs num_kv_heads")
+    _, n, h = queries.shape
+    layout = CacheLayout(num_kv_heads, h, kv_cache.shape[1], lane_dense=True)
+    if kv_cache.shape != layout.pages_shape(kv_cache.shape[0]) or n % num_kv_heads:
+        raise ValueError(
+            f"kv_cache {kv_cache.shape} is not the lane-dense cache of {num_kv_heads} KV "
+            f"heads of head_dim {h} for {n} query heads: "
+            f"{layout.pages_shape(kv_cache.shape[0])}"
+        )
+    if kv_scales is not None and kv_scales.shape != layout.scales_shape(kv_cache.shape[0]):
+        raise ValueError(
+            f"kv_scales must be {layout.scales_shape(kv_cache.shape[0])}, got {kv_scales.shape}"
+        )
+    return layout
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_sizes", "interpret"),
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "block_sizes",
+        "interpret",
+        "num_kv_heads",
+    ),
 )
 def ragged_paged_attention(
     queries: jax.Array,  # [T, N, H]
-    kv_cache: jax.Array,  # [P, S, 2K, H]
+    kv_cache: jax.Array,  # [P, S, W] lane-dense (`kv_layout`), or [P, S, 2K, H]
     kv_lens: jax.Array,  # [B] int32
     page_indices: jax.Array,  # [B, M] int32
     cu_q_lens: jax.Array,  # [B + 1] int32
     num_seqs: jax.Array,  # [1] int32
-    kv_scales: jax.Array | None = None,  # [P, S, 2K] float32 for int8 / fp8 pages
+    kv_scales: jax.Array | None = None,  # [P, Ws] (or [P, S, 2K]) f32 for int8 / fp8
     *,
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     block_sizes: TpuBlockSizes = TpuBlockSizes(),
     interpret: bool = False,
+    num_kv_heads: int | None = None,  # K: needed for a lane-dense cache
 ) -> jax.Array:  # [T, N, H]
-    validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales)
+    if kv_cache.ndim == 4:  # the logical cache: converted (a copy)
+        validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales)
+        num_kv_heads = kv_cache.shape[2] // 2
+        layout = CacheLayout(num_kv_heads, queries.shape[2], kv_cache.shape[1], lane_dense=True)
+        kv_cache = layout.pages_from_logical(kv_cache)
+        if kv_scales is not None:
+            kv_scales = layout.scales_from_logical(kv_scales)
+    layout = _validate_dense(queries, kv_cache, kv_scales, num_kv_heads)
     quantized = kv_scales is not None
     t, n, h = queries.shape
-    _, s, kv2, _ = kv_cache.shape
-    k_heads = kv2 // 2
+    s = layout.page_size
+    k_heads = num_kv_heads
     group = n // k_heads
     rows = kv_rows_per_program(k_heads, kv_cache.dtype)
     heads = rows // 2
+    lanes = _program_lanes(k_heads, h, s, kv_cache.dtype)
     bq = block_sizes.block_q
     ppb = min(block_sizes.resolve_pages_per_block(s), page_indices.shape[1])
     num_seqs_b = page_indices.shape[0]
@@ -507,13 +525,13 @@ def ragged_paged_attention(
         pages_per_block=ppb,
         pages_per_seq=m_pad,
         quantized=quantized,
-        static_kv_heads=_static_kv_heads(kv_cache.dtype, rows, h),
-        interpret=interpret,
+        num_kv_heads=k_heads,
+        head_dim=h,
     )
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     # A quantized cache adds its scales [P, S, 2K] (an input) and a VMEM block of them.
     scales = [kv_scales] if quantized else []
-    scales_vmem = [pltpu.VMEM((ppb, s, kv2), jnp.float32)] if quantized else []
+    scales_vmem = [pltpu.VMEM((ppb, 1, layout.scale_lanes), jnp.float32)] if quantized else []
     packed_q = queries.dtype.itemsize < 4  # staged through float32 in VMEM
     out = pl.pallas_call(
         kernel,
@@ -525,7 +543,7 @@ def ragged_paged_attention(
             scratch_shapes=[
                 pltpu.VMEM((bq, heads, group, h), queries.dtype),
                 pltpu.VMEM((heads * group, bq, h), queries.dtype),
-                pltpu.VMEM((ppb, s, rows, h), kv_cache.dtype),
+                pltpu.VMEM((ppb, s, lanes), kv_cache.dtype),
                 pltpu.VMEM((bq, heads, group, h), queries.dtype),
                 pltpu.VMEM((heads * group, bq, 1), jnp.float32),
                 pltpu.VMEM((heads * group, bq, 1), jnp.float32),
@@ -554,7 +572,12 @@ def ragged_paged_attention(
             ),
         ),
         cost_estimate=attention_cost(
-            queries, kv_cache, page_indices, block_q=bq, quantized=quantized, soft_cap=soft_cap
+            queries,
+            kv_cache,
+            page_indices,
+            block_q=bq,
+            scale_lanes=layout.scale_lanes if quantized else None,
+            soft_cap=soft_cap,
         ),
         interpret=_interpret(interpret),
         name="ragged_paged_attention_tpu",
@@ -562,49 +585,26 @@ def ragged_paged_attention(
     return out[:t].reshape(t, n, h)
 
 
-def _write_kernel(slots_ref, new_vmem, kv_in_hbm, kv_out_hbm, sem):
-    del kv_in_hbm  # the same buffer as kv_out_hbm
-    t = pl.program_id(0)
-    page_size = kv_out_hbm.shape[1]
-    slot = slots_ref[t]
-    copy = pltpu.make_async_copy(
-        new_vmem, kv_out_hbm.at[slot // page_size, pl.ds(slot % page_size, 1)], sem
-    )
-    copy.start()
-    copy.wait()
-
-
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=0)
 def write_kv(
-    kv_cache: jax.Array,  # [P, S, 2K, H]
+    kv_cache: jax.Array,  # [P, S, W] lane-dense (`kv_layout`), or [P, S, 2K, H]
     keys: jax.Array,  # [T, K, H]
     values: jax.Array,  # [T, K, H]
-    slot_mapping: jax.Array,  # [T] int32
+    slot_mapping: jax.Array,  # [T] int32: page * S + offset; padding -> the null page
     *,
     interpret: bool = False,
 ) -> jax.Array:
-    """Copies each token's interleaved K/V rows [2K, H] into its slot, in place."""
+    """Writes each token's interleaved K/V rows, flattened into the slot's W lanes
+    (padding lanes zero), into its slot: an XLA scatter, in place when the cache is
+    donated (see the module docstring). A logical cache is converted there and back
+    (copies). `interpret` is accepted for the backends' common signature."""
+    del interpret
     t, k_heads, h = keys.shape
-    new = jnp.stack([keys, values], axis=2).reshape(t, 2 * k_heads, h).astype(kv_cache.dtype)
-    return pl.pallas_call(
-        _write_kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(t,),
-            in_specs=[
-                pl.BlockSpec((1, 2 * k_heads, h), lambda i, slots: (i, 0, 0)),
-                pl.BlockSpec(memory_space=pl.ANY),
-            ],
-            out_specs=pl.BlockSpec(memory_space=pl.ANY),
-            scratch_shapes=[pltpu.SemaphoreType.DMA(())],
-        ),
-        out_shape=jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
-        input_output_aliases={2: 0},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        # A copy: no flops; each new row is read into VMEM and written to its slot.
-        cost_estimate=pl.CostEstimate(
-            flops=0, transcendentals=0, bytes_accessed=2 * new.size * new.dtype.itemsize
-        ),
-        interpret=_interpret(interpret),
-        name="write_kv_tpu",
-    )(slot_mapping, new, kv_cache)
+    logical = kv_cache.ndim == 4
+    layout = CacheLayout(k_heads, h, kv_cache.shape[1], lane_dense=True)
+    cache = layout.pages_from_logical(kv_cache) if logical else kv_cache
+    new = jnp.stack([keys, values], axis=2).reshape(t, 1, 2 * k_heads, h)
+    new = layout.pages_from_logical(new.astype(cache.dtype))[:, 0]  # [T, W]
+    s = layout.page_size
+    cache = write_rows(cache, new, slot_mapping // s, slot_mapping % s)
+    return layout.pages_to_logical(cache) if logical else cache

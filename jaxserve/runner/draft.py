@@ -154,16 +154,13 @@ class DraftRunner:
         )
         self.mesh = mesh
         self.model_def, self.weights = ModelDef.split(model)
-        shape = (
-            num_pages,
-            config.cache.page_size,
-            2 * draft_config.num_kv_heads,
-            draft_config.head_dim,
+        layout = config.cache_layout(
+            draft_config, parallel.kv_shards(mesh, draft_config.num_kv_heads)
         )
         make_kv = parallel.zeros_kv if compile_only is None else parallel.abstract_kv
         where = (mesh,) if compile_only is None else (mesh, compile_only)
         self.kv_caches = make_kv(
-            *where, draft_config.num_layers, shape, config.kv_dtype, draft_config.num_kv_heads
+            *where, draft_config.num_layers, layout, num_pages, config.kv_dtype
         )
         self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches)
         self.propose_step = place_propose_step(mesh, self.weights, self.kv_caches)

@@ -6,6 +6,9 @@ for an int8 / fp8 cache, its "scales" [L, page, 2K] beside it: the layout
 two with the null page (0), so a handful of programs serve every batch: a gather
 reads the null page for padding (ignored), a scatter writes padding into it
 (the null page holds garbage by design: padding tokens write there anyway).
+Pages travel in the logical layout whatever the attention backend stores
+(`pallas_kernels.kv_layout`): the gather and scatter convert the few pages that
+move, so engines of different backends exchange pages.
 Only the target model's pages travel: a draft model recomputes its own K/V of a
 cached prefix (see runner/draft.py).
 """
@@ -25,6 +28,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.kv.transfer import ArraySpec, KVLayout
 from jaxserve.runner.bundle import by_shape
+from pallas_kernels.kv_layout import CacheLayout
 from pallas_kernels.quantization import QuantizedKV, kv_element_dtype
 
 _SAMPLE = 4096  # elements of each weight hashed into the model's fingerprint
@@ -60,18 +64,31 @@ def _padded(pages: list[int]) -> np.ndarray:
     return np.asarray(list(pages) + [0] * (n - len(pages)), np.int32)
 
 
-@jax.jit
-def _gather(kv_caches: list, pages: jax.Array) -> dict[str, jax.Array]:
-    layers = [_named(kv) for kv in kv_caches]  # each [n, L, page, 2K(, H)]
-    return {name: jnp.stack([a[name][pages] for a in layers], axis=1) for name in layers[0]}
+def _to_logical(layout: CacheLayout, name: str, x: jax.Array) -> jax.Array:
+    return layout.pages_to_logical(x) if name == "kv" else layout.scales_to_logical(x)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _scatter(kv_caches: list, pages: jax.Array, data: dict[str, jax.Array]) -> list:
+def _from_logical(layout: CacheLayout, name: str, x: jax.Array) -> jax.Array:
+    return layout.pages_from_logical(x) if name == "kv" else layout.scales_from_logical(x)
+
+
+@functools.partial(jax.jit, static_argnames="layout")
+def _gather(kv_caches: list, pages: jax.Array, *, layout: CacheLayout) -> dict[str, jax.Array]:
+    layers = [_named(kv) for kv in kv_caches]
+    return {  # each [n, L, page, 2K(, H)]
+        name: jnp.stack([_to_logical(layout, name, a[name][pages]) for a in layers], axis=1)
+        for name in layers[0]
+    }
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="layout")
+def _scatter(
+    kv_caches: list, pages: jax.Array, data: dict[str, jax.Array], *, layout: CacheLayout
+) -> list:
     out = []
     for i, kv in enumerate(kv_caches):
         new = {
-            name: a.at[pages].set(data[name][:, i].astype(a.dtype))
+            name: a.at[pages].set(_from_logical(layout, name, data[name][:, i]).astype(a.dtype))
             for name, a in _named(kv).items()
         }
         out.append(QuantizedKV(new["kv"], new["scales"]) if "scales" in new else new["kv"])
@@ -86,7 +103,11 @@ class PagePrograms:
     scatter: Callable  # (kv_caches, pages [n], named arrays) -> kv_caches (donated)
 
 
-JITTED = PagePrograms(_gather, _scatter)
+def jitted(layout: CacheLayout) -> PagePrograms:
+    """The jitted gather and scatter of caches stored in `layout`."""
+    return PagePrograms(
+        functools.partial(_gather, layout=layout), functools.partial(_scatter, layout=layout)
+    )
 
 
 def loaded(compiled: dict) -> PagePrograms:
@@ -97,28 +118,24 @@ def loaded(compiled: dict) -> PagePrograms:
     )
 
 
-def lower_all(kv_caches: list, num_pages: int) -> list:
+def lower_all(kv_caches: list, num_pages: int, layout: CacheLayout) -> list:
     """The gather and scatter programs for every padded page count up to `num_pages`,
     (name, lowered) for warm-up (a serving loop then compiles nothing when pages move)."""
     lowered, n = [], 1
     while True:
         pages = jax.ShapeDtypeStruct((n,), jnp.int32)
-        data = {
-            name: jax.ShapeDtypeStruct((n, len(kv_caches), *a.shape[1:]), a.dtype)
-            for name, a in _named(kv_caches[0]).items()
-        }
+        # The logical layout's arrays, as the gather returns them.
+        data = jax.eval_shape(functools.partial(_gather, layout=layout), kv_caches, pages)
         lowered += [
-            (f"kv gather n={n}", _gather.lower(kv_caches, pages)),
-            (f"kv scatter n={n}", _scatter.lower(kv_caches, pages, data)),
+            (f"kv gather n={n}", _gather.lower(kv_caches, pages, layout=layout)),
+            (f"kv scatter n={n}", _scatter.lower(kv_caches, pages, data, layout=layout)),
         ]
         if n >= num_pages:
             return lowered
         n *= 2
 
 
-def gather_pages(
-    kv_caches: list, pages: list[int], programs: PagePrograms = JITTED
-) -> dict[str, jax.Array]:
+def gather_pages(kv_caches: list, pages: list[int], programs: PagePrograms) -> dict[str, jax.Array]:
     """Starts copying `pages` out (asynchronous: dispatched before the next step, which
     may overwrite them); {"kv": [n', L, page, 2K, H] (, "scales": [n', L, page, 2K])}
     on the device, n' >= n."""
@@ -129,7 +146,7 @@ def scatter_pages(
     kv_caches: list,
     pages: list[int],
     arrays: list[dict[str, np.ndarray]],
-    programs: PagePrograms = JITTED,
+    programs: PagePrograms,
 ) -> list:
     """Writes each page's arrays into `pages`; returns the new caches (donated)."""
     idx = _padded(pages)

@@ -172,17 +172,23 @@ class ModelRunner:
         if config.compiled_dir and config.cache.num_pages is None:
             self.num_pages = _bundle_pages(config.compiled_dir, self.num_pages)
         m = config.model
-        kv_shape = (self.num_pages, config.cache.page_size, 2 * m.num_kv_heads, m.head_dim)
+        # The attention backend decides how the cache is stored (`kv_layout`).
+        self.cache_layout = config.cache_layout(m, parallel.kv_shards(mesh, m.num_kv_heads))
         if target is None:
             self.kv_caches = parallel.zeros_kv(
-                mesh, m.num_layers, kv_shape, config.kv_dtype, m.num_kv_heads
+                mesh, m.num_layers, self.cache_layout, self.num_pages, config.kv_dtype
             )
         else:
             self.kv_caches = parallel.abstract_kv(
-                mesh, self.compile_device, m.num_layers, kv_shape, config.kv_dtype, m.num_kv_heads
+                mesh,
+                self.compile_device,
+                m.num_layers,
+                self.cache_layout,
+                self.num_pages,
+                config.kv_dtype,
             )
         self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches)
-        self.kv_programs = kv_io.JITTED
+        self.kv_programs = kv_io.jitted(self.cache_layout)
         sched = config.scheduler
         self.shapes = StepShapes.make(
             min_token_bucket=config.min_token_bucket,
@@ -239,7 +245,7 @@ class ModelRunner:
     def lower_kv_io(self, abstract) -> list[tuple[str, jax.stages.Lowered]]:
         """The page gather/scatter programs, for `warmup(extra=...)`."""
         del abstract
-        return kv_io.lower_all(self.kv_caches, self.num_pages)
+        return kv_io.lower_all(self.kv_caches, self.num_pages, self.cache_layout)
 
     # ------------------------------------------------------------------ inputs
 

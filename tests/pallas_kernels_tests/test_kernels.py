@@ -89,21 +89,49 @@ def test_sliding_window_and_soft_cap(kernel, kw):
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8_e4m3"])
-def test_tpu_kernel_reads_packed_pages_at_a_traced_head(kv_dtype):
-    """head_dim 128 with 4 KV heads: the TPU kernel loops over a program's KV heads with a
-    traced index and shifts each head's K and V out of 32-bit words of 2 (bfloat16) or 4
-    (int8 / fp8) packed rows (other head_dims, as the tests above use, unroll that loop)."""
-    assert not tpu._static_kv_heads(jnp.int8, 8, 128)  # this case takes the traced path
-    if kv_dtype == "bf16":
-        run_and_compare("tpu", "mixed", heads=(8, 4), head_dim=128, dtype=ml_dtypes.bfloat16)
-        return
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_tpu_kernel_reads_the_lane_dense_cache_as_the_engine_stores_it(kv_dtype, head_dim):
+    """The engine hands the TPU kernel its cache lane-dense ([P, S, W] pages, [P, Ws]
+    scales, `pallas_kernels.kv_layout`), the scales' padding lanes NaN here (a read of
+    them would show); 4 KV heads: 8 rows, one program's for every dtype, each head's
+    lanes sliced at static offsets (64 and 80: inside 128-lane tiles)."""
     from test_quantization import quantized_case  # (it imports this module)
 
-    args, t = quantized_case("mixed", kv_dtype, heads=(8, 4), head_dim=128)
-    want = np.asarray(ref.ragged_paged_attention_jit(*args, sm_scale=0.25))
-    got = np.asarray(tpu.ragged_paged_attention(*args, sm_scale=0.25, interpret=True))
+    from pallas_kernels.kv_layout import CacheLayout
+
+    if kv_dtype == "bf16":
+        q_lens, kv_lens = BATCHES["mixed"]
+        q, kv, *rest, _ = make_case(
+            q_lens,
+            kv_lens,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=head_dim,
+            page_size=8,
+            pages_per_seq=8,
+            num_pages=48,
+            token_bucket=sum(q_lens) + 5,
+            seq_bucket=len(q_lens) + 2,
+        )
+        args = (q.astype(ml_dtypes.bfloat16), kv.astype(ml_dtypes.bfloat16), *rest)
+        t, tol = sum(q_lens), 2e-2
+    else:
+        args, t = quantized_case("mixed", kv_dtype, heads=(8, 4), head_dim=head_dim)
+        tol = 2e-5
+    layout = CacheLayout(4, head_dim, 8, lane_dense=True)
+    dense = [layout.pages_from_logical(jnp.asarray(args[1]))]  # padding lanes: zeros
+    if len(args) == 7:
+        scales = np.array(layout.scales_from_logical(jnp.asarray(args[6])))
+        scales[..., 8 * 8 :] = np.nan
+        dense.append(jnp.asarray(scales))
+    want = np.asarray(ref.ragged_paged_attention_jit(*args, sm_scale=0.25), np.float32)
+    q, _, kvl, pi, cu, ns = args[:6]
+    got = tpu.ragged_paged_attention(
+        q, dense[0], kvl, pi, cu, ns, *dense[1:], sm_scale=0.25, interpret=True, num_kv_heads=4
+    )
+    got = np.asarray(got, np.float32)
     assert np.isfinite(got).all()  # unowned scales (and fp8 pages) are NaN
-    np.testing.assert_allclose(got[:t], want[:t], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(got[:t], want[:t], atol=tol, rtol=tol)
     np.testing.assert_array_equal(got[t:], 0.0)
 
 
@@ -214,6 +242,7 @@ def lower_engine_step(
     from jaxserve.checkpoint import abstract_model
     from jaxserve.runner.input_batch import SeqWork, build_batch
     from jaxserve.runner.step import ModelDef, StepInput, forward
+    from pallas_kernels import get_backend
     from pallas_kernels.quantization import zeros_kv
 
     model_def, weights = ModelDef.split(
@@ -221,8 +250,11 @@ def lower_engine_step(
             config, dtype="bfloat16", attention_backend=backend, quantization=quantization
         )
     )
-    kv_shape = (32, 16, 2 * config.num_kv_heads, config.head_dim)
-    kv = [jax.eval_shape(lambda: zeros_kv(kv_shape, kv_dtype))] * config.num_layers
+    # The cache in the backend's layout (lane-dense for pallas_tpu), as the engine makes it.
+    shards = tp if config.num_kv_heads % tp == 0 else 1
+    layout = get_backend(backend).cache_layout(16, config.num_kv_heads, config.head_dim, shards)
+    shapes = (layout.pages_shape(32), layout.scales_shape(32))
+    kv = [jax.eval_shape(lambda: zeros_kv(*shapes[:1], kv_dtype, shapes[1]))] * config.num_layers
     batch = StepInput.from_host(
         build_batch(
             [SeqWork(list(range(20)), 0, [1, 2]), SeqWork([5], 40, [3, 4, 5])],
@@ -241,7 +273,7 @@ def lower_engine_step(
             jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=s)
             for w, s in zip(weights, shardings, strict=True)
         ]
-        shardings = parallel.kv_cache_shardings(mesh, config.num_kv_heads, kv_dtype)
+        shardings = parallel.kv_cache_shardings(mesh, config.num_kv_heads, kv_dtype, len(shapes[1]))
         kv = [
             jax.tree.map(
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), kv[0], shardings

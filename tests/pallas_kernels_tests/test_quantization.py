@@ -201,7 +201,6 @@ def test_backend_writes_quantized_kv_then_attends(kernel, kv_dtype):
 
     rs = np.random.RandomState(2)
     t, n, k, h = 6, 4, 2, 16
-    cache = zeros_kv((8, 8, 2 * k, h), kv_dtype)
     queries, keys, values = (rs.randn(t, m, h).astype(np.float32) for m in (n, k, k))
     md = AttentionMetadata(
         slot_mapping=np.array([8, 9, 10, 11, 24, 0], np.int32),  # a 4-token prefill, a decode
@@ -212,8 +211,14 @@ def test_backend_writes_quantized_kv_then_attends(kernel, kv_dtype):
     )
     outs = []
     for name in ("reference", f"pallas_{kernel}_interpret"):
-        fn = functools.partial(get_backend(name), sm_scale=0.25)
-        outs.append(jax.jit(fn)(queries, keys, values, cache, md))
+        backend = get_backend(name)
+        layout = backend.cache_layout(8, k, h)  # the TPU's lane-dense: compared logically
+        cache = zeros_kv(layout.pages_shape(8), kv_dtype, layout.scales_shape(8))
+        out, cache = jax.jit(functools.partial(backend, sm_scale=0.25))(
+            queries, keys, values, cache, md
+        )
+        pages, scales = layout.pages_to_logical(cache.pages), layout.scales_to_logical(cache.scales)
+        outs.append((out, QuantizedKV(pages, scales)))
     (want, want_cache), (got, got_cache) = outs
     np.testing.assert_array_equal(np.asarray(got_cache.pages), np.asarray(want_cache.pages))
     np.testing.assert_array_equal(np.asarray(got_cache.scales), np.asarray(want_cache.scales))

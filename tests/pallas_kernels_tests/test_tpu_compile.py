@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import ragged_paged_attention_tpu as tpu
+from pallas_kernels.kv_layout import CacheLayout
 from pallas_kernels.ragged_paged_attention_tpu import TpuBlockSizes
 
 POOL_TOKENS = 4096 * 16
@@ -143,22 +144,24 @@ def _compile(device, fn, args, **jit_kw):
 
 
 def attention_args(case: dict):
-    """(queries, pages, kv_lens, page_indices, cu_q_lens, num_seqs[, scales]) shapes."""
+    """(queries, pages, kv_lens, page_indices, cu_q_lens, num_seqs[, scales]) shapes,
+    the cache lane-dense as the engine stores it for TPUs."""
     t, b = BATCHES[case["batch"]]
     s, k, h = case["page_size"], case["kv_heads"], case["head_dim"]
     num_pages = POOL_TOKENS // s
+    layout = CacheLayout(k, h, s, lane_dense=True)
     table = case.get("table_tokens", TABLE_TOKENS) // s
     q_dtype, kv_dtype = DTYPES[case["q"]], DTYPES[case["kv"]]
     args = [
         ((t, case["group"] * k, h), q_dtype),
-        ((num_pages, s, 2 * k, h), kv_dtype),
+        (layout.pages_shape(num_pages), kv_dtype),
         ((b,), jnp.int32),
         ((b, table), jnp.int32),
         ((b + 1,), jnp.int32),
         ((1,), jnp.int32),
     ]
     if jnp.dtype(kv_dtype).itemsize == 1:
-        args.append(((num_pages, s, 2 * k), jnp.float32))
+        args.append((layout.scales_shape(num_pages), jnp.float32))
     return args
 
 
@@ -193,7 +196,11 @@ def check_attention_compiles(device, case: dict, sizes: TpuBlockSizes | None = N
     sizes = sizes or block_sizes(device, case)
     shapes = attention_args(case)
     fn = functools.partial(
-        tpu.ragged_paged_attention, sm_scale=0.1, block_sizes=sizes, **ATTENTION[case["attention"]]
+        tpu.ragged_paged_attention,
+        sm_scale=0.1,
+        block_sizes=sizes,
+        num_kv_heads=case["kv_heads"],
+        **ATTENTION[case["attention"]],
     )
     compiled = _compile(device, fn, _structs(device, shapes))
     (queries, _), (cache, kv_dtype), _, (table, _), *_ = shapes
@@ -202,7 +209,7 @@ def check_attention_compiles(device, case: dict, sizes: TpuBlockSizes | None = N
         jax.ShapeDtypeStruct(cache, kv_dtype),
         jax.ShapeDtypeStruct(table, jnp.int32),
         block_q=sizes.block_q,
-        quantized=len(shapes) == 7,
+        scale_lanes=shapes[6][0][1] if len(shapes) == 7 else None,
         soft_cap=ATTENTION[case["attention"]].get("soft_cap"),
     )
     cost = compiled.cost_analysis()
@@ -230,7 +237,7 @@ def check_write_compiles(device, case: dict):
     t, _ = BATCHES[case["batch"]]
     s, k, h = case["page_size"], case["kv_heads"], case["head_dim"]
     kv_dtype = DTYPES[case["kv"]]
-    pages = ((POOL_TOKENS // s, s, 2 * k, h), kv_dtype)
+    pages = (CacheLayout(k, h, s, lane_dense=True).pages_shape(POOL_TOKENS // s), kv_dtype)
     new = ((t, k, h), kv_dtype if jnp.dtype(kv_dtype).itemsize == 1 else DTYPES[case["q"]])
     args = _structs(device, [pages, new, new, ((t,), jnp.int32)])
     compiled = _compile(device, tpu.write_kv, args, donate_argnums=0)  # in place, as the engine
@@ -291,13 +298,23 @@ def test_block_sizes_that_do_not_fit_are_refused_by_the_compiler_and_by_for_devi
         TpuBlockSizes.for_device("TPU v4", 2048, num_heads=128, num_kv_heads=16)
 
 
-def test_head_dim_64_pages_are_copied_around_the_kernel(devices):
-    """A known cost outside the kernel: XLA:TPU lays a [P, S, 2K, 64] parameter out
-    page-axis-minor (64 < 128 lanes), so the kernel's row-major operand is a copy of the
-    whole cache on every call (head_dim 80 and up are passed as they are). The fix is in
-    how the engine allocates the cache (tpu-inference pads head_dim to 128)."""
+def test_no_whole_cache_copies_around_the_kernels(devices):
+    """XLA:TPU gave a [P, S, 2K, 64] cache parameter (and [P, S, 2K] scales) a layout of
+    its own, page axis minor, and copied the whole cache around every kernel call. The
+    lane-dense cache (`pallas_kernels.kv_layout`) is passed as it is: the compiled
+    programs have no cache-sized copy or transpose, nor such temporaries."""
+    from jaxserve.preflight import kv_sized_copies
+
     device = devices("v5e")
-    for head_dim, copied in ((64, True), (128, False)):
-        compiled = check_attention_compiles(device, case_with(chip="v5e", head_dim=head_dim))
-        cache_bytes = POOL_TOKENS * 2 * 8 * head_dim * 2
-        assert (compiled.memory_analysis().temp_size_in_bytes >= cache_bytes) == copied
+    for head_dim in (64, 80, 128):
+        for kv in ("bf16", "int8"):
+            case = case_with(chip="v5e", head_dim=head_dim, kv=kv, kv_heads=2, group=2)
+            shapes = attention_args(case)
+            caches = [shapes[1][0]] + ([shapes[6][0]] if len(shapes) == 7 else [])
+            for compiled in (
+                check_attention_compiles(device, case),
+                check_write_compiles(device, case),
+            ):
+                assert kv_sized_copies(compiled.as_text(), caches) == [], case_id(case)
+                cache_bytes = POOL_TOKENS * 2 * 2 * head_dim * jnp.dtype(DTYPES[kv]).itemsize
+                assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes // 4
