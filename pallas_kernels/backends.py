@@ -164,7 +164,8 @@ def _tpu_attention(queries, kv_cache, *args, interpret=False, **kwargs):
         kind,
         queries.shape[-1],
         num_heads=queries.shape[1],
-        num_kv_heads=kv_cache.shape[2] // 2,
+        # A lane-dense cache [P, S, W] comes with its K; a logical one has 2K rows.
+        num_kv_heads=kwargs.get("num_kv_heads") or kv_cache.shape[2] // 2,
         page_size=kv_cache.shape[1],
         q_dtype=queries.dtype,
         kv_dtype=kv_cache.dtype,
