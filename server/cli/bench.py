@@ -410,6 +410,10 @@ def main(argv) -> None:
             llm = LLM(model_dir, **run_kwargs)
             reqs = _workload(llm.config.model.vocab_size, llm.config.max_model_len)
             runs[label or "run"] = _run_offline(llm, reqs)
+            # Replicas (local threads, Ray actors) stop here, not in the interpreter's
+            # exit, where Ray's worker may already be gone (the run then exited 1).
+            if isinstance(llm.engine, DataParallelEngine):
+                llm.engine.shutdown()
         else:
             server = loop = None
             target = FLAGS.target
