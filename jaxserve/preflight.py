@@ -157,7 +157,7 @@ def preflight(
     seconds = time.perf_counter() - t0
     runner, compiled = engine.runner, engine.compiled
     config = runner.config
-    temp = max((_memory(c).temp_size_in_bytes for c in compiled.values()), default=0)
+    temp = max((c.memory_analysis().temp_size_in_bytes for c in compiled.values()), default=0)
     kv_bytes = runner.kv_bytes_per_device
     weights = runner.weight_bytes_per_device
     hbm = target.device_bytes_limit
@@ -242,10 +242,6 @@ def min_decode_bytes(runner, batch: int) -> float:
     context = config.max_model_len
     kv = sum(min(context, w or context) + 1 for w in m.sliding_windows) * per_token_layer
     return runner.weight_bytes_per_device - unread + batch * kv
-
-
-def _memory(compiled):
-    return compiled.memory_analysis()
 
 
 def program_cost(compiled) -> tuple[float, float]:
