@@ -306,14 +306,18 @@ def by_shape(compiled: dict, prefix: str, **kw) -> Callable:
 def step_programs(
     compiled: dict, base: StepPrograms, prefix: str = "", sampling: bool = True
 ) -> StepPrograms:
-    """`base` with its forward (and, with `sampling`, sampling) step the bundle's
-    programs, picked by the batch's token bucket and the sampling rows' bucket. The
-    draft model's have `prefix` "draft " and no sampling. `logits_step` is not part
-    of warm-up and stays jitted (`ModelRunner.execute`, for tests; serving never
-    calls it)."""
+    """`base` with its forward (and, with `sampling`, its sampling and prompt-logprob)
+    steps the bundle's programs, picked by the batch's token bucket and the sampling
+    rows' bucket. The draft model's have `prefix` "draft " and only a forward.
+    `logits_step` is not part of warm-up and stays jitted (`ModelRunner.execute`,
+    for tests; serving never calls it)."""
     forward = by_shape(compiled, prefix + "forward T=", static_argnums=(0,), key_argnums=(2,))
     if not sampling:
         return dataclasses.replace(base, forward=forward)
     # (weights, selected, sampling, prev_tokens): the sampling metadata's shapes pick.
     sample = by_shape(compiled, prefix + "sample", static_argnums=(0,), key_argnums=(2,))
-    return dataclasses.replace(base, forward=forward, sample_step=sample)
+    # (weights, hidden, targets): the token rows' hidden states pick.
+    prompt_lp = by_shape(
+        compiled, prefix + "prompt logprobs T=", static_argnums=(0,), key_argnums=(1,)
+    )
+    return dataclasses.replace(base, forward=forward, sample_step=sample, prompt_logprobs=prompt_lp)

@@ -291,13 +291,13 @@ class ModelRunner:
 
     def _forward(self, batch: HostBatch, prev_tokens: jax.Array | None = None):
         with self._on_mesh():
-            selected, prompt_lp, self.kv_caches = self.programs.forward(
+            selected, hidden, self.kv_caches = self.programs.forward(
                 self.model_def,
                 self.weights,
                 self.kv_caches,
                 StepInput.from_host(batch, prev_tokens),
             )
-        return selected, prompt_lp
+        return selected, hidden
 
     def execute(self, batch: HostBatch) -> jax.Array:
         """Runs one step; returns the selected rows' logits (float32, on device)."""
@@ -328,15 +328,18 @@ class ModelRunner:
             sampling = sampling() if callable(sampling) else sampling
             self.plan_sink(batch, sampling)
         prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
-        selected, prompt_lp = self._forward(batch, prev_tokens)
+        selected, hidden = self._forward(batch, prev_tokens)
         if callable(sampling):
             sampling = sampling()
+        prompt_lp = None
         with self._on_mesh():
             out, tokens = self.programs.sample_step(
                 self.model_def, self.weights, selected, sampling, prev_tokens
             )
-        if not (batch.prompt_targets >= 0).any():
-            prompt_lp = None  # computed as zeros; not worth the transfer
+            if (batch.prompt_targets >= 0).any():
+                prompt_lp = self.programs.prompt_logprobs(
+                    self.model_def, self.weights, hidden, batch.prompt_targets
+                )
         if self.warmed_up and self.compiles.count != before and self.config.compile_guard:
             raise RuntimeError(
                 f"a step compiled after warm-up (token bucket {len(batch.input_ids)}, "
@@ -364,8 +367,9 @@ class ModelRunner:
         self, extra: Callable[[Callable], list[tuple[str, jax.stages.Lowered]]] | None = None
     ) -> dict[str, jax.stages.Compiled]:
         """Compiles every program a serving step can need, ahead of time and without
-        running them: the forward pass for each token bucket, and sampling for each
-        row bucket (with and without the penalty history), plus the (name, program)
+        running them: the forward pass and the prompt logprobs for each token bucket,
+        and sampling for each row bucket (with and without the penalty history), plus
+        the (name, program)
         pairs `extra(abstract)` lowers (the draft model's, the KV pages' transfers).
         The batches are abstract (shapes only), so warm-up computes nothing; the
         programs land in the jit caches (and the persistent compilation cache) that
@@ -377,7 +381,7 @@ class ModelRunner:
         programs, traced and compiled for its devices."""
         t0, before, hits = time.perf_counter(), self.compiles.count, self.compiles.cache_hits
         num_sampling = 2 * len(self.row_buckets)
-        total = len(self.token_buckets) + num_sampling
+        total = 2 * len(self.token_buckets) + num_sampling
         bar = tqdm(total=2 * total, desc=f"warm-up: tracing, then compiling {total} programs")
         lowered: list[tuple[str, jax.stages.Lowered]] = []
         # Traced in the context the steps run in (the mesh), for the device compiled for.
@@ -388,6 +392,14 @@ class ModelRunner:
                     self.model_def, self.weights, self.kv_caches, batch
                 )
                 lowered.append((f"forward T={t}", program))
+                bar.update(1)
+            # The LM head over each token bucket's rows, for prompt logprobs.
+            for (_, forward), t in zip(list(lowered), self.token_buckets, strict=True):
+                targets = abstract_tree(np.zeros(t, np.int32))
+                program = self.programs.prompt_logprobs.lower(
+                    self.model_def, self.weights, forward.out_info[1], targets
+                )
+                lowered.append((f"prompt logprobs T={t}", program))
                 bar.update(1)
             selected = lowered[0][1].out_info[0]  # [R, D] whatever the token bucket
             no_prev = abstract_tree(self._no_prev_tokens)
@@ -429,9 +441,11 @@ class ModelRunner:
         self.warmed_up = True
         self.warmup_seconds = time.perf_counter() - t0
         logger.info(
-            "warm-up: %d step programs (%d forward, %d sampling, %d more) ready in "
-            "%.1fs%s: %d built, %d of them loaded from the persistent compilation cache",
+            "warm-up: %d step programs (%d forward, %d prompt logprobs, %d sampling, %d "
+            "more) ready in %.1fs%s: %d built, %d of them loaded from the persistent "
+            "compilation cache",
             total,
+            len(self.token_buckets),
             len(self.token_buckets),
             num_sampling,
             num_extra,

@@ -4,15 +4,19 @@ The program layout (what is compiled, and for which shapes):
 
 - `forward`: one program per token bucket T. The per-sequence metadata (kv
   lens, page table, query offsets, the rows to sample) always has the fixed size
-  S = max_num_seqs, so the sequence count never selects a program; prompt
-  logprobs are part of it too, computed under a `lax.cond` only when a row asks.
+  S = max_num_seqs, so the sequence count never selects a program. It returns the
+  sampled rows' hidden states and every token row's.
+- `prompt_logprobs_step`: the LM head over every token row's hidden state, for
+  prompt logprobs, one program per token bucket T, dispatched only for a batch
+  that asks. (Under a `lax.cond` inside `forward`, XLA would charge every step
+  the LM head over T rows and size its temporaries for it.)
 - `sample_step`: the LM head and sampling of the B sampled rows, one program per
   row bucket B (and a second per B with the penalty history). A row is a
   sequence's last token, plus one per draft token with speculative decoding
   (R = S * (1 + num_speculative_tokens) rows at most).
 
-So a configuration compiles len(token buckets) + 2 * len(row buckets) programs
-(26 for the defaults; `input_batch.StepShapes` lists the buckets), instead of
+So a configuration compiles 2 * len(token buckets) + 2 * len(row buckets) programs
+(36 for the defaults; `input_batch.StepShapes` lists the buckets), instead of
 one forward per (T, B) pair. Speculation with k drafts adds the row buckets up
 to S * (1 + k) and a token and row bucket of 1 + k (a lone speculating sequence).
 
@@ -30,12 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import PyTreeDef
 
 from jaxserve.runner.input_batch import HostBatch, SamplingMetadata
-from jaxserve.runner.sampler import SamplerOutput, no_logprobs, sample, token_logprobs
+from jaxserve.runner.sampler import SamplerOutput, sample, token_logprobs
 from pallas_kernels import AttentionMetadata
 
 
@@ -49,6 +52,7 @@ class StepInput:
     attention: AttentionMetadata  # per-sequence arrays of the fixed size S
     logits_indices: jax.Array  # [R] int32: rows of the hidden states to sample from
     prompt_targets: jax.Array  # [T] int32: next prompt token per row for logprobs; -1 none
+    #   (read by `prompt_logprobs_step`, not by `forward`)
     # Asynchronous scheduling: a token row whose id the host does not know yet reads it
     # from the previous step's sampled ids, still on the device (no round trip).
     prev_rows: jax.Array  # [T] int32: the row of `prev_tokens` to read; -1: input_ids
@@ -116,10 +120,9 @@ class ModelDef:
 
 def _forward(
     model_def: ModelDef, weights: list[jax.Array], kv_caches: list[jax.Array], batch: StepInput
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], list[jax.Array]]:
-    """One forward pass: the hidden states of the rows to sample [R, D], prompt
-    logprobs of every token row (zeros unless `prompt_targets` asks), and the updated
-    KV caches.
+) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
+    """One forward pass: the hidden states of the rows to sample [R, D], those of
+    every token row [T, D] (for `prompt_logprobs_step`), and the updated KV caches.
 
     The KV caches are donated: XLA updates them in place, and the caller must use
     the returned ones from then on. The sampled rows' LM head is left to
@@ -130,14 +133,16 @@ def _forward(
     prev = batch.prev_tokens[jnp.maximum(batch.prev_rows, 0)]
     input_ids = jnp.where(batch.prev_rows >= 0, prev, batch.input_ids)
     hidden, kv_caches = model(kv_caches, input_ids, batch.positions, batch.attention)
-    targets = batch.prompt_targets  # per token row: its next prompt token, -1 for none
-    prompt_lp = lax.cond(
-        jnp.any(targets >= 0),
-        lambda h: token_logprobs(model.compute_logits(h), jnp.maximum(targets, 0)),
-        lambda h: no_logprobs(h.shape[0]),
-        hidden,
-    )
-    return hidden[batch.logits_indices], prompt_lp, kv_caches
+    return hidden[batch.logits_indices], hidden, kv_caches
+
+
+def _prompt_logprobs(
+    model_def: ModelDef, weights: list[jax.Array], hidden: jax.Array, targets: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Every token row's hidden state [T, D] and its next prompt token [T] (-1: none)
+    -> (the target's logprob, top ids, top logprobs) per row."""
+    logits = model_def.merge(weights).compute_logits(hidden)
+    return token_logprobs(logits, jnp.maximum(targets, 0))
 
 
 def _logits(model_def: ModelDef, weights: list[jax.Array], hidden: jax.Array) -> jax.Array:
@@ -172,6 +177,7 @@ def _sample(
 forward = jax.jit(_forward, static_argnums=0, donate_argnums=2)
 logits_step = jax.jit(_logits, static_argnums=0)
 sample_step = jax.jit(_sample, static_argnums=0)
+prompt_logprobs_step = jax.jit(_prompt_logprobs, static_argnums=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +194,7 @@ class StepPrograms:
     forward: Callable
     logits_step: Callable
     sample_step: Callable
+    prompt_logprobs: Callable
 
     @classmethod
     def place(
@@ -212,7 +219,10 @@ class StepPrograms:
             sample_step=jax.jit(
                 _sample, static_argnums=0, in_shardings=(w, rep, rep, rep), out_shardings=rep
             ),
+            prompt_logprobs=jax.jit(
+                _prompt_logprobs, static_argnums=0, in_shardings=(w, rep, rep), out_shardings=rep
+            ),
         )
 
 
-UNSHARDED = StepPrograms(forward, logits_step, sample_step)
+UNSHARDED = StepPrograms(forward, logits_step, sample_step, prompt_logprobs_step)

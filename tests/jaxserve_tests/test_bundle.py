@@ -23,7 +23,14 @@ from models.config import ModelConfig
 SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=128)
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +"
-STEP_PROGRAMS = {"jit(_forward)", "jit(_sample)", "jit(_propose)", "jit(_gather)", "jit(_scatter)"}
+STEP_PROGRAMS = {
+    "jit(_forward)",
+    "jit(_sample)",
+    "jit(_prompt_logprobs)",
+    "jit(_propose)",
+    "jit(_gather)",
+    "jit(_scatter)",
+}
 # What loading the weights and allocating the KV caches compile, bundle or not (no
 # step program): `jnp.array`'s staging copy per weight shape, the caches' zero fill
 # (on a mesh: `parallel.zeros_kv`'s jitted lambda).
@@ -86,6 +93,7 @@ outs = [
         "tokens": [c.token_ids for c in o.outputs],
         "logprobs": [c.cumulative_logprob for c in o.outputs],
         "cached": o.num_cached_tokens,
+        "prompt_logprobs": o.prompt_logprobs,
     }
     for o in first + second + third
 ]
@@ -128,10 +136,12 @@ def _run(mode: str, bundle_dir, cache_dir, devices: int = 1, **kw) -> dict:
 @pytest.mark.slow
 def test_a_fresh_process_serves_from_the_bundle_compiling_nothing(tmp_path):
     made = _run("make", tmp_path / "bundle", tmp_path / "unused", **SMALL)
-    assert made["warmup_compiles"] == made["programs"] == 12  # 6 forward + 2 x 3 sampling
-    assert {"jit(_forward)", "jit(_sample)"} <= set(made["compiled_names"])
+    # 6 forward, 6 prompt logprobs, 2 x 3 sampling
+    assert made["warmup_compiles"] == made["programs"] == 18
+    assert {"jit(_forward)", "jit(_sample)", "jit(_prompt_logprobs)"} <= set(made["compiled_names"])
+    assert made["outputs"][3]["prompt_logprobs"]  # (served by its own program)
     loaded = _run("load", tmp_path / "bundle", tmp_path / "xla-cache", **SMALL)
-    assert loaded["programs"] == 12
+    assert loaded["programs"] == 18
     assert loaded["warmup_compiles"] == loaded["compiles"] == 0  # loaded, then served
     assert set(loaded["compiled_names"]) <= LOAD_HELPERS  # the whole process: no step
     assert loaded["cache_hits"] == 0 and loaded["cache_files"] == []  # not via the cache
@@ -150,7 +160,7 @@ def test_a_fresh_process_serves_from_the_bundle_compiling_nothing(tmp_path):
         timeout=300,
     )
     assert cli.returncode == 0, cli.stderr[-3000:]
-    assert "12 programs loaded from" in cli.stderr and "(none compiled)" in cli.stderr
+    assert "18 programs loaded from" in cli.stderr and "(none compiled)" in cli.stderr
     assert json.loads(cli.stdout)["token_ids"] == made["outputs"][0]["tokens"][0]
 
 
@@ -307,6 +317,6 @@ def test_preflight_writes_a_gpu_bundle_that_this_cpu_refuses(tmp_path):
         "num_devices": 1,
     }
     assert found["engine"]["attention_backend"] == "pallas_gpu"
-    assert len(found["programs"]) == report.num_programs == 12
+    assert len(found["programs"]) == report.num_programs == 18
     with pytest.raises(ValueError, match="target.platform: bundle's 'gpu', this engine's 'cpu'"):
         LLM(model_dir, compiled=out, **gpu)

@@ -108,7 +108,7 @@ def build(model_dir: str, target: str, **args) -> LLMEngine:
 
 def expected_programs(engine: LLMEngine) -> int:
     runner = engine.runner
-    count = len(runner.token_buckets) + 2 * len(runner.row_buckets)
+    count = 2 * len(runner.token_buckets) + 2 * len(runner.row_buckets)
     if engine.drafter is not None:  # a forward per token bucket and the proposer
         count += len(runner.token_buckets) + 1
     return count

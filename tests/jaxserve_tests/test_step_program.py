@@ -13,8 +13,8 @@ from tests.engine_utils import engine_config
 
 @pytest.fixture(scope="module")
 def runner():
-    # A cache (4 MiB a layer) well above the step's own scratch (the prompt-logprob
-    # branch holds a few [T, V] buffers), so a copy of it cannot hide in the margin.
+    # A cache (4 MiB a layer) well above the step's own scratch, so a copy of it
+    # cannot hide in the margin.
     return ModelRunner(
         engine_config(EMBEDDED_MODELS["demo-model-tiny"], page_size=16, num_pages=512)
     )
@@ -31,6 +31,20 @@ def test_the_step_never_copies_a_kv_cache(runner, q_lens):
         runner.model_def, runner.weights, runner.kv_caches, StepInput.from_host(batch)
     ).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < runner.kv_caches[0].nbytes
+
+
+def test_the_forward_program_holds_no_lm_head_over_its_token_rows(runner):
+    # Prompt logprobs were a `lax.cond` branch inside the forward pass: XLA charged
+    # every step (a decode too) the LM head over all T rows, in its flops, bytes and
+    # temporaries. They are a program of their own now, dispatched when asked.
+    batch = runner.build([SeqWork([3] * 5, 0, [1])])
+    t, vocab = len(batch.input_ids), runner.config.model.vocab_size
+    args = (runner.model_def, runner.weights, runner.kv_caches, StepInput.from_host(batch))
+    compiled = forward.lower(*args).compile()
+    assert f"[{t},{vocab}]" not in compiled.as_text()
+    flops = compiled.cost_analysis()["flops"]
+    hidden = runner.config.model.hidden_size
+    assert flops < 2 * t * hidden * vocab, (flops, t, hidden, vocab)
 
 
 def test_a_step_does_not_hash_the_model_graph(runner, monkeypatch):
