@@ -429,18 +429,19 @@ class EngineConfig:
         KV heads split over the group where its size divides them; fewer heads (or
         a count it does not divide) are replicated on every device
         (`jaxserve.parallel.kv_cache_sharding`)."""
-        tp = self.parallel.tensor_parallel_size
         models = [self.model]
         if self.speculative is not None and self.speculative.draft is not None:
             models.append(self.speculative.draft)
+        return sum(self.model_kv_bytes_per_page(m, per_device) for m in models)
+
+    def model_kv_bytes_per_page(self, m: ModelConfig, per_device: bool = False) -> int:
+        """One model's share of `kv_bytes_per_page` (the target's or the draft's)."""
+        tp = self.parallel.tensor_parallel_size
         itemsize = 1 if self.cache.quantized else (4 if self.kv_dtype == "float32" else 2)
-        total = 0
-        for m in models:
-            layout = self.cache_layout(m, tp if m.num_kv_heads % tp == 0 else 1)
-            if per_device:
-                layout = layout.local
-            total += m.num_layers * layout.page_bytes(itemsize, self.cache.quantized)
-        return total
+        layout = self.cache_layout(m, tp if m.num_kv_heads % tp == 0 else 1)
+        if per_device:
+            layout = layout.local
+        return m.num_layers * layout.page_bytes(itemsize, self.cache.quantized)
 
     def num_kv_pages(self, device_memory: tuple[int, int] | None = None) -> int:
         """The pool size in pages, null page included.

@@ -29,7 +29,6 @@ from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.request import ResumedSample, Sequence, Status
 from jaxserve.request_state import RequestState, check_resume
 from jaxserve.runner import bundle
-from jaxserve.runner.draft import DraftRunner
 from jaxserve.runner.input_batch import SampleRow, SeqWork
 from jaxserve.runner.model_runner import ModelRunner, PendingStep
 from jaxserve.sampling_params import SamplingParams
@@ -184,7 +183,8 @@ class LLMEngine:
             tier=self.tier,
             token_buckets=self.runner.shapes.token_buckets,
         )
-        self.proposer = self.drafter = None
+        self.proposer = None
+        self.drafter = self.runner.drafter  # the draft model's runner, if any
         if spec is not None and spec.method == "ngram":
             self.proposer = NgramProposer(
                 min_n=spec.prompt_lookup_min,
@@ -193,14 +193,6 @@ class LLMEngine:
             )
         elif spec is not None:  # draft_model: proposals are made after scheduling
             self.proposer = _Lookahead(spec.num_speculative_tokens)
-            self.drafter = DraftRunner(
-                config,
-                num_pages=self.runner.num_pages,
-                shapes=self.runner.shapes,
-                compiles=self.runner.compiles,
-                mesh=self.runner.mesh,
-                compile_only=self.runner.compile_device,
-            )
         self.requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None  # built at the first structured request
         self._compiling: list[RequestState] = []  # waiting for their grammar, not yet scheduled

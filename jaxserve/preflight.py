@@ -68,7 +68,8 @@ class PreflightReport:
     config: EngineConfig
     num_programs: int
     compile_seconds: float
-    weight_bytes: int  # per device
+    weight_bytes: int  # per device (the draft model's included)
+    draft_weight_bytes: int  # per device: a draft model's share of weight_bytes
     kv_bytes: int  # per device
     temp_bytes: int  # the largest temporary allocation of any program, per device
     kv_pages: int  # null page included
@@ -92,7 +93,9 @@ class PreflightReport:
             f"({t.chip.device_kind}), tensor_parallel_size={c.parallel.tensor_parallel_size}",
             f"programs: {self.num_programs} compiled in {self.compile_seconds:.1f}s",
             f"per device: JAX's memory {self.hbm_bytes / gib:.2f} GiB = weights "
-            f"{self.weight_bytes / gib:.2f} + KV {self.kv_bytes / gib:.2f} + largest temp "
+            f"{self.weight_bytes / gib:.2f}"
+            + (f" (draft {self.draft_weight_bytes / gib:.2f})" if self.draft_weight_bytes else "")
+            + f" + KV {self.kv_bytes / gib:.2f} + largest temp "
             f"{self.temp_bytes / gib:.2f} GiB (free {self.free_bytes / gib:.2f})",
             f"KV cache: {self.kv_pages - 1} pages x {c.cache.page_size} = {self.kv_tokens} "
             f"tokens; maximum concurrency at max_model_len {c.max_model_len}: "
@@ -100,7 +103,13 @@ class PreflightReport:
             "this pool, and the same engine flags)",
             f"decode steps at max_model_len context (estimate = max(bytes / "
             f"{t.chip.hbm_bandwidth / 1e9:.0f} GB/s, flops / {t.chip.peak_flops / 1e12:.0f} "
-            "TFLOP/s); not XLA's optimal_seconds):",
+            "TFLOP/s); not XLA's optimal_seconds)"
+            + (
+                f", each sequence verifying {c.speculative.num_speculative_tokens} drafts "
+                "(tok/s counts one token a sequence a step; accepted drafts add to it):"
+                if c.speculative
+                else ":"
+            ),
             f"  {'batch':>5} {'GB moved':>9} {'GB min':>8} {'ratio':>6} {'GFLOP':>8} "
             f"{'ms/step':>8} {'tok/s':>9}  bound   GB by program",
         ]
@@ -159,7 +168,7 @@ def preflight(
     config = runner.config
     temp = max((c.memory_analysis().temp_size_in_bytes for c in compiled.values()), default=0)
     kv_bytes = runner.kv_bytes_per_device
-    weights = runner.weight_bytes_per_device
+    weights = runner.weight_bytes_per_device + runner.draft_weight_bytes_per_device
     hbm = target.device_bytes_limit
     if weights + kv_bytes + temp > hbm:
         raise ValueError(
@@ -172,17 +181,29 @@ def preflight(
     # One layer's pages (and a quantized cache's scales), per device.
     kv_shards = [x.sharding.shard_shape(x.shape) for x in jax.tree.leaves(runner.kv_caches[0])]
     decode = []
+    spec = config.speculative
     for b in decode_batches:
         if b > config.scheduler.max_num_seqs:
             continue
+        # With speculation, each sequence verifies its drafts: 1 + k rows.
+        k = spec.num_speculative_tokens if spec and b <= spec.disable_by_batch_size else 0
+        t = pick_bucket(b * (1 + k), runner.token_buckets, what="tokens")
         names = (
-            f"forward T={pick_bucket(b, runner.token_buckets, what='tokens')}",
-            f"sample B={pick_bucket(b, runner.row_buckets, what='rows')}",
+            f"forward T={t}",
+            f"sample B={pick_bucket(b * (1 + k), runner.row_buckets, what='rows')}",
         )
         costs = [program_cost(compiled[n]) for n in names]
         if target.platform == "cuda":  # Triton's lowering drops the kernels' estimates
-            costs.append(kernel_cost(runner, int(names[0].split("=")[1])))
+            costs.append(kernel_cost(runner, t))
             names = (*names, "attention kernels")
+        if k and runner.drafter is not None:
+            # Its k steps are one loop, whose body XLA's analysis counts once.
+            flops, moved = program_cost(compiled[f"draft propose k={k}"])
+            costs.append((k * flops, k * moved))
+            names = (*names, f"draft propose k={k}")
+            if target.platform == "cuda":
+                costs.append(propose_kernel_cost(runner))
+                names = (*names, "draft attention kernels")
         bytes_accessed = sum(c[1] for c in costs)
         flops = sum(c[0] for c in costs)
         memory_s = bytes_accessed / target.chip.hbm_bandwidth
@@ -194,7 +215,7 @@ def preflight(
                 parts=tuple(c[1] for c in costs),
                 bytes_accessed=bytes_accessed,
                 flops=flops,
-                min_bytes=min_decode_bytes(runner, b),
+                min_bytes=min_decode_bytes(runner, b, k),
                 seconds=max(memory_s, compute_s),
                 bound="memory" if memory_s >= compute_s else "compute",
             )
@@ -206,6 +227,7 @@ def preflight(
         num_programs=len(compiled),
         compile_seconds=seconds,
         weight_bytes=weights,
+        draft_weight_bytes=runner.draft_weight_bytes_per_device,
         kv_bytes=kv_bytes,
         temp_bytes=temp,
         kv_pages=runner.num_pages,
@@ -218,30 +240,46 @@ def preflight(
     )
 
 
-def min_decode_bytes(runner, batch: int) -> float:
+def min_decode_bytes(runner, batch: int, drafts: int = 0) -> float:
     """The least a decode step of `batch` sequences at max_model_len must move, per
     device: every weight a step reads once (of an untied embedding table only the
     batch's rows; of an MoE layer's experts only those its batch can reach, at most
     batch * top_k of them), each sequence's KV once (up to a sliding-window layer's
-    window), and the new K/V rows written."""
+    window), and the new K/V rows written. Verifying `drafts` tokens a sequence
+    writes 1 + drafts rows; a draft model proposing them runs `drafts` steps, each
+    reading its weights and KV once and writing a row."""
+    config = runner.config
+    context = config.max_model_len
+
+    def least(model_def, weights, m, rows: int, new_rows: int) -> float:
+        read = _weights_read(model_def.state(weights), m, rows)
+        per_token_layer = config.model_kv_bytes_per_page(m, per_device=True)
+        per_token_layer /= config.cache.page_size * m.num_layers
+        kv = sum(min(context, w or context) + new_rows for w in m.sliding_windows)
+        return read + batch * kv * per_token_layer
+
+    total = least(runner.model_def, runner.weights, config.model, batch * (1 + drafts), 1 + drafts)
+    if drafts and runner.drafter is not None:
+        d = runner.drafter
+        total += drafts * least(d.model_def, d.weights, config.speculative.draft, batch, 1)
+    return total
+
+
+def _weights_read(state, m, rows: int) -> float:
+    """Bytes per device of the weights a step over `rows` token rows reads: all but
+    an untied embedding table's other rows and the experts no row can reach."""
     from jaxserve import parallel
 
-    config = runner.config
-    m = config.model
-    unread = 0.0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(runner.model_def.state(runner.weights)):
+    read = 0.0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
         name = jax.tree_util.keystr(path)
         size = parallel.total_bytes(leaf, per_device=True)
         if "embed_tokens" in name and not m.tie_word_embeddings:
-            unread += size * (1 - min(batch, m.vocab_size) / m.vocab_size)
+            size *= min(rows, m.vocab_size) / m.vocab_size
         elif "experts" in name and m.moe is not None:
-            reach = min(batch * m.moe.top_k, m.moe.num_experts) / m.moe.num_experts
-            unread += size * (1 - reach)
-    per_token_layer = config.kv_bytes_per_page(per_device=True) / config.cache.page_size
-    per_token_layer /= m.num_layers
-    context = config.max_model_len
-    kv = sum(min(context, w or context) + 1 for w in m.sliding_windows) * per_token_layer
-    return runner.weight_bytes_per_device - unread + batch * kv
+            size *= min(rows * m.moe.top_k, m.moe.num_experts) / m.moe.num_experts
+        read += size
+    return read
 
 
 def program_cost(compiled) -> tuple[float, float]:
@@ -276,6 +314,22 @@ def kernel_cost(runner, token_bucket: int) -> tuple[float, float]:
         traced = runner.programs.forward.trace(
             runner.model_def, runner.weights, runner.kv_caches, batch
         )
+    return _traced_kernel_cost(traced)
+
+
+def propose_kernel_cost(runner) -> tuple[float, float]:
+    """`kernel_cost` of the draft model's proposer: its k steps' kernels."""
+    from jaxserve import parallel
+    from jaxserve.runner.model_runner import abstract_tree
+    from jaxserve.targets import compiling_for
+
+    drafter = runner.drafter
+    with parallel.on_mesh(drafter.mesh), compiling_for(runner.compile_device):
+        traced = drafter.propose_step.trace(*drafter.propose_args(abstract_tree))
+    return _traced_kernel_cost(traced)
+
+
+def _traced_kernel_cost(traced) -> tuple[float, float]:
     flops = bytes_accessed = 0.0
     for estimate, times in _pallas_estimates(traced.jaxpr.jaxpr, 1):
         flops += times * estimate.flops

@@ -47,6 +47,7 @@ class MockRunner:
         self.warmup_seconds = 0.0
         self.mesh = None
         self.compile_device = None
+        self.drafter = None
         self.layout = {"tp": 1, "devices": 1, "processes": 1}
         self.kv_bytes_per_device = 0
         self.compiles = types.SimpleNamespace(count=0)

@@ -31,6 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -118,12 +119,33 @@ def place_propose_step(mesh: Mesh | None, weights, kv_caches):
     )
 
 
+def load_draft(
+    config: EngineConfig, mesh: Mesh | None, compile_only: jax.Device | None = None
+) -> nnx.Module:
+    """The draft model of `config.speculative`, placed on `mesh` (shapes only for a
+    `compile_only` device). Loaded before the KV pool is sized, which leaves it room."""
+    spec = config.speculative
+    t0 = time.perf_counter()
+    model = load_model(
+        spec.model,
+        spec.draft,
+        dtype=config.dtype,
+        attention_backend=config.attention_backend,
+        mesh=mesh,
+        quantization=config.quantization,
+        compile_only=compile_only,
+    )
+    logger.info("draft model %s loaded in %.1fs", spec.model, time.perf_counter() - t0)
+    return model
+
+
 class DraftRunner:
     """Owns the draft model's weights and KV arrays; proposes tokens for sequences."""
 
     def __init__(
         self,
         config: EngineConfig,
+        model: nnx.Module,
         *,
         num_pages: int,
         shapes: StepShapes,
@@ -131,9 +153,10 @@ class DraftRunner:
         mesh: Mesh | None = None,
         compile_only: jax.Device | None = None,
     ):
-        """`mesh`: the target's; the draft is sharded over it the same way.
-        `compile_only`: the target model runner's compile-only device (see
-        `ModelRunner`): shapes instead of weights and KV caches."""
+        """`model`: the draft model, loaded (`load_draft`) on `mesh`, the target's;
+        the draft is sharded over it the same way. `compile_only`: the target model
+        runner's compile-only device (see `ModelRunner`): shapes instead of weights
+        and KV caches."""
         spec = config.speculative
         self.config, self.k, self.shapes, self.compiles = (
             config,
@@ -142,16 +165,6 @@ class DraftRunner:
             compiles,
         )
         draft_config = spec.draft  # its vocabulary checked against the target's there
-        t0 = time.perf_counter()
-        model = load_model(
-            spec.model,
-            draft_config,
-            dtype=config.dtype,
-            attention_backend=config.attention_backend,
-            mesh=mesh,
-            quantization=config.quantization,
-            compile_only=compile_only,
-        )
         self.mesh = mesh
         self.model_def, self.weights = ModelDef.split(model)
         layout = config.cache_layout(
@@ -165,12 +178,12 @@ class DraftRunner:
         self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches)
         self.propose_step = place_propose_step(mesh, self.weights, self.kv_caches)
         logger.info(
-            "draft model %s (%s, %d layers) loaded in %.1fs; its KV: %.1f MiB on the "
+            "draft model %s (%s, %d layers): weights %.1f MiB, its KV %.1f MiB on the "
             "target's page tables",
             spec.model,
             draft_config.architecture,
             draft_config.num_layers,
-            time.perf_counter() - t0,
+            parallel.total_bytes(self.weights) / 2**20,
             parallel.total_bytes(self.kv_caches) / 2**20,
         )
         self.warmed_up = False
@@ -265,11 +278,14 @@ class DraftRunner:
                 self.model_def, self.weights, self.kv_caches, abstract(StepInput.from_host(batch))
             )
             lowered.append((f"draft forward T={t}", program))
+        program = self.propose_step.lower(*self.propose_args(abstract))
+        lowered.append((f"draft propose k={self.k}", program))
+        return lowered
+
+    def propose_args(self, abstract) -> tuple:
+        """The proposer's arguments for warm-up (and `jaxserve.preflight`), its batch
+        abstract: (model, weights, KV caches, input, k)."""
         s, m = self.shapes.max_seqs, self.config.pages_per_seq
         zeros = np.zeros(s, np.int32)
         inp = ProposeInput(zeros, zeros, zeros, np.zeros((s, m), np.int32), np.zeros(1, np.int32))
-        program = self.propose_step.lower(
-            self.model_def, self.weights, self.kv_caches, abstract(inp), self.k
-        )
-        lowered.append((f"draft propose k={self.k}", program))
-        return lowered
+        return self.model_def, self.weights, self.kv_caches, abstract(inp), self.k

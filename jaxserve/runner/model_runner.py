@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 from tqdm import tqdm
 
@@ -21,6 +22,7 @@ from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.kv.transfer import KVLayout
 from jaxserve.runner import bundle, kv_io
+from jaxserve.runner.draft import DraftRunner, load_draft
 from jaxserve.runner.input_batch import (
     HostBatch,
     SampleRow,
@@ -155,16 +157,24 @@ class ModelRunner:
         ):
             model = store_rows(model)  # decode steps' matmuls through the CPU kernel
         self.model_def, self.weights = ModelDef.split(model)
+        # A draft model's weights are placed now, before the KV pool takes the rest.
+        spec = config.speculative
+        draft = load_draft(config, mesh, self.compile_device) if spec and spec.draft else None
         self.load_seconds = time.perf_counter() - t0
         self.weight_bytes = parallel.total_bytes(self.weights)
         self.weight_bytes_per_device = parallel.total_bytes(self.weights, per_device=True)
+        self.draft_weight_bytes_per_device = (
+            parallel.total_bytes(nnx.state(draft), per_device=True) if draft else 0
+        )
         if target is None:
             memory = parallel.smallest_device_memory(parallel.mesh_devices(mesh))
         else:  # a device there, with these weights loaded
-            memory = (target.device_bytes_limit, self.weight_bytes_per_device)
+            in_use = self.weight_bytes_per_device + self.draft_weight_bytes_per_device
+            memory = (target.device_bytes_limit, in_use)
             if memory[1] > memory[0]:
                 raise ValueError(
-                    f"the weights need {memory[1] / 2**30:.2f} GiB per device and a "
+                    f"the weights{' (draft model included)' if draft else ''} need "
+                    f"{memory[1] / 2**30:.2f} GiB per device and a "
                     f"{target.chip.name} has {memory[0] / 2**30:.2f} GiB ({memory[1] - memory[0]} "
                     "bytes over): raise tensor_parallel_size or use quantization='int8'"
                 )
@@ -195,13 +205,25 @@ class ModelRunner:
             max_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs,
             lookahead=config.num_lookahead,
-            max_speculating=config.speculative.disable_by_batch_size if config.speculative else 0,
+            max_speculating=spec.disable_by_batch_size if spec else 0,
         )
         self.token_buckets, self.row_buckets = self.shapes.token_buckets, self.shapes.row_buckets
         self.history_len = config.pages_per_seq * config.cache.page_size
         # A step's `prev_tokens` when no step before it is in flight.
         self._no_prev_tokens = np.zeros(self.shapes.max_rows, np.int32)
         self.compiles = CompileCounter()
+        # The draft model's KV arrays share the target's page tables (and pool).
+        self.drafter = None
+        if draft is not None:
+            self.drafter = DraftRunner(
+                config,
+                draft,
+                num_pages=self.num_pages,
+                shapes=self.shapes,
+                compiles=self.compiles,
+                mesh=mesh,
+                compile_only=self.compile_device,
+            )
         # Multi-host (`jaxserve.multihost.Leader`): each plan goes to the followers
         # before its step, and a step must complete within `fetch_timeout` seconds.
         self.plan_sink: Callable[[HostBatch, SamplingMetadata], None] | None = None

@@ -243,6 +243,35 @@ def test_preflight_reports_the_engines_figures(model_dirs):
         preflight(config, Target.parse("h100x4"))
 
 
+def test_preflight_counts_the_draft_model(model_dirs):
+    # The draft's weights once took no room in the KV pool's sizing (it was loaded
+    # after the pool) nor in the report, and its proposals no part of a decode step.
+    from jaxserve.preflight import preflight
+
+    path = model_dirs["small"]
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    args = {"dtype": "bfloat16", "kv_cache_memory_fraction": 0.5, **STEP}
+    config = engine_config(path, ModelConfig.from_pretrained(path), **args)
+    plain = preflight(config, Target.parse("h100"), decode_batches=(2,))
+    config = engine_config(path, ModelConfig.from_pretrained(path), speculative_config=spec, **args)
+    report = preflight(config, Target.parse("h100"), decode_batches=(2,))
+    assert report.draft_weight_bytes == plain.weight_bytes  # the same model as draft
+    assert report.weight_bytes == 2 * plain.weight_bytes
+    assert report.kv_pages == config.num_kv_pages((report.hbm_bytes, report.weight_bytes))
+    (d,) = report.decode
+    assert d.programs == (
+        "forward T=8",  # 2 x (1 + 3) rows
+        "sample B=8",
+        "attention kernels",
+        "draft propose k=3",
+        "draft attention kernels",
+    )
+    # The target's weights once, the draft's once for each of its 3 steps.
+    assert d.min_bytes > 4 * plain.weight_bytes * 0.9
+    assert d.bytes_ratio >= 1.0
+    assert "(draft " in report.format()
+
+
 def test_kv_sized_copies_finds_a_whole_cache_copy():
     from jaxserve.preflight import kv_sized_copies
 
