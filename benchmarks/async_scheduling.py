@@ -39,6 +39,7 @@ def main() -> None:
 
     from jaxserve import LLM, SamplingParams
     from jaxserve.engine import LLMEngine
+    from jaxserve.generate_request import GenerateRequest
 
     kw = dict(
         max_num_seqs=args.max_num_seqs,
@@ -74,7 +75,7 @@ def main() -> None:
         engine, done = engines[mode], {}
         t0 = time.perf_counter()
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-            engine.add_request(str(i), prompt["prompt_token_ids"], sp)
+            engine.add_request(GenerateRequest(str(i), prompt["prompt_token_ids"], sp))
         engine.run(lambda out, done=done: done.__setitem__(out.request_id, out))
         rates[mode].append(tokens / (time.perf_counter() - t0))
         outputs[mode] = [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]

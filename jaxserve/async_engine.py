@@ -9,8 +9,7 @@ stream, even one that reuses the id of a request aborted a moment earlier. A
 stream that is closed or cancelled before its request finished aborts the
 request, which frees its pages within a step.
 
-Front ends read the engine only through `model_info` (immutable after start-up),
-`stats()` and `validate()`.
+Front ends use it only as a `jaxserve.front.EngineFront`.
 """
 
 from __future__ import annotations
@@ -21,22 +20,18 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
 from jaxserve.engine import LLMEngine
+from jaxserve.front import EngineDeadError
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.metrics import StatsSnapshot
 from jaxserve.outputs import ModelInfo, RequestOutput
-from jaxserve.request import ResumedSample
-from jaxserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped on an unexpected error; no request can be served."""
 
 
 @dataclasses.dataclass
@@ -63,6 +58,11 @@ def _settle(future: asyncio.Future, result, error) -> None:
 
 
 class AsyncLLMEngine:
+    """One engine behind the `EngineFront` interface; it exports and imports KV pages
+    (disaggregated prefill and decode)."""
+
+    can_transfer_kv = True
+
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.model_info: ModelInfo = engine.model_info()
@@ -92,23 +92,16 @@ class AsyncLLMEngine:
         """Requests accepted and not yet finished (queued commands included)."""
         return len(self._streams)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def replica_stats(self) -> list[StatsSnapshot]:
+        return []  # one engine, no replicas
+
+    def validate(self, request: GenerateRequest) -> None:
         """Raises ValueError naming the field if the engine would refuse this request
         (`generate` checks the same; a front end that must answer before its first
         output, e.g. a stream's status line, checks first)."""
-        self.engine.validate(list(prompt_token_ids), params)  # reads only immutable state
+        self.engine.validate(request)  # reads only immutable state
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        prompt: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        resume: list[ResumedSample] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs until it finishes.
 
         Raises ValueError (before anything is queued) for an invalid request,
@@ -116,21 +109,13 @@ class AsyncLLMEngine:
         """
         if not self.healthy:
             raise EngineDeadError(f"the engine loop stopped: {self.error!r}")
-        self.validate(prompt_token_ids, params)
+        self.validate(request)
+        request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = OutputStream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._send(
-            (
-                "add",
-                request_id,
-                stream,
-                list(prompt_token_ids),
-                params,
-                dict(prompt=prompt, priority=priority, cache_salt=cache_salt, resume=resume),
-            )
-        )
+        self._send(("add", request, stream))
         finished = False
         try:
             while True:
@@ -157,6 +142,12 @@ class AsyncLLMEngine:
         future = asyncio.get_running_loop().create_future()
         self._send(("call", fn, future))
         return await future
+
+    async def export_prefix(self, token_ids: Sequence[int], salt: str | None) -> list[bytes]:
+        return await self.call(lambda e: e.export_prefix(list(token_ids), salt))
+
+    async def import_pages(self, pages: list[bytes]) -> int:
+        return await asyncio.to_thread(self.engine.import_pages, pages)  # any thread
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -186,15 +177,15 @@ class AsyncLLMEngine:
                     result, error = None, e
                 future.get_loop().call_soon_threadsafe(_settle, future, result, error)
             elif command[0] == "add":
-                _, request_id, stream, ids, params, kw = command
+                _, request, stream = command
                 if stream.closed:
                     continue  # cancelled before it reached the engine
                 try:
-                    self.engine.add_request(request_id, ids, params, **kw)
+                    self.engine.add_request(request)
                 except (ValueError, TypeError) as e:  # this request is bad; the engine is fine
                     stream.put(e if isinstance(e, ValueError) else ValueError(str(e)))
                 else:
-                    self._live[request_id] = stream
+                    self._live[request.request_id] = stream
             else:
                 self.engine.abort(command[1])
                 self._live.pop(command[1], None)

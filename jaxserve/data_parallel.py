@@ -28,14 +28,14 @@ from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 import jax
 
 from jaxserve import parallel
-from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
+from jaxserve.front import EngineDeadError, EngineFront, cannot_transfer_kv
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.kv.page_pool import ROOT_UID
 from jaxserve.metrics import StatsSnapshot
 from jaxserve.outputs import ModelInfo, RequestOutput
-from jaxserve.request import ResumedSample
-from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 
 
@@ -122,12 +122,16 @@ def replica_engines(
 
 
 class DataParallelEngine:
-    """M replicas behind the `AsyncLLMEngine` interface the front ends use. A replica
-    is an `AsyncLLMEngine` (local) or a `jaxserve.ray_replicas.RayReplica`: anything
-    with its `model_info`, `healthy`, `error`, `num_requests`, `stats`, `validate`,
-    `generate`, `abort` and `shutdown`."""
+    """M replicas behind one `EngineFront`. A replica is an `EngineFront` itself: an
+    `AsyncLLMEngine` (local) or a `jaxserve.ray_replicas.RayReplica`.
 
-    def __init__(self, replicas: list, config: EngineConfig):
+    It does not transfer KV pages (`can_transfer_kv` is False): which replica holds a
+    prefix, or should receive pushed pages, is not routed yet, so a server refuses the
+    disaggregated prefill and decode roles over it at start-up."""
+
+    can_transfer_kv = False
+
+    def __init__(self, replicas: list[EngineFront], config: EngineConfig):
         if not replicas:
             raise ValueError("a data-parallel engine needs at least one replica")
         self.replicas = list(replicas)
@@ -190,38 +194,21 @@ class DataParallelEngine:
                 total[field.name] = sum(values)
         return StatsSnapshot(**total)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.replicas[0].validate(prompt_token_ids, params)  # the replicas are identical
+    def validate(self, request: GenerateRequest) -> None:
+        self.replicas[0].validate(request)  # the replicas are identical
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        prompt: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        resume: list[ResumedSample] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Routes the request to a replica and streams its outputs from there."""
         if not self.healthy:
             raise self.error
+        request_id = request.request_id
         with self._lock:
             if request_id in self._owner:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             loads = [r.num_requests for r in self.replicas]
-            i = self.router.route(list(prompt_token_ids), loads, cache_salt)
+            i = self.router.route(request.prompt_token_ids, loads, request.cache_salt)
             self._owner[request_id] = i
-        stream = self.replicas[i].generate(
-            request_id,
-            prompt_token_ids,
-            params,
-            prompt=prompt,
-            priority=priority,
-            cache_salt=cache_salt,
-            resume=resume,
-        )
+        stream = self.replicas[i].generate(request)
         try:
             async for out in stream:
                 yield out
@@ -237,23 +224,28 @@ class DataParallelEngine:
         if i is not None:
             self.replicas[i].abort(request_id)
 
+    async def export_prefix(self, token_ids: Sequence[int], salt: str | None) -> list[bytes]:
+        raise NotImplementedError(cannot_transfer_kv(self))
+
+    async def import_pages(self, pages: list[bytes]) -> int:
+        raise NotImplementedError(cannot_transfer_kv(self))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         for r in self.replicas:
             r.shutdown(timeout)
 
 
 def stream_all(
-    front: DataParallelEngine,
-    requests: Sequence[dict],
+    front: EngineFront,
+    requests: Sequence[GenerateRequest],
     on_output: Callable[[int, RequestOutput], None],
 ) -> None:
-    """Sends every request (the keyword arguments of `front.generate`) through the
-    front at once and calls `on_output(i, out)` for each output of request i, until
-    all finished: for callers without an event loop (`LLM.generate`, the offline
-    bench)."""
+    """Sends every request through the front at once and calls `on_output(i, out)` for
+    each output of request i, until all finished: for callers without an event loop
+    (`LLM.generate`, the offline bench)."""
 
     async def one(i: int) -> None:
-        async for out in front.generate(**requests[i]):
+        async for out in front.generate(requests[i]):
             on_output(i, out)
 
     async def run_all() -> None:

@@ -20,13 +20,14 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.kv import PagePool
 from jaxserve.kv.connector import KVConnector, cached_prefix, encode_gathered
 from jaxserve.kv.tier import KVTier
 from jaxserve.kv.transfer import KVLayout, decode_page
 from jaxserve.metrics import EngineStats, StatsSnapshot
 from jaxserve.outputs import ModelInfo, RequestOutput
-from jaxserve.request import ResumedSample, Sequence, Status
+from jaxserve.request import Sequence, Status
 from jaxserve.request_state import RequestState, check_resume
 from jaxserve.runner import bundle
 from jaxserve.runner.input_batch import SampleRow, SeqWork
@@ -70,11 +71,7 @@ class _Lookahead:
 
 
 def validate_request(
-    config: EngineConfig,
-    pool_capacity: int,
-    has_tokenizer: bool,
-    prompt_token_ids: list[int],
-    params: SamplingParams,
+    config: EngineConfig, pool_capacity: int, has_tokenizer: bool, request: GenerateRequest
 ) -> int:
     """Checks a request against an engine's model, limits and pool of `pool_capacity`
     pages (`LLMEngine.validate`; a front of remote replicas checks here, before
@@ -82,7 +79,19 @@ def validate_request(
 
     Raises ValueError naming the field and the value.
     """
-    ids = prompt_token_ids
+    if not isinstance(request.priority, int) or isinstance(request.priority, bool):
+        raise ValueError(f"priority must be an integer, got {request.priority!r}")
+    max_tokens = _validate_prompt(config, pool_capacity, request.prompt_token_ids, request.params)
+    _validate_params(config, has_tokenizer, request.params)
+    if request.resume is not None:
+        check_resume(request.resume, request.params, max_tokens, config.model.vocab_size)
+    return max_tokens
+
+
+def _validate_prompt(
+    config: EngineConfig, pool_capacity: int, ids: tuple[int, ...], params: SamplingParams
+) -> int:
+    """The prompt's ids and length, and the room it needs; returns its max_tokens."""
     vocab = config.model.vocab_size
     if not ids:
         raise ValueError("prompt_token_ids must not be empty")
@@ -107,6 +116,12 @@ def validate_request(
             f"request needs {need} KV pages for {len(ids) + max_tokens} tokens; "
             f"the whole pool has {pool_capacity}"
         )
+    return max_tokens
+
+
+def _validate_params(config: EngineConfig, has_tokenizer: bool, params: SamplingParams) -> None:
+    """What SamplingParams cannot check alone: the engine's limits, tokenizer and vocab."""
+    vocab = config.model.vocab_size
     if len(params.logit_bias or {}) > config.max_logit_bias:
         raise ValueError(
             f"logit_bias has {len(params.logit_bias)} entries; this engine takes at "
@@ -128,7 +143,6 @@ def validate_request(
         raise ValueError(
             f"logit_bias names token {max(params.logit_bias)}, outside the vocabulary [0, {vocab})"
         )
-    return max_tokens
 
 
 class LLMEngine:
@@ -336,30 +350,20 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    def validate(self, request: GenerateRequest) -> int:
         """Checks a request against the model and the pool; returns its max_tokens.
 
         Raises ValueError naming the field and the value.
         """
         return validate_request(
-            self.config, self.pool.capacity, self.tokenizer is not None, prompt_token_ids, params
+            self.config, self.pool.capacity, self.tokenizer is not None, request
         )
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        prompt: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        resume: list[ResumedSample] | None = None,
-    ) -> None:
+    def add_request(self, request: GenerateRequest) -> None:
         """Validates and queues a request; raises ValueError naming the bad field.
 
-        `resume` (disaggregated decode) continues the listed samples from the tokens
-        another instance sampled for them (after it pushed the prompt's KV pages
+        `request.resume` (disaggregated decode) continues the listed samples from the
+        tokens another instance sampled for them (after it pushed the prompt's KV pages
         here): only they run, and their first output carries those tokens too.
         """
         if self.runner.compile_device is not None:
@@ -367,20 +371,12 @@ class LLMEngine:
                 "this engine was built to compile for a target that is not here "
                 f"({self.runner.compile_device.device_kind}); it runs no request"
             )
+        request_id, params, resume = request.request_id, request.params, request.resume
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        ids = [
-            int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t
-            for t in prompt_token_ids
-        ]
-        max_tokens = self.validate(ids, params)
-        indices = (
-            range(params.n)
-            if resume is None
-            else check_resume(resume, params, max_tokens, self.config.model.vocab_size)
-        )
+        max_tokens = self.validate(request)
+        ids = list(request.prompt_token_ids)
+        indices = range(params.n) if resume is None else sorted(r.index for r in resume)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self._grammar_compiler().compile(params.structured_outputs)
@@ -396,11 +392,11 @@ class LLMEngine:
                 params=params,
                 max_tokens=max_tokens,
                 arrival=self._arrivals,
-                priority=priority,
-                salt=cache_salt,
+                priority=request.priority,
+                salt=request.cache_salt,
                 seed=(base + 7919 * i) & 0xFFFFFFFF,
                 leader=leader,
-                prompt=prompt,
+                prompt=request.prompt,
             )
             leader = leader or seq
             seqs.append(seq)
@@ -413,7 +409,7 @@ class LLMEngine:
         ]
         self.requests[request_id] = RequestState(
             request_id,
-            prompt,
+            request.prompt,
             ids,
             params,
             seqs,

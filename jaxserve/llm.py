@@ -14,6 +14,7 @@ from jaxserve.assets import DEFAULT_MODEL, EMBEDDED_MODELS
 from jaxserve.config import ModelConfig, engine_config
 from jaxserve.data_parallel import DataParallelEngine, data_parallel_engine, stream_all
 from jaxserve.engine import LLMEngine
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.inputs import PromptType, parse_prompt
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -195,24 +196,25 @@ class LLM:
                 parsed.append(parse_prompt(prompt, self.tokenizer))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
-        request_ids = [str(next(self._ids)) for _ in parsed]
-        if isinstance(self.engine, DataParallelEngine):
-            return self._generate_on_replicas(
-                request_ids, parsed, params, priority, cache_salt, use_tqdm
+        requests = [
+            GenerateRequest(
+                str(next(self._ids)),
+                p.token_ids,
+                sp,
+                prompt=p.text,
+                priority=0 if priority is None else priority[i],
+                cache_salt=cache_salt,
             )
-        for i, (request_id, p, sp) in enumerate(zip(request_ids, parsed, params, strict=True)):
+            for i, (p, sp) in enumerate(zip(parsed, params, strict=True))
+        ]
+        if isinstance(self.engine, DataParallelEngine):
+            return self._generate_on_replicas(requests, use_tqdm)
+        for i, request in enumerate(requests):
             try:
-                self.engine.add_request(
-                    request_id,
-                    p.token_ids,
-                    sp,
-                    prompt=p.text,
-                    cache_salt=cache_salt,
-                    priority=0 if priority is None else priority[i],
-                )
+                self.engine.add_request(request)
             except ValueError as e:
-                for earlier in request_ids[:i]:
-                    self.engine.abort(earlier)
+                for earlier in requests[:i]:
+                    self.engine.abort(earlier.request_id)
                 raise ValueError(f"prompts[{i}]: {e}") from e
         results: dict[str, RequestOutput] = {}
 
@@ -221,34 +223,25 @@ class LLM:
                 results[out.request_id] = out
 
         with tqdm(
-            total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm, mininterval=1
+            total=len(requests), desc="generate", unit="req", disable=not use_tqdm, mininterval=1
         ) as bar:
             self.engine.run(keep, progress=bar)
-        return [results[request_id] for request_id in request_ids]
+        return [results[request.request_id] for request in requests]
 
-    def _generate_on_replicas(self, request_ids, parsed, params, priority, cache_salt, use_tqdm):
+    def _generate_on_replicas(
+        self, requests: list[GenerateRequest], use_tqdm: bool
+    ) -> list[RequestOutput]:
         """`generate` over data-parallel replicas: every request routed and streamed
         through the `DataParallelEngine`, all at once; results in the prompts' order."""
-        for i, (p, sp) in enumerate(zip(parsed, params, strict=True)):
+        for i, request in enumerate(requests):
             try:  # all validated before any is queued
-                self.engine.validate(p.token_ids, sp)
+                self.engine.validate(request)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from e
 
-        requests = [
-            dict(
-                request_id=request_ids[i],
-                prompt_token_ids=p.token_ids,
-                params=params[i],
-                prompt=p.text,
-                priority=0 if priority is None else priority[i],
-                cache_salt=cache_salt,
-            )
-            for i, p in enumerate(parsed)
-        ]
         finals: list[RequestOutput | None] = [None] * len(requests)
         with tqdm(
-            total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm, mininterval=1
+            total=len(requests), desc="generate", unit="req", disable=not use_tqdm, mininterval=1
         ) as bar:
 
             def keep(i: int, out: RequestOutput) -> None:

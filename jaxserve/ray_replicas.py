@@ -40,15 +40,15 @@ import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
-from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, OutputStream
+from jaxserve.async_engine import AsyncLLMEngine, OutputStream
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine, validate_request
+from jaxserve.front import EngineDeadError, cannot_transfer_kv
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.metrics import StatsSnapshot
 from jaxserve.outputs import ModelInfo, RequestOutput
-from jaxserve.request import ResumedSample
-from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -93,27 +93,21 @@ class ReplicaActor:
             self._outbox = asyncio.Queue()
         return self._outbox
 
-    async def add(
-        self,
-        key: int,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        kw: dict,
-    ) -> None:
+    async def add(self, key: int, request: GenerateRequest) -> None:
         if key in self._early_aborts:
             del self._early_aborts[key]
             self._queue().put_nowait((key, None))
             return
-        task = asyncio.create_task(self._run(key, request_id, prompt_token_ids, params, kw))
+        task = asyncio.create_task(self._run(key, request))
         self._tasks[key] = task
         task.add_done_callback(functools.partial(self._done, key))
 
-    async def _run(self, key, request_id, prompt_token_ids, params, kw) -> None:
+    async def _run(self, key: int, request: GenerateRequest) -> None:
         outbox = self._queue()
-        engine_id = f"{request_id}#{key}"  # unique in the engine, the client's id readable
+        # Unique in the engine, the client's id readable.
+        request = dataclasses.replace(request, request_id=f"{request.request_id}#{key}")
         try:
-            async for out in self.engine.generate(engine_id, prompt_token_ids, params, **kw):
+            async for out in self.engine.generate(request):
                 outbox.put_nowait((key, out))
         except asyncio.CancelledError:  # aborted: the engine dropped it
             outbox.put_nowait((key, None))
@@ -161,10 +155,12 @@ class ReplicaActor:
 
 
 class RayReplica:
-    """The front's handle on one `ReplicaActor`, with the interface of an
-    `AsyncLLMEngine` that `DataParallelEngine` uses. A thread receives the actor's
-    output batches and hands each output to its request's stream; another checks the
-    replica's health."""
+    """The front's handle on one `ReplicaActor`: an `EngineFront` (that does not
+    transfer KV pages), a replica of `DataParallelEngine`. A thread receives the
+    actor's output batches and hands each output to its request's stream; another
+    checks the replica's health."""
+
+    can_transfer_kv = False
 
     def __init__(self, actor, config: EngineConfig, has_tokenizer: bool, index: int, described):
         import ray
@@ -196,10 +192,11 @@ class RayReplica:
     def num_requests(self) -> int:
         return len(self._streams)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        validate_request(
-            self.config, self.pool_capacity, self.has_tokenizer, list(prompt_token_ids), params
-        )
+    def validate(self, request: GenerateRequest) -> None:
+        validate_request(self.config, self.pool_capacity, self.has_tokenizer, request)
+
+    def replica_stats(self) -> list[StatsSnapshot]:
+        return []  # one engine, no replicas
 
     def stats(self) -> StatsSnapshot:
         """The replica's counters, at most STATS_MAX_AGE_S old (its last known ones if
@@ -214,20 +211,11 @@ class RayReplica:
                 logger.warning("replica %d (%s): no stats: %r", self.index, self.where, e)
         return self._last_stats
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        prompt: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        resume: list[ResumedSample] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs from the replica until it finishes; raises
         ValueError for a request it refuses, EngineDeadError once the replica failed."""
-        self.validate(prompt_token_ids, params)
+        self.validate(request)
+        request_id = request.request_id
         stream = OutputStream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:  # under the lock: a failure now puts its error in this stream
             if not self.healthy:
@@ -237,8 +225,7 @@ class RayReplica:
             key = next(self._keys)
             self._streams[key] = stream
             self._key_of[request_id] = key
-        kw = dict(prompt=prompt, priority=priority, cache_salt=cache_salt, resume=resume)
-        self.actor.add.remote(key, request_id, list(prompt_token_ids), params, kw)
+        self.actor.add.remote(key, request)
         finished = False
         try:
             while True:
@@ -265,6 +252,12 @@ class RayReplica:
         key = self._key_of.get(request_id)
         if key is not None:
             self.actor.abort.remote(key)
+
+    async def export_prefix(self, token_ids: Sequence[int], salt: str | None) -> list[bytes]:
+        raise NotImplementedError(cannot_transfer_kv(self))
+
+    async def import_pages(self, pages: list[bytes]) -> int:
+        raise NotImplementedError(cannot_transfer_kv(self))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         import ray

@@ -9,16 +9,6 @@ from collections.abc import Hashable
 from jaxserve.sampling_params import SamplingParams
 
 
-@dataclasses.dataclass(frozen=True)
-class ResumedSample:
-    """A sample another instance started (disaggregated prefill): its tokens so far and,
-    if the request asks for logprobs, their entries ({token id: logprob}, chosen included)."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None = None
-
-
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -13,8 +13,9 @@ import dataclasses
 import time
 
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.generate_request import ResumedSample
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.request import ResumedSample, Sequence
+from jaxserve.request import Sequence
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import GrammarMatcher
 
@@ -46,7 +47,7 @@ class RequestState:
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
 
-    def resume(self, resume: list[ResumedSample]) -> None:
+    def resume(self, resume: tuple[ResumedSample, ...]) -> None:
         """Gives resumed samples their tokens so far, as if this engine had sampled them."""
         by_index = {r.index: r for r in resume}
         for seq in self.seqs:
@@ -159,9 +160,9 @@ class RequestState:
 
 
 def check_resume(
-    resume: list[ResumedSample], params: SamplingParams, max_tokens: int, vocab_size: int
-) -> list[int]:
-    """The resumed samples' indexes; ValueError naming the field if they are bad."""
+    resume: tuple[ResumedSample, ...], params: SamplingParams, max_tokens: int, vocab_size: int
+) -> None:
+    """Raises ValueError naming the field if the resumed samples are bad."""
     indices = [r.index for r in resume]
     if not resume or len(set(indices)) != len(indices) or not set(indices) <= set(range(params.n)):
         raise ValueError(
@@ -182,4 +183,3 @@ def check_resume(
             )
         if params.logprobs is not None and len(r.logprobs or ()) != len(r.token_ids):
             raise ValueError(f"resume.samples[{r.index}].logprobs must have one entry per token")
-    return sorted(indices)

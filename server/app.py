@@ -23,9 +23,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.async_engine import AsyncLLMEngine
-from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.engine import LLMEngine
+from jaxserve.front import EngineFront
 from jaxserve.tokenizer import Tokenizer
+from server import disagg
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
 from server.metrics import ServerMetrics
@@ -50,8 +51,13 @@ class ServerOptions:
     tls_cert: str | None = None  # PEM files; both or neither
     tls_key: str | None = None
     drain_grace_s: float = 30.0
+    # Disaggregated serving: "prefill" and "decode" need a front that transfers KV
+    # pages (refused at start-up otherwise); "both" serves everything it can.
+    role: str = "both"
 
     def __post_init__(self):
+        if self.role not in disagg.ROLES:
+            raise ValueError(f"role must be one of {sorted(disagg.ROLES)}, got {self.role!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.max_pending <= 0:
@@ -143,11 +149,12 @@ class _MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 
 
 class JaxServeServer:
-    """One gRPC server over one engine built by `make_engine` (in a worker thread)."""
+    """One gRPC server over one engine built by `make_engine` (in a worker thread): an
+    `LLMEngine`, which it serves through an `AsyncLLMEngine`, or an `EngineFront`."""
 
     def __init__(
         self,
-        make_engine: Callable[[], tuple[LLMEngine, Tokenizer]],
+        make_engine: Callable[[], tuple[LLMEngine | EngineFront, Tokenizer | None]],
         options: ServerOptions,
         *,
         model_name: str = "",
@@ -178,7 +185,7 @@ class JaxServeServer:
 
     def _replica_stats(self):
         engine = self.state.engine
-        return engine.replica_stats() if isinstance(engine, DataParallelEngine) else None
+        return None if engine is None else engine.replica_stats()
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
@@ -235,13 +242,18 @@ class JaxServeServer:
         return self.port
 
     async def load(self) -> None:
-        """Builds (and warms up) the engine off the event loop, then serves."""
+        """Builds (and warms up) the engine off the event loop, then serves. Raises
+        ValueError (the front shut down again) if the front cannot serve the role."""
         engine, tokenizer = await asyncio.to_thread(self._make_engine)
-        self.state.tokenizer = tokenizer
         # Data-parallel replicas come with their own front (jaxserve.data_parallel).
-        self.state.engine = (
-            engine if isinstance(engine, DataParallelEngine) else AsyncLLMEngine(engine)
-        )
+        front = AsyncLLMEngine(engine) if isinstance(engine, LLMEngine) else engine
+        try:
+            disagg.check_role(front, self.options.role)
+        except ValueError:
+            front.shutdown()
+            raise
+        self.state.tokenizer = tokenizer
+        self.state.engine = front
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watch = asyncio.create_task(self._watch_engine())
         self.ready.set()

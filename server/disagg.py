@@ -22,14 +22,33 @@ import dataclasses
 
 import grpc
 
+from jaxserve.front import EngineFront, cannot_transfer_kv
+from jaxserve.generate_request import ResumedSample
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.request import ResumedSample
 from jaxserve.sampling_params import SamplingParams
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
 
 PUSH_TIMEOUT_S = 60.0
 AUTH_KEYS = ("authorization", "x-api-key")
+# An instance's roles, and what each needs of its engine front beyond serving requests.
+ROLES = {
+    "both": None,  # Prefill and PushKV too, where the front can
+    "prefill": "export the prompt's KV pages to push them to a decode instance",
+    "decode": "import the KV pages a prefill instance pushes",
+}
+
+
+def check_role(front: EngineFront, role: str) -> None:
+    """Raises ValueError naming the role and the front if the front cannot serve it:
+    at start-up, not at every call."""
+    needs = ROLES[role]
+    if needs is not None and not front.can_transfer_kv:
+        raise ValueError(
+            f"role {role!r} needs an engine front that can {needs}; "
+            f"{cannot_transfer_kv(front)}: serve the {role} role with data_parallel_size=1 "
+            "(one instance per replica)"
+        )
 
 
 def can_disaggregate(params: SamplingParams) -> str | None:

@@ -8,12 +8,13 @@ cancels or disconnects aborts its request (the engine stream's cleanup).
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import itertools
 
 import grpc
 
-from jaxserve.async_engine import AsyncLLMEngine
+from jaxserve.front import EngineFront, cannot_transfer_kv
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.inputs import ParsedPrompt, parse_prompt
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -112,7 +113,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
     # ---------------------------------------------------------------- helpers
 
-    async def _ready(self, context) -> AsyncLLMEngine:
+    async def _ready(self, context) -> EngineFront:
         try:
             return serving.ready(self.state)
         except Refused as e:
@@ -138,32 +139,40 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         except ValueError as e:
             await self._invalid(context, str(e))
 
-    async def _stream(self, request, context, params: SamplingParams | None = None):
-        """Validates a GenerateRequest; yields (request_id, RequestOutput). `params`
-        replaces the request's sampling parameters (a prefill's one-token run)."""
-        try:
-            engine = serving.admit(self.state, self.metrics)
-        except Refused as e:
-            await context.abort(_CODES[e.reason], e.message)
+    async def _request(
+        self, request, context, params: SamplingParams | None = None
+    ) -> GenerateRequest:
+        """The engine's request for a GenerateRequest message (with `params` if they
+        were parsed already); INVALID_ARGUMENT for a bad prompt or sampling field (the
+        engine checks the rest)."""
         prompt = await self._prompt(request, context)
         if params is None:
             params = await self._params(request, context)
         resume = None
         if request.HasField("resume"):
             resume = disagg.resume_from_proto(request.resume)
-        rid = request.request_id or f"req-{next(self._ids)}"
+        return GenerateRequest(
+            request.request_id or f"req-{next(self._ids)}",
+            prompt.token_ids,
+            params,
+            prompt=prompt.text,
+            priority=request.priority,
+            cache_salt=request.cache_salt or None,
+            resume=resume,
+        )
+
+    async def _stream(self, request, context, gen: GenerateRequest | None = None):
+        """Validates a GenerateRequest message (or runs `gen`, built from one); yields
+        (request_id, RequestOutput)."""
         try:
-            async for out in serving.stream(
-                engine,
-                self.metrics,
-                rid,
-                prompt,
-                params,
-                priority=request.priority,
-                cache_salt=request.cache_salt or None,
-                resume=resume,
-            ):
-                yield rid, out
+            engine = serving.admit(self.state, self.metrics)
+        except Refused as e:
+            await context.abort(_CODES[e.reason], e.message)
+        if gen is None:
+            gen = await self._request(request, context)
+        try:
+            async for out in serving.stream(engine, self.metrics, gen):
+                yield gen.request_id, out
         except Refused as e:
             await context.abort(_CODES[e.reason], e.message)
 
@@ -285,23 +294,38 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
     # ------------------------------------------- disaggregated serving (disagg.py)
 
+    async def _transferring(self, context) -> EngineFront:
+        """The engine, if it is ready and can export and import KV pages (a front that
+        cannot is refused the prefill and decode roles at start-up; these RPCs of a
+        `both` server over it are FAILED_PRECONDITION)."""
+        engine = await self._ready(context)
+        if not engine.can_transfer_kv:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{cannot_transfer_kv(engine)}: disaggregated serving needs an instance "
+                "of one engine (data_parallel_size=1)",
+            )
+        return engine
+
     async def Prefill(self, request, context):
-        gen = request.request
-        params = await self._params(gen, context)
+        msg = request.request
+        params = await self._params(msg, context)
         why = disagg.can_disaggregate(params)
         if why is not None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{why}: run this request on one instance"
             )
-        engine = await self._ready(context)
+        engine = await self._transferring(context)
+        gen = await self._request(msg, context, params)
         try:  # the whole request, before the one-token run that checks only its first token
-            engine.validate((await self._prompt(gen, context)).token_ids, params)
+            engine.validate(gen)
         except ValueError as e:
             await self._invalid(context, str(e))
+        first = dataclasses.replace(gen, params=disagg.first_token_params(params))
         final, rid = None, ""
-        async for request_id, out in self._stream(gen, context, disagg.first_token_params(params)):
+        async for request_id, out in self._stream(msg, context, first):
             final, rid = out, request_id
-        limit = self.state.engine.model_info.max_model_len
+        limit = engine.model_info.max_model_len
         max_tokens = params.max_tokens or limit - len(final.prompt_token_ids)
         going = disagg.going_on(final, max_tokens)
         reply = pb.PrefillResponse(
@@ -318,8 +342,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             if c.logprobs is not None:
                 sample.logprobs.extend(_logprobs_proto(c.logprobs, c.token_ids))
             reply.resume.samples.append(sample)
-        ids, salt = final.prompt_token_ids, gen.cache_salt or None
-        pages = await self.state.engine.call(lambda e: e.export_prefix(ids, salt))
+        pages = await engine.export_prefix(gen.prompt_token_ids, gen.cache_salt)
         try:
             reply.pages_pushed = await disagg.push(
                 request.decode_target,
@@ -336,12 +359,12 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         return reply
 
     async def PushKV(self, request_iterator, context):
-        engine = await self._ready(context)
+        engine = await self._transferring(context)
         pages = []
         async for msg in request_iterator:
             pages.extend(msg.pages)
         try:
-            kept = await asyncio.to_thread(engine.engine.import_pages, pages)
+            kept = await engine.import_pages(pages)
         except ValueError as e:  # a bad page (none kept), or no tier to keep them in
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return pb.PushKVResponse(pages=kept)

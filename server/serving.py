@@ -1,10 +1,11 @@
 """What every front end (gRPC, HTTP) does around the engine, in one place.
 
 A front end turns its request into a prompt (`jaxserve.inputs.parse_prompt`) and
-`SamplingParams`, then calls `admit` and `stream`: they refuse requests the same way
-for every protocol (`Refused`, with a reason each front end maps to its own status
-code) and record the same latency metrics. `param_of` finds the field a validation
-message names, for front ends that report it apart from the message.
+`SamplingParams`, builds one `GenerateRequest`, then calls `admit` and `stream`:
+they refuse requests the same way for every protocol (`Refused`, with a reason each
+front end maps to its own status code) and record the same latency metrics.
+`param_of` finds the field a validation message names, for front ends that report
+it apart from the message.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ import re
 import time
 from collections.abc import AsyncIterator, Iterator
 
-from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError
-from jaxserve.inputs import ParsedPrompt
+from jaxserve.front import EngineDeadError, EngineFront
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.request import ResumedSample
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 from server.metrics import ServerMetrics
@@ -46,13 +46,13 @@ class ServingState:
     """What the front ends serve with; `engine` is None until the model is loaded."""
 
     tokenizer: Tokenizer | None = None
-    engine: AsyncLLMEngine | None = None
+    engine: EngineFront | None = None
     model_name: str = ""
     max_pending: int = 1024
     draining: bool = False  # SIGTERM: running requests finish, new ones are refused
 
 
-def ready(state: ServingState) -> AsyncLLMEngine:
+def ready(state: ServingState) -> EngineFront:
     """The engine, if it can take work; else raises Refused(UNAVAILABLE)."""
     engine = state.engine
     if engine is None:
@@ -64,7 +64,7 @@ def ready(state: ServingState) -> AsyncLLMEngine:
     return engine
 
 
-def admit(state: ServingState, metrics: ServerMetrics, *, extra: int = 0) -> AsyncLLMEngine:
+def admit(state: ServingState, metrics: ServerMetrics, *, extra: int = 0) -> EngineFront:
     """The engine, if it is ready and has room for `1 + extra` more requests."""
     engine = ready(state)
     if engine.num_requests + extra >= state.max_pending:
@@ -84,15 +84,7 @@ def invalid(metrics: ServerMetrics, message: str, param: str | None = None) -> R
 
 
 async def stream(
-    engine: AsyncLLMEngine,
-    metrics: ServerMetrics,
-    request_id: str,
-    prompt: ParsedPrompt,
-    params: SamplingParams,
-    *,
-    priority: int = 0,
-    cache_salt: str | None = None,
-    resume: list[ResumedSample] | None = None,
+    engine: EngineFront, metrics: ServerMetrics, request: GenerateRequest
 ) -> AsyncIterator[RequestOutput]:
     """The engine's outputs for one request, with latency metrics recorded.
 
@@ -103,15 +95,7 @@ async def stream(
     start = last = time.monotonic()
     first = True
     try:
-        async for out in engine.generate(
-            request_id,
-            prompt.token_ids,
-            params,
-            prompt=prompt.text,
-            priority=priority,
-            cache_salt=cache_salt,
-            resume=resume,
-        ):
+        async for out in engine.generate(request):
             now = time.monotonic()
             if any(c.delta_token_ids for c in out.outputs):
                 (metrics.ttft if first else metrics.itl).observe(now - last)

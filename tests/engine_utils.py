@@ -7,6 +7,7 @@ import numpy as np
 from jaxserve import config
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.runner.input_batch import SeqWork
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
@@ -47,7 +48,7 @@ def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list
     """Greedy outputs of all prompts, submitted together."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(GenerateRequest(str(i), p, params))
     results = {}
     engine.run(lambda out: results.__setitem__(out.request_id, out.outputs[0].token_ids))
     engine.pool.check_invariant()

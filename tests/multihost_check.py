@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from engine_utils import SMALL_LLM_IDS
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.generate_request import GenerateRequest
 
 STEP_TIMEOUT_S = 10.0
 BASE = dict(SMALL_LLM_IDS, max_num_seqs=4, max_num_batched_tokens=32)
@@ -41,7 +42,9 @@ async def kill_follower_mid_stream(llm: LLM, follower_pid: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
     killed_at = None
     try:
-        async for _ in front.generate("long", prompts()[0]["prompt_token_ids"], params):
+        async for _ in front.generate(
+            GenerateRequest("long", prompts()[0]["prompt_token_ids"], params)
+        ):
             if killed_at is None:
                 os.kill(follower_pid, signal.SIGKILL)
                 killed_at = time.monotonic()

@@ -29,8 +29,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from dp_check import BASE, outputs, workload
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.async_engine import EngineDeadError
 from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.front import EngineDeadError
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.ray_replicas import HEALTH_INTERVAL_S
 
 STEP_TIMEOUT_S = 4.0
@@ -46,7 +47,7 @@ async def stream(front, request_id: str, ids: list[int], started: asyncio.Event 
     params = SamplingParams(temperature=0.0, max_tokens=128 - len(ids) - 1, ignore_eos=True)
     first = None
     try:
-        async for out in front.generate(request_id, ids, params):
+        async for out in front.generate(GenerateRequest(request_id, ids, params)):
             last = out
             if first is None:
                 first = time.monotonic()
@@ -61,10 +62,12 @@ async def reuse_after_cancel(front, ids: list[int], want: list[int]) -> None:
     """A client that goes away mid-stream and sends its request id again at once gets
     the new request's tokens only (the replica keys requests apart from their ids)."""
     long = SamplingParams(temperature=0.0, max_tokens=128 - len(ids) - 1, ignore_eos=True)
-    first = front.generate("again", ids, long)
+    first = front.generate(GenerateRequest("again", ids, long))
     await first.__anext__()
     await first.aclose()  # the client went away: aborted on its replica
-    outs = [o async for o in front.generate("again", ids, SamplingParams(**GREEDY))]
+    outs = [
+        o async for o in front.generate(GenerateRequest("again", ids, SamplingParams(**GREEDY)))
+    ]
     assert outs[-1].finished and outs[-1].outputs[0].token_ids == want, outs[-1]
     assert all(o.request_id == "again" for o in outs)
     deadline = time.monotonic() + 10
@@ -96,7 +99,9 @@ async def failures(front, vocab: int) -> None:
             assert result[0] == "done" and len(result[1]) == 128 - 9 - 1, result[0]
     assert not front.healthy and "health check" in repr(front.error)
     try:
-        async for _ in front.generate("late", ids[0], SamplingParams(max_tokens=2)):
+        async for _ in front.generate(
+            GenerateRequest("late", ids[0], SamplingParams(max_tokens=2))
+        ):
             pass
         raise AssertionError("an unhealthy front took a request")
     except EngineDeadError as e:

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from jaxserve.bench import report, workloads
 from jaxserve.data_parallel import DataParallelEngine, stream_all
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.llm import LLM, resolve_model_dir
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
@@ -167,9 +168,13 @@ def _run_offline(llm: LLM, reqs) -> dict:
     base = engine.stats()
     arrive, first, ends, token_times = {}, {}, {}, {}
     t0 = time.perf_counter()
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=FLAGS.ignore_eos)
-        for r in reqs
+    requests = [
+        GenerateRequest(
+            str(i),
+            r.prompt_token_ids,
+            SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=FLAGS.ignore_eos),
+        )
+        for i, r in enumerate(reqs)
     ]
     for i in range(len(reqs)):
         arrive[i], token_times[i] = t0, []
@@ -190,14 +195,10 @@ def _run_offline(llm: LLM, reqs) -> dict:
                 if out.finished:
                     bar.update(1)
 
-            requests = [
-                dict(request_id=str(i), prompt_token_ids=r.prompt_token_ids, params=params[i])
-                for i, r in enumerate(reqs)
-            ]
             stream_all(engine, requests, record_one)
         else:
-            for i, r in enumerate(reqs):
-                engine.add_request(str(i), r.prompt_token_ids, params[i])
+            for request in requests:
+                engine.add_request(request)
             engine.run(record, progress=bar)
     elapsed = time.perf_counter() - t0
     return _result(reqs, arrive, first, ends, token_times, elapsed, engine.stats(), base)
@@ -323,9 +324,11 @@ def _roofline(llm: LLM) -> dict:
     engine = llm.engine
     weights = engine.model_info().weight_bytes
     engine.add_request(
-        "roofline",
-        list(range(16, 48)),
-        SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True),
+        GenerateRequest(
+            "roofline",
+            tuple(range(16, 48)),
+            SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True),
+        )
     )
     # One output per step (one request): the gaps between outputs are decode steps.
     times = []

@@ -22,6 +22,7 @@ import time
 from absl import flags
 from tqdm import tqdm
 
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.inputs import parse_prompt
 from jaxserve.llm import LLM
 from jaxserve.outputs import RequestOutput
@@ -128,14 +129,15 @@ def _generate() -> None:
     for i, record in enumerate(records):
         try:
             prompt, sp = _to_request(llm, record, base)
-            engine.validate(prompt.token_ids, sp)
+            request = GenerateRequest(str(i), prompt.token_ids, sp, prompt=prompt.text)
+            engine.validate(request)
         except (ValueError, TypeError) as e:
             raise ValueError(f"input {i}: {e}") from None
-        requests.append((str(i), prompt, sp))
-    for rid, prompt, sp in requests:
-        engine.add_request(rid, prompt.token_ids, sp, prompt=prompt.text)
+        requests.append(request)
+    for request in requests:
+        engine.add_request(request)
 
-    prompt_tokens = sum(len(p.token_ids) for _, p, _ in requests)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     counts = {"generated": 0, "written": 0}
     t0 = time.perf_counter()
     to_file = FLAGS.output is not None

@@ -15,7 +15,8 @@ Disaggregated prefill/decode (server/router.py, server/disagg.py):
 Every role but the router serves the whole API over one engine (`both`, the
 default, and `prefill` are the same server; `decode` needs a host KV tier to
 receive pages in, 1 GiB unless --kv_offload_bytes says otherwise); the router
-loads no model.
+loads no model. Data-parallel replicas do not transfer KV pages: `prefill` and
+`decode` over them are refused at start-up.
 
 Multi-host (`--num_processes=N --process_id=I --coordinator_address=HOST:PORT`, the
 same command on every host): process 0 serves; the others only run its steps.
@@ -90,10 +91,11 @@ def main(argv) -> None:
         raise SystemExit(f"jaxserve serve: {e}") from None
 
 
-def _options():
+def _options(role: str = "both"):
     from server.app import ServerOptions
 
     return ServerOptions(
+        role=role,
         host=FLAGS.host,
         port=FLAGS.port,
         http_port=FLAGS.http_port or None,
@@ -151,7 +153,7 @@ async def _serve() -> None:
         llm = LLM(model_dir, **kwargs)
         return llm.engine, llm.tokenizer
 
-    options = _options()
+    options = _options(FLAGS.role)
     server = JaxServeServer(
         make_engine, options, model_name=FLAGS.served_model_name or default_model_name(model_dir)
     )

@@ -229,7 +229,7 @@ def _tokenizer(state: ServingState):
 
 def _sse(events) -> StreamingResponse:
     # A client that disconnects cancels the response, which closes `events`, whose
-    # engine streams then abort their requests (AsyncLLMEngine.generate).
+    # engine streams then abort their requests (EngineFront.generate).
     return StreamingResponse(
         events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )

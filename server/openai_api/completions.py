@@ -18,7 +18,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from jaxserve.async_engine import AsyncLLMEngine
+from jaxserve.front import EngineFront
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.inputs import ParsedPrompt, parse_prompt
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -36,8 +37,9 @@ class _Job:
     """One HTTP request's engine requests, ready to run."""
 
     request_id: str
-    engine: AsyncLLMEngine
+    engine: EngineFront
     prompts: list[ParsedPrompt]
+    requests: list[GenerateRequest]  # one per prompt
     params: SamplingParams
     body: CompletionRequest | ChatCompletionRequest
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
@@ -57,6 +59,7 @@ class OpenAIServing:
         engine = serving.admit(self.state, self.metrics, extra=len(prompts) - 1)
         prompt_field = "messages" if chat_kwargs is not None else "prompt"
         names = {"prompt_token_ids": prompt_field, "prompt": prompt_field}
+        rid = f"{prefix}-{uuid.uuid4().hex[:16]}{next(self._ids)}"
         try:
             params, renamed = body.sampling_params()
             names.update(renamed)
@@ -71,30 +74,28 @@ class OpenAIServing:
                     )
                 except TypeError as e:  # a chat_template_kwargs key the template owns
                     raise BadField("chat_template_kwargs", f"chat_template_kwargs: {e}") from None
-            for p in parsed:
-                engine.validate(p.token_ids, params)
+            requests = [
+                GenerateRequest(
+                    rid if len(parsed) == 1 else f"{rid}-{i}",
+                    p.token_ids,
+                    params,
+                    prompt=p.text,
+                    priority=body.priority,
+                    cache_salt=body.cache_salt,
+                )
+                for i, p in enumerate(parsed)
+            ]
+            for request in requests:
+                engine.validate(request)
         except BadField as e:
             raise serving.invalid(self.metrics, str(e), e.param) from None
         except ValueError as e:
             param = serving.param_of(str(e))
             raise serving.invalid(self.metrics, str(e), names.get(param, param)) from None
-        rid = f"{prefix}-{uuid.uuid4().hex[:16]}{next(self._ids)}"
-        return _Job(rid, engine, parsed, params, body)
+        return _Job(rid, engine, parsed, requests, params, body)
 
     def _streams(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-        streams = [
-            serving.stream(
-                job.engine,
-                self.metrics,
-                job.request_id if len(job.prompts) == 1 else f"{job.request_id}-{i}",
-                p,
-                job.params,
-                priority=job.body.priority,
-                cache_salt=job.body.cache_salt,
-            )
-            for i, p in enumerate(job.prompts)
-        ]
-        return _merge(streams)
+        return _merge([serving.stream(job.engine, self.metrics, r) for r in job.requests])
 
     # ---------------------------------------------------------------- completions
 

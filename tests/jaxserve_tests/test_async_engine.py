@@ -13,7 +13,9 @@ from test_scheduler import (
     scheduling,  # noqa: F401  (every test, sync and async scheduling)
 )
 
-from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxserve.async_engine import AsyncLLMEngine
+from jaxserve.front import EngineDeadError
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -35,7 +37,7 @@ def slow_engine(step_s=0.005):
 
 
 async def collect(engine, rid, prompt, n):
-    outs = [o async for o in engine.generate(rid, prompt, params(n))]
+    outs = [o async for o in engine.generate(GenerateRequest(rid, prompt, params(n)))]
     return outs
 
 
@@ -72,7 +74,7 @@ def test_many_concurrent_streams_get_exactly_their_tokens():
 def test_closing_a_stream_aborts_its_request_and_frees_its_pages():
     async def main():
         aengine = AsyncLLMEngine(slow_engine())
-        stream = aengine.generate("c", [1, 2, 3], params(200))
+        stream = aengine.generate(GenerateRequest("c", [1, 2, 3], params(200)))
         first = await stream.__anext__()
         assert not first.finished
         await stream.aclose()
@@ -93,7 +95,7 @@ def test_cancelling_the_task_aborts_too():
         started = asyncio.Event()
 
         async def consume():
-            async for _ in aengine.generate("x", [1, 2, 3], params(200)):
+            async for _ in aengine.generate(GenerateRequest("x", [1, 2, 3], params(200))):
                 started.set()
 
         task = asyncio.create_task(consume())
@@ -150,12 +152,12 @@ def test_a_request_refused_on_the_engine_thread_after_its_client_left():
         entered = asyncio.Event()
         loop = asyncio.get_running_loop()
 
-        def slow_refusal(request_id, *args, **kw):
-            if request_id == "doomed":
+        def slow_refusal(request):
+            if request.request_id == "doomed":
                 loop.call_soon_threadsafe(entered.set)
                 time.sleep(0.2)  # the client cancels meanwhile
                 raise ValueError("refused on the engine thread")
-            return original(request_id, *args, **kw)
+            return original(request)
 
         engine.add_request = slow_refusal
         task = asyncio.create_task(collect(aengine, "doomed", [1, 2, 3], 3))
@@ -182,10 +184,10 @@ def test_cancelling_while_adding_under_load_loses_nothing():
         aengine = AsyncLLMEngine(engine)
         original = engine.add_request
 
-        def sometimes_refuse(request_id, *args, **kw):
-            if request_id.endswith("7"):
+        def sometimes_refuse(request):
+            if request.request_id.endswith("7"):
                 raise ValueError("refused")
-            return original(request_id, *args, **kw)
+            return original(request)
 
         engine.add_request = sometimes_refuse
         rs = random.Random(7)
@@ -234,7 +236,7 @@ def test_a_reused_id_never_gets_the_aborted_requests_outputs():
         engine = slow_engine(step_s=0.05)
         aengine = AsyncLLMEngine(engine)
         for attempt in range(3):
-            old = aengine.generate("x", [1, 2, 3], params(50))
+            old = aengine.generate(GenerateRequest("x", [1, 2, 3], params(50)))
             await old.__anext__()  # the engine is now in its next 50 ms step
             await old.aclose()
             outs = await collect(aengine, "x", [7, 8], 4)
@@ -250,7 +252,7 @@ def test_a_reused_id_never_gets_the_aborted_requests_outputs():
 def test_shutdown_ends_the_streams_still_waiting():
     async def main():
         aengine = AsyncLLMEngine(slow_engine())
-        stream = aengine.generate("w", [1, 2, 3], params(200))
+        stream = aengine.generate(GenerateRequest("w", [1, 2, 3], params(200)))
         await stream.__anext__()
         await asyncio.to_thread(aengine.shutdown)
 

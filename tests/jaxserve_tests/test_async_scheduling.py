@@ -12,6 +12,7 @@ from test_engine import make_llm, shared_prefix_prompts
 from test_scheduler import VOCAB, assert_idle, make_engine, params, run
 
 from jaxserve import SamplingParams
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.sampling_params import StructuredOutputsParams
 
 
@@ -52,7 +53,7 @@ def test_a_stop_token_discards_the_token_in_flight(at):
     outs = {}
     for mode in (False, True):
         engine = make_engine(async_scheduling=mode)
-        engine.add_request("other", [1, 2], params(12))
+        engine.add_request(GenerateRequest("other", [1, 2], params(12)))
         outs[mode] = run(engine, {"s": (prompt, sp, {})})
         assert_idle(engine)
     for mode in (False, True):
@@ -64,8 +65,8 @@ def test_a_stop_token_discards_the_token_in_flight(at):
 
 def test_abort_while_its_step_is_in_flight():
     engine = make_engine(async_scheduling=True)
-    engine.add_request("a", list(range(1, 30)), params(50))
-    engine.add_request("b", [1, 2, 3], params(6))
+    engine.add_request(GenerateRequest("a", list(range(1, 30)), params(50)))
+    engine.add_request(GenerateRequest("b", [1, 2, 3], params(6)))
     streamed = {"a": [], "b": []}
     for _ in range(3):
         for out in engine.step():
@@ -185,7 +186,7 @@ def test_streams_with_aborts_mid_stream_match_sync(tiny_model_dir):
     for mode in (False, True):
         engine = make_llm(tiny_model_dir, async_scheduling=mode).engine
         for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, sp)
+            engine.add_request(GenerateRequest(str(i), p, sp))
         got = {str(i): [] for i in range(len(prompts))}
         while engine.has_unfinished():
             for out in engine.step():

@@ -19,6 +19,7 @@ import pytest
 
 from jaxserve.config import ModelConfig, engine_config
 from jaxserve.engine import LLMEngine
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.preflight import program_cost
 from jaxserve.targets import Target
 
@@ -194,7 +195,7 @@ def test_a_compile_only_engine_runs_no_request(model_dirs):
 
     engine = build(model_dirs["small"], "h100", max_num_batched_tokens=16, max_num_seqs=2)
     with pytest.raises(RuntimeError, match="compile for a target that is not here"):
-        engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
+        engine.add_request(GenerateRequest("a", [1, 2, 3], SamplingParams(max_tokens=2)))
 
 
 def test_a_model_that_does_not_fit_the_chip_is_refused_naming_what(model_dirs, tmp_path):

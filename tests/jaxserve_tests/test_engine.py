@@ -5,6 +5,7 @@ import pytest
 from engine_utils import SMALL_LLM, prompt_logits
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.generate_request import GenerateRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -128,9 +129,11 @@ def test_streamed_deltas_add_up_to_the_final_output(tiny_model_dir):
     engine = llm.engine
     text = "The quick brown fox"
     engine.add_request(
-        "s",
-        llm.tokenizer.encode(text),
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        GenerateRequest(
+            "s",
+            llm.tokenizer.encode(text),
+            SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        )
     )
     deltas, ids, final = [], [], None
     while engine.has_unfinished():

@@ -8,8 +8,8 @@ import pytest
 from test_engine import make_llm
 
 from jaxserve import SamplingParams
+from jaxserve.generate_request import GenerateRequest, ResumedSample
 from jaxserve.kv.transfer import KVTransferError
-from jaxserve.request import ResumedSample
 
 PROMPTS = [[5 + (i * 7 + j * 3) % 300 for j in range(n)] for i, n in enumerate((29, 8, 17, 40))]
 CASES = {
@@ -31,7 +31,7 @@ def engines(tiny_model_dir):
 
 
 def finals(engine, prompt, params, **kw):
-    engine.add_request("r", prompt, params, **kw)
+    engine.add_request(GenerateRequest("r", prompt, params, **kw))
     deltas, last = {}, None
     for out in iter_outputs(engine):
         for c in out.outputs:
@@ -131,5 +131,5 @@ def test_bad_resume_names_the_field(engines):
         ([ResumedSample(1, [5, 5, 5, 5])], "nothing is left to generate"),
     ]:
         with pytest.raises(ValueError, match=match):
-            decode.add_request("bad", PROMPTS[0], params, resume=resume)
+            decode.add_request(GenerateRequest("bad", PROMPTS[0], params, resume=resume))
     assert not decode.has_unfinished()

@@ -11,6 +11,7 @@ from mock_runner import MockRunner, expected_tokens
 
 from jaxserve.config import ModelConfig, engine_config
 from jaxserve.engine import LLMEngine
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.sampling_params import SamplingParams
 
 VOCAB = 1000
@@ -71,7 +72,7 @@ def params(max_tokens, **kw):
 def run(engine, requests, *, check_every_step=True):
     """requests: {id: (prompt, SamplingParams, kwargs)}; returns {id: RequestOutput}."""
     for rid, (prompt, sp, kw) in requests.items():
-        engine.add_request(rid, prompt, sp, **kw)
+        engine.add_request(GenerateRequest(rid, prompt, sp, **kw))
     done = {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -118,9 +119,9 @@ def test_outputs_are_exact_for_every_chunk_size(budget, caching):
 
 def test_decodes_keep_flowing_during_a_long_prefill():
     engine = make_engine(budget=8)
-    engine.add_request("short", [1, 2, 3], params(20))
+    engine.add_request(GenerateRequest("short", [1, 2, 3], params(20)))
     engine.step()  # prefill "short"
-    engine.add_request("long", list(range(1, 60)), params(2))
+    engine.add_request(GenerateRequest("long", list(range(1, 60)), params(2)))
     for _ in range(5):
         plan_before = len(engine.requests["short"].seqs[0].output_ids)
         engine.step()
@@ -136,10 +137,10 @@ def test_a_step_just_past_a_token_bucket_defers_prompt_tokens_to_fit_the_one_bel
     engine.scheduler.schedule = lambda: plans.append(original()) or plans[-1]
     reqs = {f"d{i}": ([i + 1] * 3, params(6), {}) for i in range(3)}
     for rid, (prompt, sp, _) in reqs.items():
-        engine.add_request(rid, prompt, sp)
+        engine.add_request(GenerateRequest(rid, prompt, sp))
     engine.step()  # the three short prompts
     reqs["long"] = (list(range(100, 130)), params(4), {})
-    engine.add_request("long", *reqs["long"][:2])
+    engine.add_request(GenerateRequest("long", *reqs["long"][:2]))
     engine.step()
     step = plans[-1].scheduled
     assert [s.num_tokens for s in step] == [1, 1, 1, 29]  # decodes whole, the prompt cut
@@ -200,7 +201,7 @@ def test_prefix_cache_metrics_count_each_prompt_once():
     }
     waiting_steps = 0
     for rid, (prompt, sp, kw) in requests.items():
-        engine.add_request(rid, prompt, sp, **kw)
+        engine.add_request(GenerateRequest(rid, prompt, sp, **kw))
     while engine.has_unfinished():
         engine.step()
         waiting_steps += bool(engine.scheduler.waiting)
@@ -232,9 +233,9 @@ def test_forced_random_preemption_changes_nothing(caching):
 
 def test_preempts_the_lowest_priority_newest():
     engine = make_engine(num_pages=9, page_size=4, max_num_seqs=4, budget=64)
-    engine.add_request("old", [1] * 8, params(20), priority=0)
-    engine.add_request("vip", [2] * 8, params(20), priority=-1)
-    engine.add_request("new", [3] * 8, params(20), priority=0)
+    engine.add_request(GenerateRequest("old", [1] * 8, params(20), priority=0))
+    engine.add_request(GenerateRequest("vip", [2] * 8, params(20), priority=-1))
+    engine.add_request(GenerateRequest("new", [3] * 8, params(20), priority=0))
     victims = []
     while engine.has_unfinished():
         before = {s.request_id: s.num_preemptions for s in engine.scheduler.running}
@@ -251,7 +252,7 @@ def test_preempts_the_lowest_priority_newest():
 def test_priority_orders_admission():
     engine = make_engine(max_num_seqs=1)
     for rid, prio in [("c", 5), ("a", -1), ("b", 0)]:
-        engine.add_request(rid, [1, 2], params(1), priority=prio)
+        engine.add_request(GenerateRequest(rid, [1, 2], params(1), priority=prio))
     order = []
     while engine.has_unfinished():
         order += [o.request_id for o in engine.step() if o.finished]
@@ -270,8 +271,8 @@ def test_n_samples_share_the_prompt_pages():
 
 def test_abort_frees_pages_and_is_idempotent():
     engine = make_engine()
-    engine.add_request("a", list(range(1, 30)), params(50))
-    engine.add_request("b", [1, 2, 3], params(3))
+    engine.add_request(GenerateRequest("a", list(range(1, 30)), params(50)))
+    engine.add_request(GenerateRequest("b", [1, 2, 3], params(3)))
     engine.step()
     engine.step()
     assert engine.abort("a") is True
@@ -297,14 +298,14 @@ def test_abort_frees_pages_and_is_idempotent():
 )
 def test_admission_errors_leave_other_requests_untouched(prompt, sp, match):
     engine = make_engine(num_pages=16)
-    engine.add_request("good", [1, 2, 3], params(4))
+    engine.add_request(GenerateRequest("good", [1, 2, 3], params(4)))
     with pytest.raises(ValueError, match=match):
-        engine.add_request("bad", prompt, sp)
+        engine.add_request(GenerateRequest("bad", prompt, sp))
     done = run(engine, {})
     assert done["good"].outputs[0].token_ids == expected_tokens([1, 2, 3], 4, VOCAB)
     with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("dup", [1], params(1))
-        engine.add_request("dup", [1], params(1))
+        engine.add_request(GenerateRequest("dup", [1], params(1)))
+        engine.add_request(GenerateRequest("dup", [1], params(1)))
 
 
 @pytest.mark.slow
@@ -325,7 +326,7 @@ def test_soak_2000_requests_returns_every_page():
                 prompt = rs.choice(shared) + prompt
             sp = params(rs.randint(1, 16), n=rs.choice([1, 1, 1, 2, 3]))
             salt = rs.choice([None, None, "t1"])
-            engine.add_request(f"s{i}", prompt, sp, cache_salt=salt)
+            engine.add_request(GenerateRequest(f"s{i}", prompt, sp, cache_salt=salt))
             expected[f"s{i}"] = (prompt, sp)
             i += 1
             pending -= 1

@@ -12,6 +12,7 @@ from mock_runner import expected_tokens
 from test_scheduler import VOCAB, assert_exact, assert_idle, make_engine, params, random_requests
 
 from jaxserve.config import SpeculativeConfig
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.spec import NgramProposer
 
 
@@ -42,7 +43,7 @@ def run_streamed(engine, requests):
     """Runs to the end; returns {id: final output} and checks that the streamed
     deltas of every sample add up to its final tokens."""
     for rid, (prompt, sp, kw) in requests.items():
-        engine.add_request(rid, prompt, sp, **kw)
+        engine.add_request(GenerateRequest(rid, prompt, sp, **kw))
     done, streamed = {}, {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -78,7 +79,7 @@ def test_outputs_are_exact_with_every_acceptance_length(k, budget):
 def test_all_accepted_runs_emit_k_plus_one_tokens_per_step():
     prompt = [3, 1, 4, 1, 5]
     engine = spec_engine(4, wrong=0.0)
-    engine.add_request("a", prompt, params(21))
+    engine.add_request(GenerateRequest("a", prompt, params(21)))
     steps = 0
     while engine.has_unfinished():
         engine.step()
@@ -121,8 +122,8 @@ def test_drafts_never_cause_a_preemption(num_pages):
 def test_drafts_take_only_the_budget_the_real_tokens_left():
     """Budget 4, k = 3: one sequence's drafts must not stop another from decoding."""
     engine = spec_engine(3, wrong=0.0, budget=4, max_num_seqs=2)
-    engine.add_request("a", [1, 2, 3], params(30))
-    engine.add_request("b", [4, 5, 6], params(30))
+    engine.add_request(GenerateRequest("a", [1, 2, 3], params(30)))
+    engine.add_request(GenerateRequest("b", [4, 5, 6], params(30)))
     progress = []
     while engine.has_unfinished():
         progress.append({o.request_id for o in engine.step()})
@@ -166,7 +167,7 @@ def test_min_tokens_blocks_a_stop_token_on_every_verified_row():
     blocked on exactly the rows still under min_tokens."""
     engine = spec_engine(4)
     sp = params(20, stop_token_ids=[7], min_tokens=5)
-    engine.add_request("m", [4, 4, 4], sp)
+    engine.add_request(GenerateRequest("m", [4, 4, 4], sp))
     seq = engine.scheduler.waiting[0]
     seq.append(11)
     seq.append(12)  # two outputs so far

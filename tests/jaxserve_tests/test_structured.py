@@ -12,6 +12,7 @@ from hf_models import make_hf_model, save_tokenizer
 from test_tokenizer_sentencepiece import model_dir  # noqa: F401 (a fixture: SentencePiece)
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.sampling_params import StructuredOutputsParams as SO
 from jaxserve.structured import GrammarCompiler, to_grammar
 from jaxserve.tokenizer import Tokenizer
@@ -282,7 +283,7 @@ def test_demo_invalid_spec_is_refused_and_the_engine_keeps_serving(demo):
 def test_demo_abort_while_the_grammar_compiles(demo):
     engine = demo.engine
     schema = {"type": "object", "properties": {"unique_abort_case": {"type": "integer"}}}
-    engine.add_request("compiling", [1, 2, 3], _params(0, SO(json=schema)))
+    engine.add_request(GenerateRequest("compiling", [1, 2, 3], _params(0, SO(json=schema))))
     assert engine.has_unfinished()
     assert engine.abort("compiling")
     assert not engine.has_unfinished()
@@ -315,8 +316,8 @@ def test_demo_a_compiling_grammar_does_not_hold_up_other_requests(demo, monkeypa
         "properties": {"slow_case": {"enum": ["a", "b"]}},
         "required": ["slow_case"],
     }
-    engine.add_request("slow", [1, 2, 3], _params(0, SO(json=schema)))
-    engine.add_request("plain", [1, 2, 3], PLAIN4)
+    engine.add_request(GenerateRequest("slow", [1, 2, 3], _params(0, SO(json=schema))))
+    engine.add_request(GenerateRequest("plain", [1, 2, 3], PLAIN4))
     done = {}
     for _ in range(50):
         for out in engine.step():
@@ -339,8 +340,10 @@ def test_demo_a_grammar_that_fails_to_compile_aborts_only_its_request(demo, monk
 
     engine, release = demo.engine, threading.Event()
     _slow_compiles(monkeypatch, engine, release, ValueError("structured_outputs.regex: boom"))
-    engine.add_request("fails", [1, 2, 3], _params(0, SO(regex="x{1,3}failing-case")))
-    engine.add_request("plain", [1, 2, 3], PLAIN4)
+    engine.add_request(
+        GenerateRequest("fails", [1, 2, 3], _params(0, SO(regex="x{1,3}failing-case")))
+    )
+    engine.add_request(GenerateRequest("plain", [1, 2, 3], PLAIN4))
     release.set()
     done = {}
     while engine.has_unfinished():
@@ -352,7 +355,9 @@ def test_demo_a_grammar_that_fails_to_compile_aborts_only_its_request(demo, monk
     assert not engine.requests
     # The failure is cached: the same spec is refused at once, naming the field.
     with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
-        engine.add_request("again", [1, 2, 3], _params(0, SO(regex="x{1,3}failing-case")))
+        engine.add_request(
+            GenerateRequest("again", [1, 2, 3], _params(0, SO(regex="x{1,3}failing-case")))
+        )
 
 
 # ------------------------------------------------------ a random-weight model

@@ -9,10 +9,16 @@ import threading
 import grpc
 import pytest
 from conftest import ServerThread
+from mock_runner import MockRunner
 from test_server import request, stub, wait_idle
 
+from jaxserve.async_engine import AsyncLLMEngine
+from jaxserve.config import ModelConfig, engine_config
+from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.engine import LLMEngine
 from server import jaxserve_pb2 as pb
-from server.app import ServerOptions
+from server import jaxserve_pb2_grpc as pb_grpc
+from server.app import JaxServeServer, ServerOptions
 from server.router import RouterServer, RouterServicer
 
 DECODE = {"kv_offload_bytes": 16 << 20}
@@ -153,3 +159,72 @@ def test_bad_requests_through_the_router(cluster):
         stub(router.target).Complete(resumed, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert isinstance(pb.PrefillRequest(), pb.PrefillRequest)
+
+
+def _data_parallel_front():
+    """Two mock-runner replicas behind a DataParallelEngine (no model, no devices)."""
+    model = ModelConfig.from_hf(
+        dict(
+            architectures=["LlamaForCausalLM"],
+            vocab_size=1000,
+            hidden_size=8,
+            intermediate_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            max_position_embeddings=256,
+        )
+    )
+    config = engine_config("mock", model, max_model_len=256, block_size=4, num_kv_pages=64)
+    replicas = [AsyncLLMEngine(LLMEngine(config, runner=MockRunner(config, 64))) for _ in "ab"]
+    return DataParallelEngine(replicas, config)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_prefill_and_decode_over_data_parallel_replicas_are_refused_at_start_up(role):
+    front = _data_parallel_front()
+
+    async def main():
+        server = JaxServeServer(lambda: (front, None), ServerOptions(port=0, role=role))
+        await server.start()
+        try:
+            with pytest.raises(ValueError, match=rf"role '{role}'.*\(DataParallelEngine\)"):
+                await server.load()
+            assert server.state.engine is None and not server.ready.is_set()
+        finally:
+            await server.stop(grace=0)
+
+    asyncio.run(main())
+    assert not front.healthy  # the refused front was shut down
+
+
+def test_both_over_data_parallel_replicas_serves_and_refuses_only_kv_transfer():
+    front = _data_parallel_front()
+
+    async def main():
+        server = JaxServeServer(lambda: (front, None), ServerOptions(port=0))
+        await server.start()
+        await server.load()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        api = pb_grpc.JaxServeStub(channel)
+        try:
+            msg = pb.GenerateRequest(
+                prompt_token_ids=pb.TokenIds(ids=[1, 2, 3]),
+                sampling_params=pb.SamplingParams(max_tokens=4, ignore_eos=True),
+                priority=1,
+                cache_salt="tenant",
+            )
+            reply = await api.Complete(msg)
+            assert len(reply.completions[0].token_ids) == 4
+            for call in (
+                api.Prefill(pb.PrefillRequest(request=msg, decode_target="127.0.0.1:1")),
+                api.PushKV(iter([pb.KVPages(pages=[b"x"])])),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call
+                assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "DataParallelEngine" in e.value.details()
+        finally:
+            await channel.close()
+            await server.stop(grace=0)
+
+    asyncio.run(main())

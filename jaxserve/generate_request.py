@@ -1,0 +1,59 @@
+"""One request as a front end builds it: `GenerateRequest`.
+
+A front end (`LLM.generate`, the gRPC servicer, the HTTP handlers, the CLI) builds
+it once; every layer below (`jaxserve.front.EngineFront`: the async engine, the
+data-parallel router, a Ray replica and its actor) passes it on unchanged down to
+`LLMEngine.add_request`. A new per-request input (say, a LoRA adapter) is a field
+here plus the code that reads it; the layers between need no change.
+
+The engine validates the fields (`jaxserve.engine.validate_request`, errors naming
+the field and the value): this type only puts the sequences into tuples, so that a
+request cannot change on its way down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumedSample:
+    """A sample another instance started (disaggregated prefill): its tokens so far and,
+    if the request asks for logprobs, their entries ({token id: logprob}, chosen included)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    """What to generate: the prompt's token ids (and its text, if it had one), how to
+    sample, and how to serve it.
+
+    `priority`: lower runs first (vLLM's convention). `cache_salt`: requests with
+    different salts never share prefix-cache pages (tenants). `resume` (disaggregated
+    decode): continue only these samples, from the tokens another instance sampled
+    for them, after it pushed the prompt's KV pages here.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    prompt: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    resume: tuple[ResumedSample, ...] | None = None
+
+    def __post_init__(self):
+        # Integer-like ids (numpy's) become ints; anything else stays as it is, for
+        # the engine's validation to name.
+        ids = tuple(
+            int(t) if hasattr(t, "__index__") and not isinstance(t, bool) else t
+            for t in self.prompt_token_ids
+        )
+        object.__setattr__(self, "prompt_token_ids", ids)
+        if self.resume is not None:
+            object.__setattr__(self, "resume", tuple(self.resume))
