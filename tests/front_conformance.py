@@ -1,0 +1,14 @@
+"""Type-checked, never run: every engine front conforms to `EngineFront` (mypy, with
+the config in pyproject.toml; CI runs `mypy`). A front that drops or changes a
+method of the protocol fails the check here, before a server meets it."""
+
+from jaxserve.async_engine import AsyncLLMEngine
+from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.front import EngineFront
+from jaxserve.ray_replicas import RayReplica
+
+
+def fronts(
+    single: AsyncLLMEngine, replicas: DataParallelEngine, ray_replica: RayReplica
+) -> list[EngineFront]:
+    return [single, replicas, ray_replica]
