@@ -174,7 +174,9 @@ def _data_parallel_front():
             max_position_embeddings=256,
         )
     )
-    config = engine_config("mock", model, max_model_len=256, block_size=4, num_kv_pages=64)
+    config = engine_config(
+        "mock", model, max_model_len=256, block_size=4, num_kv_pages=64, warmup=False
+    )
     replicas = [AsyncLLMEngine(LLMEngine(config, runner=MockRunner(config, 64))) for _ in "ab"]
     return DataParallelEngine(replicas, config)
 
