@@ -23,7 +23,7 @@ from engine_utils import SMALL_LLM_IDS
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.data_parallel import DataParallelEngine
-from jaxserve.inputs import ParsedPrompt
+from jaxserve.generate_request import GenerateRequest
 from server.metrics import ServerMetrics
 from server.serving import stream
 
@@ -82,8 +82,8 @@ def main(model_dir: str, dp: str, tp: str) -> None:
     greedy = params[1]
 
     async def through_server(i: int) -> list[int]:
-        prompt = ParsedPrompt(prompts[i]["prompt_token_ids"], None)
-        outs = [o async for o in stream(front, metrics, f"s{i}", prompt, greedy)]
+        request = GenerateRequest(f"s{i}", prompts[i]["prompt_token_ids"], greedy)
+        outs = [o async for o in stream(front, metrics, request)]
         return outs[-1].outputs[0].token_ids
 
     async def all_through_server() -> list[list[int]]:

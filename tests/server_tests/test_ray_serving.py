@@ -13,6 +13,7 @@ from test_server import _scrape, request, stub
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.front import EngineFront
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "A B C D E F G H I J K L", "Hello"]
 
@@ -39,6 +40,9 @@ def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(tiny_mod
     try:
         front = server.server.state.engine
         assert isinstance(front, DataParallelEngine) and len(front.replicas) == 2
+        assert isinstance(front, EngineFront) and all(
+            isinstance(r, EngineFront) and not r.can_transfer_kv for r in front.replicas
+        )
         for prompt, tokens in zip(PROMPTS, want, strict=True):
             got = []
             for msg in stub(server.target).Generate(request(prompt, **params)):
