@@ -34,6 +34,7 @@ from pallas_kernels.cpu import attention as cpu_attention
 from pallas_kernels.kv_layout import CacheLayout
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.quantization import QuantizedKV, quantize_kv
+from pallas_kernels.tpu_block_sizes import TpuBlockSizes
 
 # The mesh axis attention heads are sharded over: `jaxserve.parallel` maps the
 # models' q_heads / kv_heads logical axes to it.
@@ -160,7 +161,7 @@ def _cpu_attention(queries, kv_cache, *args, **kwargs):
 def _tpu_attention(queries, kv_cache, *args, interpret=False, **kwargs):
     """The TPU kernel with block sizes for the device it is traced for."""
     kind = traced_device_kind("tpu") or "TPU v5 lite"
-    sizes = tpu.TpuBlockSizes.for_device(
+    sizes = TpuBlockSizes.for_device(
         kind,
         queries.shape[-1],
         num_heads=queries.shape[1],

@@ -38,6 +38,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 # ----------------------------------------------------------------------------
 # The pure-jnp reference.
@@ -369,4 +370,46 @@ def ragged_paged_attention_jit(
         soft_cap=soft_cap,
         pages_per_block=pages_per_block,
         queries_per_block=queries_per_block,
+    )
+
+
+def attention_cost(
+    queries,  # [T, N, H]
+    page_indices,  # [B, M]
+    *,
+    page_size: int,
+    kv_bytes_per_position: float,
+    flop_head_dim: int,
+    block_q: int,
+    block_kv: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> pl.CostEstimate:
+    """What XLA is told a paged-attention kernel costs (a Pallas call without it counts
+    as 0 flops and 0 bytes), for the TPU and GPU kernels alike. The kv lengths are
+    data, so this is an upper bound from the shapes: every query token attends its
+    sequence's whole page table (M * S positions) or its window; min(B, T) sequences
+    can be real, so there are at most min(B, T) + (T - min(B, T)) // block_q query
+    blocks, each reading its positions once (a window's block: its rows' spans and a
+    partial kv tile at either end); queries are read and the output written once. A
+    decode batch whose sequences fill their page tables meets it exactly.
+
+    `kv_bytes_per_position`: what a query block reads per kv position (every KV head's
+    K and V, scales, and any re-read over head blocks); `flop_head_dim`: the head_dim
+    the dots run on (padded on the GPU).
+    """
+    t, n, h = queries.shape
+    b, m = page_indices.shape
+    ctx = m * page_size
+    span = ctx if sliding_window is None else min(ctx, sliding_window)
+    read = ctx if sliding_window is None else min(ctx, sliding_window + block_q + 2 * block_kv)
+    seqs = min(b, t)
+    q_blocks = seqs + (t - seqs) // block_q
+    q_bytes = t * n * h * jnp.dtype(queries.dtype).itemsize
+    return pl.CostEstimate(
+        flops=4 * t * n * flop_head_dim * span,  # q.k and p.v: 2 flops a multiply-add each
+        transcendentals=t * n * span * (2 if soft_cap is not None else 1),  # exp (and tanh)
+        # + the page tables, kv_lens, cu_q_lens and num_seqs (int32)
+        bytes_accessed=int(2 * q_bytes + q_blocks * read * kv_bytes_per_position)
+        + 4 * (b * m + 2 * b + 2),
     )

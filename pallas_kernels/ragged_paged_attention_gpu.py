@@ -34,7 +34,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.ragged_paged_attention import pad_page_table, validate_inputs
+from pallas_kernels.ragged_paged_attention import (
+    attention_cost,
+    pad_page_table,
+    validate_inputs,
+)
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -298,46 +302,6 @@ def _kernel(
             )
 
 
-def attention_cost(
-    queries: jax.ShapeDtypeStruct,  # [T, N, H]
-    kv_cache: jax.ShapeDtypeStruct,  # [P, S, 2K, H]
-    page_indices: jax.ShapeDtypeStruct,  # [B, M]
-    *,
-    quantized: bool,
-    sliding_window: int | None,
-    soft_cap: float | None,
-    block_q: int,
-    block_kv: int,
-    head_blocks: int,
-) -> pl.CostEstimate:
-    """An upper bound on the attention kernel's work, from the shapes alone (the kv
-    lengths are data): every query token attends its sequence's whole page table (M * S
-    positions) or its window; every query block reads those positions' K and V (and
-    scales) once per head block; min(B, T) sequences can be real, so there are at most
-    min(B, T) + (T - min(B, T)) // block_q query blocks; queries are read and the
-    output written once. A decode batch whose sequences fill their page tables meets it
-    exactly. Flops count the padded head_dim the dots run on, bytes the real one.
-    """
-    t, n, h = queries.shape
-    _, s, kv2, _ = kv_cache.shape
-    b, m = page_indices.shape
-    hp = max(16, pl.next_power_of_2(h))
-    span = m * s if sliding_window is None else min(m * s, sliding_window)
-    # a window's query block reads its rows' spans and a partial tile at either end
-    read = m * s if sliding_window is None else min(m * s, sliding_window + block_q + 2 * block_kv)
-    seqs = min(b, t)
-    q_blocks = seqs + (t - seqs) // block_q
-    kv_row = 2 * h * jnp.dtype(kv_cache.dtype).itemsize + 8 * quantized  # K, V (and scales)
-    kv_bytes = q_blocks * (kv2 // 2) * head_blocks * read * kv_row
-    q_bytes = t * n * h * jnp.dtype(queries.dtype).itemsize
-    return pl.CostEstimate(
-        flops=4 * t * n * hp * span,  # q.k and p.v
-        transcendentals=t * n * span * (2 if soft_cap is not None else 1),  # exp (and tanh)
-        # + the page tables, kv_lens, cu_q_lens and num_seqs (int32)
-        bytes_accessed=2 * q_bytes + kv_bytes + 4 * (b * m + 2 * b + 2),
-    )
-
-
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_sizes", "interpret"),
@@ -438,16 +402,19 @@ def ragged_paged_attention(
         compiler_params=plgpu.CompilerParams(
             num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
         ),
+        # Each head block reads every KV head's K and V rows (and float32 scales).
         cost_estimate=attention_cost(
             queries,
-            kv_cache,
             page_indices,
-            quantized=quantized,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
+            page_size=s,
+            kv_bytes_per_position=k_heads
+            * head_blocks
+            * (2 * h * jnp.dtype(kv_cache.dtype).itemsize + 8 * quantized),
+            flop_head_dim=hp,
             block_q=bq,
             block_kv=block_kv,
-            head_blocks=head_blocks,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
         ),
         interpret=interpret,
         name="ragged_paged_attention_gpu",

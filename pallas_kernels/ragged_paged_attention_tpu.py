@@ -37,16 +37,14 @@ The KV write is an XLA scatter of each token's W lanes into its slot, in place
 when the cache is donated. (A Pallas DMA of one slot would be a window of one row
 of the tiled slot axis, which Mosaic refuses for 8- and 16-bit pages.)
 
-Both kernels tell XLA what they cost (`attention_cost`; a Pallas call without a
-CostEstimate counts as 0 flops and 0 bytes), and block sizes are chosen by the VMEM
-they need (`kernel_vmem_bytes`) against what the generation has (`vmem_capacity`):
-the capacities and Mosaic's own VMEM are the deviceless compiler's figures
-(tests/pallas_kernels_tests/test_tpu_compile.py compiles a grid for v4-v6e).
+The attention kernel tells XLA what it costs (`ragged_paged_attention.attention_cost`;
+a Pallas call without a CostEstimate counts as 0 flops and 0 bytes), and its block
+sizes are chosen by the VMEM they need against what the generation has
+(`pallas_kernels.tpu_block_sizes`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -55,103 +53,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kv_layout import CacheLayout, write_rows
-from pallas_kernels.ragged_paged_attention import pad_page_table, validate_inputs
+from pallas_kernels.ragged_paged_attention import (
+    attention_cost,
+    pad_page_table,
+    validate_inputs,
+)
+from pallas_kernels.tpu_block_sizes import (
+    TpuBlockSizes,
+    kernel_vmem_bytes,
+    kv_rows_per_program,
+    program_lanes,
+    vmem_limit,
+)
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-_MIB = 2**20
-# VMEM one kernel may allocate, per generation (device kind, lower case): the deviceless
-# compiler (libtpu, jax 0.10.2) fails RESOURCE_EXHAUSTED past it, whatever
-# vmem_limit_bytes says (v4 16 MiB, v5p 64 MiB, v5e and v6e 128 MiB; v2/v3 16 MiB).
-_VMEM_CAPACITY = {"v6": 128 * _MIB, "v5 lite": 128 * _MIB, "v5e": 128 * _MIB, "v5": 64 * _MIB}
-_VMEM_CAPACITY_OTHER = 16 * _MIB
-# XLA's default scoped VMEM for a kernel; above it the kernel asks for more explicitly.
-_SCOPED_VMEM = 16 * _MIB
-# Mosaic's own VMEM beyond the scratch buffers (the kv tile's [L, H] values as they are
-# unpacked, dequantized and cast; the [bq, L] scores), per element of the kv tile (H
-# padded to 128 lanes): what XLA reserves for the compiled kernel minus
-# `scratch_vmem_bytes` was at most 160 bytes per element (L 128 to 512, head_dim 64 to
-# 256, every query/cache dtype; float32 queries over bfloat16 head_dim 64 the most).
-_MOSAIC_VMEM_PER_KV_ELEMENT = 176
-
-
-def vmem_capacity(device_kind: str) -> int:
-    """VMEM a kernel may use on a TPU of this kind ('TPU v5 lite', 'TPU v4', ...)."""
-    kind = device_kind.lower()
-    for key, capacity in _VMEM_CAPACITY.items():
-        if key in kind:
-            return capacity
-    return _VMEM_CAPACITY_OTHER
-
-
-@dataclasses.dataclass(frozen=True)
-class TpuBlockSizes:
-    """Tile sizes of the TPU kernel.
-
-    block_q: query rows per program, a multiple of 8 (the sublane tile).
-    pages_per_block: KV pages copied per inner-loop iteration; the kv tile is
-      pages_per_block * page_size tokens, best a multiple of 128 (the lane tile).
-    Defaults (`for_device`): 16 query rows where the kernel's VMEM fits the
-    generation, else 8; a 128-token kv tile.
-    """
-
-    block_q: int = 16
-    pages_per_block: int | None = None  # None: 128 tokens' worth of pages
-
-    def __post_init__(self):
-        if self.block_q <= 0 or self.block_q % 8:
-            raise ValueError(f"block_q must be a positive multiple of 8, got {self.block_q}")
-        if self.pages_per_block is not None and self.pages_per_block <= 0:
-            raise ValueError(f"pages_per_block must be positive, got {self.pages_per_block}")
-
-    def resolve_pages_per_block(self, page_size: int) -> int:
-        return self.pages_per_block or max(1, 128 // page_size)
-
-    @classmethod
-    def for_device(
-        cls,
-        device_kind: str,
-        head_dim: int,
-        *,
-        num_heads: int | None = None,
-        num_kv_heads: int | None = None,
-        page_size: int = 16,
-        q_dtype=jnp.bfloat16,
-        kv_dtype=jnp.bfloat16,
-    ) -> TpuBlockSizes:
-        """The largest block_q (16, else 8) whose VMEM (`kernel_vmem_bytes`) fits the
-        generation's capacity (`vmem_capacity`). Without the head counts it sizes for
-        the largest head block the kernel makes: 16 KV heads (32 int8 rows, a whole
-        tile) of 8 query heads each, bfloat16 queries over int8 pages. Raises
-        ValueError where not even 8 rows fit."""
-        kind = device_kind.lower()
-        if "v2" in kind or "v3" in kind:
-            return cls(block_q=8)
-        if num_heads is None or num_kv_heads is None:
-            num_heads, num_kv_heads, q_dtype, kv_dtype = 128, 16, jnp.bfloat16, jnp.int8
-        capacity = vmem_capacity(device_kind)
-        needs = {}
-        for block_q in (16, 8):
-            sizes = cls(block_q=block_q)
-            needs[block_q] = kernel_vmem_bytes(
-                block_q,
-                sizes.resolve_pages_per_block(page_size),
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                page_size=page_size,
-                q_dtype=q_dtype,
-                kv_dtype=kv_dtype,
-            )
-            if needs[block_q] <= capacity:
-                return sizes
-        raise ValueError(
-            f"the TPU attention kernel needs {needs} bytes of VMEM by block_q for "
-            f"{num_heads} query heads, {num_kv_heads} KV heads, head_dim {head_dim}, "
-            f"{jnp.dtype(q_dtype).name} queries over {jnp.dtype(kv_dtype).name} pages; "
-            f"{device_kind} allows {capacity}"
-        )
 
 
 def _kernel(
@@ -329,121 +244,8 @@ def _kernel(
         o_copy.wait()
 
 
-def _vmem_bytes(shape: tuple[int, ...], dtype) -> int:
-    """Bytes of a VMEM buffer in Mosaic's tiled layout: the last two axes padded to
-    whole (8 * packing, 128) tiles (16-bit types pack 2 rows per sublane, 8-bit 4)."""
-    *lead, rows, lanes = shape
-    itemsize = jnp.dtype(dtype).itemsize
-    sublanes = 8 * (4 // itemsize)
-    padded = -(-rows // sublanes) * sublanes * (-(-lanes // 128) * 128)
-    return functools.reduce(lambda a, b: a * b, lead, 1) * padded * itemsize
-
-
-def scratch_vmem_bytes(
-    block_q: int,
-    pages_per_block: int,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    page_size: int,
-    q_dtype,
-    kv_dtype,
-) -> int:
-    """VMEM the attention kernel's scratch buffers take for these shapes (what
-    `ragged_paged_attention` allocates), padded to tiles."""
-    group = num_heads // num_kv_heads
-    rows = kv_rows_per_program(num_kv_heads, kv_dtype)
-    heads = rows // 2
-    hg = heads * group
-    quantized = jnp.dtype(kv_dtype).itemsize == 1
-    lanes = _program_lanes(num_kv_heads, head_dim, page_size, kv_dtype)
-    buffers = [
-        ((block_q, heads, group, head_dim), q_dtype),  # q
-        ((hg, block_q, head_dim), q_dtype),  # q, head-major
-        ((pages_per_block, page_size, lanes), kv_dtype),  # kv
-        ((block_q, heads, group, head_dim), q_dtype),  # o
-        ((hg, block_q, 1), jnp.float32),  # m
-        ((hg, block_q, 1), jnp.float32),  # l
-        ((hg, block_q, head_dim), jnp.float32),  # acc
-    ]
-    if quantized:
-        scale_lanes = CacheLayout(num_kv_heads, head_dim, page_size, lane_dense=True).scale_lanes
-        buffers.append(((pages_per_block, 1, scale_lanes), jnp.float32))
-    if jnp.dtype(q_dtype).itemsize < 4:
-        buffers.append(((block_q, heads, group, head_dim), jnp.float32))  # q/o staging
-    return sum(_vmem_bytes(shape, dtype) for shape, dtype in buffers)
-
-
-def kernel_vmem_bytes(block_q: int, pages_per_block: int, **shapes) -> int:
-    """VMEM to budget for the attention kernel: its scratch buffers and Mosaic's own."""
-    kv_tile = pages_per_block * shapes["page_size"] * (-(-shapes["head_dim"] // 128) * 128)
-    return (
-        scratch_vmem_bytes(block_q, pages_per_block, **shapes)
-        + _MOSAIC_VMEM_PER_KV_ELEMENT * kv_tile
-    )
-
-
-def _vmem_limit(need: int) -> int | None:
-    """vmem_limit_bytes for a kernel that needs `need` bytes: None (XLA's default
-    scoped VMEM) where that suffices, else `need` in whole MiB (the compiler refuses it
-    on a generation with less VMEM: `TpuBlockSizes.for_device` picks sizes that fit)."""
-    return None if need <= _SCOPED_VMEM else -(-need // _MIB) * _MIB
-
-
-def attention_cost(
-    queries: jax.Array,  # [T, N, H]
-    kv_cache: jax.Array,  # [P, S, W] lane-dense
-    page_indices: jax.Array,  # [B, M]
-    *,
-    block_q: int,
-    scale_lanes: int | None,  # per page, for int8 / fp8 pages
-    soft_cap: float | None,
-) -> pl.CostEstimate:
-    """What XLA is told the attention kernel costs (without it, a Pallas call counts as
-    0 flops and 0 bytes). The batch's lengths are not in the shapes, so this is a bound:
-    every query token attends its sequence's whole page-table capacity, M * S tokens
-    (the longest context a step of these shapes can hold; decode steps of short
-    sequences cost far less), and each query block with work (at most one per
-    sequence plus T / bq) reads its sequence's pages once.
-    """
-    t, n, h = queries.shape
-    _, s, w = kv_cache.shape
-    ctx = page_indices.shape[1] * s
-    blocks = min(page_indices.shape[0], t) + t // block_q
-    kv_row_bytes = w * kv_cache.dtype.itemsize + (scale_lanes * 4 // s if scale_lanes else 0)
-    scores = t * n * ctx
-    return pl.CostEstimate(
-        flops=4 * h * scores,  # q.k and p.v: 2 flops per multiply-add each
-        transcendentals=scores * (2 if soft_cap is not None else 1),  # exp [, tanh]
-        bytes_accessed=2 * queries.size * queries.dtype.itemsize  # queries, output
-        + blocks * ctx * kv_row_bytes  # pages [and scales]
-        + page_indices.size * 4,
-    )
-
-
 def _interpret(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
-
-
-def kv_rows_per_program(num_kv_heads: int, kv_dtype) -> int:
-    """KV rows (2 per kv head) one program reads from each page: 8 sublanes' worth
-    (8 rows of float32, 16 of bfloat16, 32 of int8 / fp8) where 2K is a multiple of it,
-    else all 2K rows. In the lane-dense cache a program's rows are rows * H lanes of
-    each slot, a multiple of 128 (H a multiple of 16), so its page DMA starts and ends
-    on lane-tile boundaries; the VMEM block it fills stays within the budget
-    `for_device` sizes for."""
-    tile = 8 * (4 // jnp.dtype(kv_dtype).itemsize)
-    return tile if (2 * num_kv_heads) % tile == 0 else 2 * num_kv_heads
-
-
-def _program_lanes(num_kv_heads: int, head_dim: int, page_size: int, kv_dtype) -> int:
-    """Lanes of a slot one program copies: its rows' (`kv_rows_per_program`), or the
-    whole padded width where it takes all 2K rows."""
-    rows = kv_rows_per_program(num_kv_heads, kv_dtype)
-    if rows == 2 * num_kv_heads:
-        return CacheLayout(num_kv_heads, head_dim, page_size, lane_dense=True).row_lanes
-    return rows * head_dim
 
 
 def _validate_dense(queries, kv_cache, kv_scales, num_kv_heads: int | None) -> CacheLayout:
@@ -507,7 +309,7 @@ def ragged_paged_attention(
     group = n // k_heads
     rows = kv_rows_per_program(k_heads, kv_cache.dtype)
     heads = rows // 2
-    lanes = _program_lanes(k_heads, h, s, kv_cache.dtype)
+    lanes = program_lanes(k_heads, h, s, kv_cache.dtype)
     bq = block_sizes.block_q
     ppb = min(block_sizes.resolve_pages_per_block(s), page_indices.shape[1])
     num_seqs_b = page_indices.shape[0]
@@ -558,7 +360,7 @@ def ragged_paged_attention(
         input_output_aliases={6 + len(scales): 0},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary", "arbitrary", "arbitrary"),
-            vmem_limit_bytes=_vmem_limit(
+            vmem_limit_bytes=vmem_limit(
                 kernel_vmem_bytes(
                     bq,
                     ppb,
@@ -571,12 +373,18 @@ def ragged_paged_attention(
                 )
             ),
         ),
+        # A position's row of the lane-dense page (every KV head's K and V), and its
+        # share of the page's scale lanes.
         cost_estimate=attention_cost(
             queries,
-            kv_cache,
             page_indices,
+            page_size=s,
+            kv_bytes_per_position=kv_cache.shape[2] * kv_cache.dtype.itemsize
+            + (layout.scale_lanes * 4 / s if quantized else 0),
+            flop_head_dim=h,
             block_q=bq,
-            scale_lanes=layout.scale_lanes if quantized else None,
+            block_kv=ppb * s,
+            sliding_window=sliding_window,
             soft_cap=soft_cap,
         ),
         interpret=_interpret(interpret),

@@ -34,7 +34,9 @@ from jaxserve.front import EngineDeadError
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.ray_replicas import HEALTH_INTERVAL_S
 
-STEP_TIMEOUT_S = 4.0
+# Long enough that a healthy replica's loop comes round on a loaded 2-core machine (4 s
+# failed twice there, with the test run and a compile beside it); short enough to wait.
+STEP_TIMEOUT_S = 15.0
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)  # dp_check's greedy requests
 
 

@@ -391,8 +391,8 @@ class ModelRunner:
         """Compiles every program a serving step can need, ahead of time and without
         running them: the forward pass and the prompt logprobs for each token bucket,
         and sampling for each row bucket (with and without the penalty history), plus
-        the (name, program)
-        pairs `extra(abstract)` lowers (the draft model's, the KV pages' transfers).
+        the (name, program) pairs `extra(abstract)` lowers (the draft model's, the KV
+        pages' transfers).
         The batches are abstract (shapes only), so warm-up computes nothing; the
         programs land in the jit caches (and the persistent compilation cache) that
         steps then use. Tracing is Python and goes one program at a time; XLA

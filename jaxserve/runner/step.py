@@ -16,7 +16,7 @@ The program layout (what is compiled, and for which shapes):
   (R = S * (1 + num_speculative_tokens) rows at most).
 
 So a configuration compiles 2 * len(token buckets) + 2 * len(row buckets) programs
-(36 for the defaults; `input_batch.StepShapes` lists the buckets), instead of
+(38 for the defaults; `input_batch.StepShapes` lists the buckets), instead of
 one forward per (T, B) pair. Speculation with k drafts adds the row buckets up
 to S * (1 + k) and a token and row bucket of 1 + k (a lone speculating sequence).
 

@@ -14,6 +14,7 @@ from test_reference import make_case
 from pallas_kernels import ragged_paged_attention as ref
 from pallas_kernels import ragged_paged_attention_gpu as gpu
 from pallas_kernels import ragged_paged_attention_tpu as tpu
+from pallas_kernels.tpu_block_sizes import TpuBlockSizes
 
 KERNELS = {"tpu": tpu, "gpu": gpu}
 BATCHES = {
@@ -344,9 +345,9 @@ def test_block_sizes_are_validated():
     with pytest.raises(ValueError, match="block_q must be a power of two >= 16"):
         gpu.GpuBlockSizes(block_q=24)
     with pytest.raises(ValueError, match="block_q must be a positive multiple of 8"):
-        tpu.TpuBlockSizes(block_q=12)
-    assert tpu.TpuBlockSizes.for_device("TPU v3", 128).block_q == 8
-    assert tpu.TpuBlockSizes.for_device("TPU v5 lite", 128).resolve_pages_per_block(16) == 8
+        TpuBlockSizes(block_q=12)
+    assert TpuBlockSizes.for_device("TPU v3", 128).block_q == 8
+    assert TpuBlockSizes.for_device("TPU v5 lite", 128).resolve_pages_per_block(16) == 8
     assert gpu.GpuBlockSizes.for_device("NVIDIA H100 80GB HBM3", 128).num_stages == 3
     assert gpu.GpuBlockSizes.for_device("NVIDIA L4", 256).num_warps == 8
     with pytest.raises(ValueError, match="block_kv must be a power of two >= 16"):

@@ -18,8 +18,10 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import ragged_paged_attention_tpu as tpu
+from pallas_kernels import tpu_block_sizes
 from pallas_kernels.kv_layout import CacheLayout
-from pallas_kernels.ragged_paged_attention_tpu import TpuBlockSizes
+from pallas_kernels.ragged_paged_attention import attention_cost
+from pallas_kernels.tpu_block_sizes import TpuBlockSizes
 
 POOL_TOKENS = 4096 * 16
 TABLE_TOKENS = 2048
@@ -204,12 +206,15 @@ def check_attention_compiles(device, case: dict, sizes: TpuBlockSizes | None = N
     )
     compiled = _compile(device, fn, _structs(device, shapes))
     (queries, _), (cache, kv_dtype), _, (table, _), *_ = shapes
-    want = tpu.attention_cost(
+    want = attention_cost(
         jax.ShapeDtypeStruct(queries, DTYPES[case["q"]]),
-        jax.ShapeDtypeStruct(cache, kv_dtype),
         jax.ShapeDtypeStruct(table, jnp.int32),
+        page_size=case["page_size"],
+        kv_bytes_per_position=cache[2] * jnp.dtype(kv_dtype).itemsize,  # (scales aside)
+        flop_head_dim=case["head_dim"],
         block_q=sizes.block_q,
-        scale_lanes=shapes[6][0][1] if len(shapes) == 7 else None,
+        block_kv=sizes.resolve_pages_per_block(case["page_size"]) * case["page_size"],
+        sliding_window=ATTENTION[case["attention"]].get("sliding_window"),
         soft_cap=ATTENTION[case["attention"]].get("soft_cap"),
     )
     cost = compiled.cost_analysis()
@@ -217,7 +222,7 @@ def check_attention_compiles(device, case: dict, sizes: TpuBlockSizes | None = N
     assert cost["flops"] >= want.flops > 0
     assert cost["bytes accessed"] >= want.bytes_accessed > 0
     # The VMEM budget `for_device` sizes blocks by is an upper bound of what XLA reserves.
-    budget = tpu.kernel_vmem_bytes(
+    budget = tpu_block_sizes.kernel_vmem_bytes(
         sizes.block_q,
         min(sizes.resolve_pages_per_block(case["page_size"]), table[1]),
         num_heads=queries[1],
@@ -228,7 +233,7 @@ def check_attention_compiles(device, case: dict, sizes: TpuBlockSizes | None = N
         kv_dtype=kv_dtype,
     )
     assert 0 < reserved_vmem(compiled) <= budget
-    assert budget <= tpu.vmem_capacity(device.device_kind)
+    assert budget <= tpu_block_sizes.vmem_capacity(device.device_kind)
     return compiled
 
 
