@@ -10,7 +10,7 @@ import pytest
 from jaxserve.checkpoint import abstract_model
 from jaxserve.config import ModelConfig
 from jaxserve.runner.input_batch import SeqWork, build_batch
-from jaxserve.runner.step import ModelDef, StepInput, forward, logits_step
+from jaxserve.runner.step import ModelDef, StepInput, forward, logits_step, prompt_logprobs_step
 from models import supported_architectures
 
 # Published configs (config.json fields) and parameter counts.
@@ -256,11 +256,15 @@ def test_real_size_builds_and_traces_abstractly(name):
         token_bucket=32,
         seq_bucket=4,
     )
-    selected, prompt_lp, new_kv = jax.eval_shape(
+    selected, hidden, new_kv = jax.eval_shape(
         functools.partial(forward, model_def), leaves, kv, StepInput.from_host(batch)
     )
     logits = jax.eval_shape(functools.partial(logits_step, model_def), leaves, selected)
+    prompt_lp = jax.eval_shape(
+        functools.partial(prompt_logprobs_step, model_def), leaves, hidden, batch.prompt_targets
+    )
     assert selected.shape == (4, config.hidden_size)
+    assert hidden.shape == (32, config.hidden_size)
     assert [x.shape for x in prompt_lp] == [(32,), (32, 20), (32, 20)]
     assert logits.shape == (4, config.vocab_size) and logits.dtype == jnp.float32
     assert [x.shape for x in new_kv] == [x.shape for x in kv]
