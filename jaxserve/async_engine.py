@@ -24,9 +24,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
 from jaxserve.engine import LLMEngine
+from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.front import EngineDeadError
 from jaxserve.generate_request import GenerateRequest
-from jaxserve.metrics import StatsSnapshot
 from jaxserve.outputs import ModelInfo, RequestOutput
 
 T = TypeVar("T")

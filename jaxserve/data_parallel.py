@@ -31,10 +31,10 @@ from jaxserve import parallel
 from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
+from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.front import EngineDeadError, EngineFront, cannot_transfer_kv
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.kv.page_pool import ROOT_UID
-from jaxserve.metrics import StatsSnapshot
 from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.tokenizer import Tokenizer
 

@@ -20,20 +20,20 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.engine_stats import EngineStats, StatsSnapshot
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.kv import PagePool
 from jaxserve.kv.connector import KVConnector, cached_prefix, encode_gathered
 from jaxserve.kv.tier import KVTier
 from jaxserve.kv.transfer import KVLayout, decode_page
-from jaxserve.metrics import EngineStats, StatsSnapshot
 from jaxserve.outputs import ModelInfo, RequestOutput
-from jaxserve.request import Sequence, Status
 from jaxserve.request_state import RequestState, check_resume
 from jaxserve.runner import bundle
 from jaxserve.runner.input_batch import SampleRow, SeqWork
 from jaxserve.runner.model_runner import ModelRunner, PendingStep
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from jaxserve.sequence import SequenceState, Status
 from jaxserve.spec import NgramProposer
 from jaxserve.structured import GrammarCompiler, GrammarMatcher
 from jaxserve.targets import Target
@@ -54,7 +54,7 @@ class _Step:
     sampled: list[tuple[ScheduledSeq, int]]  # (item, first row)
 
     @functools.cached_property
-    def rows(self) -> dict[Sequence, int]:
+    def rows(self) -> dict[SequenceState, int]:
         """Each sampling sequence's row: where the next step reads its token."""
         return {item.seq: first for item, first in self.sampled}
 
@@ -385,7 +385,7 @@ class LLMEngine:
         seqs, leader = [], None
         for i in indices:
             base = params.seed if params.seed is not None else self._rng.getrandbits(32)
-            seq = Sequence(
+            seq = SequenceState(
                 request_id=request_id,
                 index=i,
                 prompt_token_ids=ids,
@@ -539,7 +539,7 @@ class LLMEngine:
         runs it.
 
         The scheduler plans as if each sampling sequence of the step in flight had its
-        token already (`Sequence.num_placeholders`); the runner reads those tokens on
+        token already (`SequenceState.num_placeholders`); the runner reads those tokens on
         the device. A sequence that the step in flight stops (or that is aborted) has
         its next step's token discarded; its pages go back to the pool at once, which
         is safe because every later step, the only reader or writer of a page, runs
@@ -602,7 +602,7 @@ class LLMEngine:
                     self.requests[seq.request_id].record_prompt_logprobs(item, offset, prompt_lp)
                 offset += item.num_tokens
         touched: dict[str, RequestState] = {}
-        new_tokens: dict[Sequence, list[int]] = {}
+        new_tokens: dict[SequenceState, list[int]] = {}
         for item, first in step.sampled:
             seq = item.seq
             seq.num_placeholders -= 1
@@ -678,7 +678,7 @@ class LLMEngine:
         for i, tokens in zip(drafting, proposals, strict=True):
             plan.scheduled[i] = dataclasses.replace(plan.scheduled[i], draft=tuple(tokens))
 
-    def _propose(self, seq: Sequence) -> list[int]:
+    def _propose(self, seq: SequenceState) -> list[int]:
         """Draft tokens for the sequence's next step: no more than it may still emit,
         less the one token the step samples anyway. None for structured output (the
         grammar's bitmask is filled for the next token only)."""
@@ -698,7 +698,7 @@ class LLMEngine:
         return nxt + [-1] * (item.num_tokens - len(nxt))
 
     def _sample_row(
-        self, seq: Sequence, draft: tuple[int, ...] = (), j: int = 0, prev_row: int = -1
+        self, seq: SequenceState, draft: tuple[int, ...] = (), j: int = 0, prev_row: int = -1
     ) -> SampleRow:
         """The sampler's row for the sequence's next token, or with drafts for the
         token after its first j drafts (row j verifies draft j, if there is one).
@@ -766,7 +766,7 @@ class LLMEngine:
             )
 
     @staticmethod
-    def _advance_grammar(matcher: GrammarMatcher, seq: Sequence, token: int) -> str | None:
+    def _advance_grammar(matcher: GrammarMatcher, seq: SequenceState, token: int) -> str | None:
         """Moves a constrained sequence's grammar past its sampled token: "stop" once the
         grammar is complete."""
         if not matcher.accept(token):

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol, runtime_checkable
 
+from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.generate_request import GenerateRequest
-from jaxserve.metrics import StatsSnapshot
 from jaxserve.outputs import ModelInfo, RequestOutput
 
 

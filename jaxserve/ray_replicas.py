@@ -45,9 +45,9 @@ from collections.abc import AsyncIterator, Sequence
 from jaxserve.async_engine import AsyncLLMEngine, OutputStream
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine, validate_request
+from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.front import EngineDeadError, cannot_transfer_kv
 from jaxserve.generate_request import GenerateRequest
-from jaxserve.metrics import StatsSnapshot
 from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.tokenizer import Tokenizer
 

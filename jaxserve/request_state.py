@@ -1,7 +1,7 @@
 """A request's host-side state in the engine, and what is done with it after a step:
 record logprobs, check stop conditions, detokenize and build its `RequestOutput`.
 
-One `RequestState` per request (its `n` samples are `Sequence`s of the scheduler);
+One `RequestState` per request (its `n` samples are `SequenceState`s of the scheduler);
 the engine owns the map of them and calls these methods with each step's
 results. Nothing here touches the device or the scheduler.
 """
@@ -15,8 +15,8 @@ import time
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.generate_request import ResumedSample
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.request import Sequence
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.sequence import SequenceState
 from jaxserve.structured import GrammarMatcher
 
 
@@ -26,7 +26,7 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    seqs: list[Sequence]
+    seqs: list[SequenceState]
     detoks: list[IncrementalDetokenizer | None]
     logprobs: list[list[dict[int, float]]]
     cumulative_logprob: list[float]
@@ -82,7 +82,7 @@ class RequestState:
             entry[seq.prompt_token_ids[pos + 1]] = float(chosen[row])
             self.prompt_logprobs.append(entry)
 
-    def record_logprobs(self, seq: Sequence, out, i: int, token: int) -> None:
+    def record_logprobs(self, seq: SequenceState, out, i: int, token: int) -> None:
         """The logprobs of `token`, sampled in the step's row `i`."""
         k = seq.params.logprobs
         entry = {
@@ -94,7 +94,7 @@ class RequestState:
         self.cumulative_logprob[seq.index] += float(out.logprobs[i])
 
     def check_stop(
-        self, seq: Sequence, token: int, eos_token_ids: set[int], max_model_len: int
+        self, seq: SequenceState, token: int, eos_token_ids: set[int], max_model_len: int
     ) -> str | None:
         """Detokenizes the sample's new token; its finish reason if it stops there."""
         p = seq.params
@@ -116,7 +116,7 @@ class RequestState:
             return "length"
         return None
 
-    def output(self, new_tokens: dict[Sequence, list[int]]) -> RequestOutput:
+    def output(self, new_tokens: dict[SequenceState, list[int]]) -> RequestOutput:
         """The request's output after a step: every sample so far, and its delta."""
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()

@@ -9,7 +9,7 @@ running sequence is preempted: its pages are released (its full pages stay in
 the prefix cache) and it is recomputed later.
 
 Speculative decoding: a decoding sequence with proposed tokens
-(`Sequence.spec_token_ids`) takes them as extra query tokens, from the budget
+(`SequenceState.spec_token_ids`) takes them as extra query tokens, from the budget
 and the pages left once every running sequence has its real tokens, unless more
 than `spec_max_batch` sequences are running (a compute-bound step, where
 verifying costs more than it saves). Nobody is preempted for a draft. After the
@@ -25,7 +25,7 @@ sequence starts after them, as after any cached prefix.
 
 Asynchronous scheduling: the engine plans a step while the one before is still
 on the device. Each sequence that step samples for has a placeholder
-(`Sequence.num_placeholders`): the plan computes it as the sequence's next token
+(`SequenceState.num_placeholders`): the plan computes it as the sequence's next token
 (the runner reads its id on the device), except for a sequence whose placeholder
 is its last allowed token (max_tokens), which waits for the step in flight to
 finish it. A page is cached once its tokens are all back on the host.
@@ -41,12 +41,12 @@ from jaxserve.config import SchedulerConfig
 from jaxserve.kv.page_pool import ROOT_UID, PagePool
 from jaxserve.kv.tier import KVTier
 from jaxserve.kv.transfer import ROOT_DIGEST, Page, page_digest
-from jaxserve.request import Sequence, Status
+from jaxserve.sequence import SequenceState, Status
 
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledSeq:
-    seq: Sequence
+    seq: SequenceState
     start: int  # first token to compute (== seq.num_computed when scheduled)
     num_tokens: int  # drafts included
     draft: tuple[int, ...] = ()  # proposed tokens verified after the real ones
@@ -80,7 +80,7 @@ class SchedulerOutput:
     """The plan for one step."""
 
     scheduled: list[ScheduledSeq]
-    preempted: list[Sequence]
+    preempted: list[SequenceState]
     loads: list[tuple[int, Page]] = dataclasses.field(default_factory=list)  # tier -> page
 
     @property
@@ -109,8 +109,8 @@ class Scheduler:
         self.page_size = page_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
-        self.running: list[Sequence] = []  # in admission order
+        self.waiting: list[SequenceState] = []  # sorted by SequenceState.sort_key
+        self.running: list[SequenceState] = []  # in admission order
         # Test mode: preempt a random running sequence at random steps.
         self.debug_preemption_rate = config.debug_preemption_rate
         self._rng = random.Random(seed)
@@ -122,11 +122,11 @@ class Scheduler:
 
     # ---------------------------------------------------------------- queueing
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         seq.status = Status.WAITING
-        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+        bisect.insort(self.waiting, seq, key=SequenceState.sort_key)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: SequenceState, reason: str) -> None:
         """Ends a sequence (finished or aborted) and releases its pages."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
@@ -147,7 +147,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
+        preempted: list[SequenceState] = []
         if self.running and self._rng.random() < self.debug_preemption_rate:
             victim = self._rng.choice(self.running)
             self._preempt(victim)
@@ -163,7 +163,7 @@ class Scheduler:
                 continue
             n = min(todo, budget)
             while not self._grow(seq, seq.num_computed + n):
-                victim = max(self.running[i:], key=Sequence.sort_key)
+                victim = max(self.running[i:], key=SequenceState.sort_key)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -263,10 +263,10 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, computed, n))
             budget -= n
         for seq in blocked:
-            bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+            bisect.insort(self.waiting, seq, key=SequenceState.sort_key)
         return budget
 
-    def _in_tier(self, seq: Sequence, digests: list[bytes], limit: int) -> list[bytes]:
+    def _in_tier(self, seq: SequenceState, digests: list[bytes], limit: int) -> list[bytes]:
         """The digests of the full pages after the device's cached ones (`digests`), up
         to `limit` tokens, that the tier holds, in order up to the first it lacks."""
         page, found = self.page_size, []
@@ -298,7 +298,7 @@ class Scheduler:
                 budget -= len(draft)
         return budget
 
-    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+    def _grow(self, seq: SequenceState, num_tokens: int) -> bool:
         """Gives `seq` pages for `num_tokens` tokens; False if the pool cannot."""
         need = -(-num_tokens // self.page_size) - len(seq.pages)
         if need <= 0:
@@ -308,7 +308,7 @@ class Scheduler:
         seq.pages.extend(self.pool.allocate(need))
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: SequenceState) -> None:
         self.running.remove(seq)
         self.pool.free(seq.pages)
         seq.pages, seq.page_uids, seq.page_digests = [], [], []
@@ -333,7 +333,7 @@ class Scheduler:
             seq.draft_computed = min(seq.draft_computed, seq.num_computed)
         self.cache_pages(seq)
 
-    def cache_pages(self, seq: Sequence) -> None:
+    def cache_pages(self, seq: SequenceState) -> None:
         """Caches the sequence's full pages whose tokens are computed and known (under
         asynchronous scheduling a computed token may not be back on the host yet: its
         page is cached once it is)."""

@@ -22,7 +22,7 @@ from jaxserve.tokenizer import Tokenizer
 from server import disagg, serving
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
-from server.metrics import ServerMetrics
+from server.prometheus import ServerMetrics
 from server.serving import Reason, Refused, ServingState
 
 _CODES = {

@@ -21,7 +21,7 @@ from jaxserve.generate_request import GenerateRequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
-from server.metrics import ServerMetrics
+from server.prometheus import ServerMetrics
 
 
 class Reason(enum.Enum):

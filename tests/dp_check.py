@@ -24,7 +24,7 @@ from engine_utils import SMALL_LLM_IDS
 from jaxserve import LLM, SamplingParams
 from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.generate_request import GenerateRequest
-from server.metrics import ServerMetrics
+from server.prometheus import ServerMetrics
 from server.serving import stream
 
 BASE = SMALL_LLM_IDS

@@ -35,14 +35,7 @@ class MockRunner:
         self.num_pages = num_pages
         self.kv_tokens = (num_pages - 1) * config.cache.page_size
         self.vocab = config.model.vocab_size
-        sched = config.scheduler
-        self.shapes = StepShapes.make(
-            min_token_bucket=config.min_token_bucket,
-            max_tokens=sched.max_num_batched_tokens,
-            max_num_seqs=sched.max_num_seqs,
-            lookahead=config.num_lookahead,
-            max_speculating=config.speculative.disable_by_batch_size if config.speculative else 0,
-        )
+        self.shapes = StepShapes.for_config(config)
         self.weight_bytes = 0
         self.warmup_seconds = 0.0
         self.mesh = None

@@ -4,7 +4,7 @@ The draft shares the target's page tables: its own KV arrays (one per draft
 layer) have the target's page count and page size, so a sequence's pages hold
 the target's K/V in the target's arrays and the draft's in the draft's, and no
 second allocator exists. Its bookkeeping is one number per sequence,
-`Sequence.draft_computed`: the tokens whose draft K/V are in the pages.
+`SequenceState.draft_computed`: the tokens whose draft K/V are in the pages.
 
 Each step, before the target verifies, the draft catches up on the tokens it
 has not seen (a prompt the first time, the last accepted draft after a fully
@@ -38,11 +38,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxserve import parallel
 from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
-from jaxserve.request import Sequence
 from jaxserve.runner import bundle
 from jaxserve.runner.input_batch import SeqWork, StepShapes, build_batch, pick_bucket
 from jaxserve.runner.sampler import argmax
 from jaxserve.runner.step import ModelDef, StepInput, StepPrograms
+from jaxserve.sequence import SequenceState
 from pallas_kernels import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ class DraftRunner:
 
     # ------------------------------------------------------------- proposing
 
-    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+    def propose(self, wanted: list[tuple[SequenceState, int]]) -> list[list[int]]:
         """For each (decoding sequence, n), n proposed tokens to follow its tokens.
 
         Pages must cover the sequence's tokens plus n (the scheduler grew them)."""
@@ -216,7 +216,7 @@ class DraftRunner:
             seq.draft_computed = seq.num_tokens - 1 + n
         return [out[i, :n].tolist() for i, (_, n) in enumerate(wanted)]
 
-    def _catch_up(self, seqs: list[Sequence]) -> None:
+    def _catch_up(self, seqs: list[SequenceState]) -> None:
         """Feeds the draft every token but the last that it has not seen, in chunks
         of at most the step budget."""
         budget = self.config.scheduler.max_num_batched_tokens

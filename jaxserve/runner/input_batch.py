@@ -19,6 +19,7 @@ import numpy as np
 from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from jaxserve.config import EngineConfig
     from jaxserve.structured import GrammarMatcher
 
 NULL_PAGE = 0
@@ -72,6 +73,19 @@ class StepShapes:
             if min_token_bucket <= one <= max_tokens:
                 tokens = tuple(sorted({*tokens, one}))
         return cls(tokens, max_seqs, rows)
+
+    @classmethod
+    def for_config(cls, config: EngineConfig) -> StepShapes:
+        """The buckets an engine of `config` compiles (the model runner's, and the
+        test double's)."""
+        sched, spec = config.scheduler, config.speculative
+        return cls.make(
+            min_token_bucket=config.min_token_bucket,
+            max_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs,
+            lookahead=config.num_lookahead,
+            max_speculating=spec.disable_by_batch_size if spec else 0,
+        )
 
 
 def pick_bucket(n: int, buckets: Sequence[int], *, what: str) -> int:

@@ -199,14 +199,7 @@ class ModelRunner:
             )
         self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches)
         self.kv_programs = kv_io.jitted(self.cache_layout)
-        sched = config.scheduler
-        self.shapes = StepShapes.make(
-            min_token_bucket=config.min_token_bucket,
-            max_tokens=sched.max_num_batched_tokens,
-            max_num_seqs=sched.max_num_seqs,
-            lookahead=config.num_lookahead,
-            max_speculating=spec.disable_by_batch_size if spec else 0,
-        )
+        self.shapes = StepShapes.for_config(config)
         self.token_buckets, self.row_buckets = self.shapes.token_buckets, self.shapes.row_buckets
         self.history_len = config.pages_per_seq * config.cache.page_size
         # A step's `prev_tokens` when no step before it is in flight.

@@ -12,7 +12,7 @@ import sys
 COMMANDS = {
     "generate": ("server.cli.generate", "offline batch generation"),
     "serve": ("server.cli.serve", "the gRPC server"),
-    "client": ("server.client", "stream a completion from a server"),
+    "client": ("server.cli.client", "stream a completion from a server"),
     "bench": ("server.cli.bench", "throughput and latency benchmarks"),
     "convert": ("server.cli.convert", "write a model directory as an orbax checkpoint"),
     "preflight": ("server.cli.preflight", "compile for a TPU or GPU target before renting it"),

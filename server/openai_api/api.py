@@ -30,7 +30,6 @@ from starlette.exceptions import HTTPException
 
 from jaxserve.inputs import parse_prompt
 from server import serving
-from server.metrics import ServerMetrics
 from server.openai_api.completions import OpenAIServing, error_body, status_of
 from server.openai_api.protocol import (
     BadField,
@@ -38,6 +37,7 @@ from server.openai_api.protocol import (
     ChatMessage,
     CompletionRequest,
 )
+from server.prometheus import ServerMetrics
 from server.serving import Refused, ServingState
 
 

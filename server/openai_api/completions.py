@@ -24,8 +24,8 @@ from jaxserve.inputs import ParsedPrompt, parse_prompt
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from server import serving
-from server.metrics import ServerMetrics
 from server.openai_api.protocol import BadField, ChatCompletionRequest, CompletionRequest
+from server.prometheus import ServerMetrics
 from server.serving import Reason, Refused, ServingState
 
 # JSON has no -inf: a logprob below this is reported as this (vLLM's convention).

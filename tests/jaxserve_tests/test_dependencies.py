@@ -76,7 +76,7 @@ def test_the_layer_check_sees_an_upward_import(tmp_path):
 
 def test_device_side_list_names_real_modules():
     assert set(DEVICE_SIDE) <= set(JAXSERVE_MODULES)
-    assert "jaxserve.scheduler" in HOST_MODULES and "jaxserve.request" in HOST_MODULES
+    assert "jaxserve.scheduler" in HOST_MODULES and "jaxserve.sequence" in HOST_MODULES
     # Structured output's grammar layer is host logic (the bitmask is the sampler's input).
     assert {"jaxserve.structured", "jaxserve.structured.compiler"} <= set(HOST_MODULES)
     # So are speculative decoding's proposers (the draft model's runner is device side).

@@ -405,8 +405,8 @@ def test_tls(tiny_model_dir, tmp_path):
 def test_speculative_decoding_metrics_have_vllms_names():
     from prometheus_client import generate_latest
 
-    from jaxserve.metrics import StatsSnapshot
-    from server.metrics import ServerMetrics
+    from jaxserve.engine_stats import StatsSnapshot
+    from server.prometheus import ServerMetrics
 
     snapshot = StatsSnapshot(
         num_running=0,
@@ -481,9 +481,9 @@ def test_metrics_show_the_mesh_and_each_replica():
 
     from prometheus_client import generate_latest
 
-    from jaxserve.metrics import StatsSnapshot
+    from jaxserve.engine_stats import StatsSnapshot
     from jaxserve.outputs import ModelInfo
-    from server.metrics import ServerMetrics
+    from server.prometheus import ServerMetrics
 
     zero = {
         f.name: 0 for f in dataclasses.fields(StatsSnapshot) if f.default is dataclasses.MISSING

@@ -16,7 +16,7 @@ class Status(enum.Enum):
 
 
 @dataclasses.dataclass(eq=False)
-class Sequence:
+class SequenceState:
     """One stream of tokens: its prompt, outputs, pages and progress.
 
     A request with n > 1 has n sequences; siblings after the first wait until
@@ -32,7 +32,7 @@ class Sequence:
     priority: int = 0  # lower runs first (vLLM's convention)
     salt: Hashable = None  # cache_salt: tenants never share prefix-cache pages
     seed: int = 0  # the sampling key's seed; fixed at arrival
-    leader: Sequence | None = None  # for n > 1 siblings
+    leader: SequenceState | None = None  # for n > 1 siblings
     prompt: str | None = None
 
     status: Status = Status.WAITING

@@ -1,7 +1,7 @@
 """A command-line client: streams a completion to the terminal.
 
 jaxserve client --prompt="If the file does not exist," --max_tokens=32
-python -m server.client --target=host:50051 --chat="Hello" --temperature=0.7
+python -m server.cli.client --target=host:50051 --chat="Hello" --temperature=0.7
 """
 
 from __future__ import annotations
