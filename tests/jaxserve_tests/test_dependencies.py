@@ -29,7 +29,7 @@ DEVICE_SIDE = {
     "jaxserve.checkpoint.hf",
     "jaxserve.checkpoint.orbax_io",
     "jaxserve.data_parallel",
-    "jaxserve.engine",
+    "jaxserve.engine.core",
     "jaxserve.llm",
     "jaxserve.multihost",
     "jaxserve.parallel",

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.validation import validate_request
 from jaxserve.engine_stats import EngineStats, StatsSnapshot
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.kv import PagePool
@@ -27,11 +28,10 @@ from jaxserve.kv.connector import KVConnector, cached_prefix, encode_gathered
 from jaxserve.kv.tier import KVTier
 from jaxserve.kv.transfer import KVLayout, decode_page
 from jaxserve.outputs import ModelInfo, RequestOutput
-from jaxserve.request_state import RequestState, check_resume
+from jaxserve.request_state import RequestState
 from jaxserve.runner import bundle
 from jaxserve.runner.input_batch import SampleRow, SeqWork
 from jaxserve.runner.model_runner import ModelRunner, PendingStep
-from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.sequence import SequenceState, Status
 from jaxserve.spec import NgramProposer
@@ -68,81 +68,6 @@ class _Lookahead:
 
     def propose(self, token_ids, limit: int | None = None) -> list[int]:
         return [-1] * min(self.k, self.k if limit is None else limit)
-
-
-def validate_request(
-    config: EngineConfig, pool_capacity: int, has_tokenizer: bool, request: GenerateRequest
-) -> int:
-    """Checks a request against an engine's model, limits and pool of `pool_capacity`
-    pages (`LLMEngine.validate`; a front of remote replicas checks here, before
-    anything is sent); returns its max_tokens.
-
-    Raises ValueError naming the field and the value.
-    """
-    if not isinstance(request.priority, int) or isinstance(request.priority, bool):
-        raise ValueError(f"priority must be an integer, got {request.priority!r}")
-    max_tokens = _validate_prompt(config, pool_capacity, request.prompt_token_ids, request.params)
-    _validate_params(config, has_tokenizer, request.params)
-    if request.resume is not None:
-        check_resume(request.resume, request.params, max_tokens, config.model.vocab_size)
-    return max_tokens
-
-
-def _validate_prompt(
-    config: EngineConfig, pool_capacity: int, ids: tuple[int, ...], params: SamplingParams
-) -> int:
-    """The prompt's ids and length, and the room it needs; returns its max_tokens."""
-    vocab = config.model.vocab_size
-    if not ids:
-        raise ValueError("prompt_token_ids must not be empty")
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-    limit = config.max_model_len
-    if len(ids) >= limit:
-        raise ValueError(
-            f"prompt has {len(ids)} tokens; max_model_len is {limit}, "
-            "which must leave room for at least one generated token"
-        )
-    max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
-    if len(ids) + max_tokens > limit:
-        raise ValueError(
-            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-            f"max_model_len ({limit})"
-        )
-    need = -(-(len(ids) + max_tokens) // config.cache.page_size)
-    if need > pool_capacity:
-        raise ValueError(
-            f"request needs {need} KV pages for {len(ids) + max_tokens} tokens; "
-            f"the whole pool has {pool_capacity}"
-        )
-    return max_tokens
-
-
-def _validate_params(config: EngineConfig, has_tokenizer: bool, params: SamplingParams) -> None:
-    """What SamplingParams cannot check alone: the engine's limits, tokenizer and vocab."""
-    vocab = config.model.vocab_size
-    if len(params.logit_bias or {}) > config.max_logit_bias:
-        raise ValueError(
-            f"logit_bias has {len(params.logit_bias)} entries; this engine takes at "
-            f"most {config.max_logit_bias} (its max_logit_bias)"
-        )
-    if params.stop and not has_tokenizer:
-        raise ValueError(
-            f"stop {params.stop!r}: stop strings need a tokenizer, and this engine has "
-            "none (skip_tokenizer_init); use stop_token_ids"
-        )
-    if params.structured_outputs is not None:
-        if not has_tokenizer:
-            raise ValueError(
-                f"structured_outputs.{params.structured_outputs.kind}: structured output "
-                "needs a tokenizer, and this engine has none (skip_tokenizer_init)"
-            )
-        GrammarCompiler.check(params.structured_outputs)  # ~1 ms; the compile is later
-    if params.logit_bias and max(params.logit_bias) >= vocab:
-        raise ValueError(
-            f"logit_bias names token {max(params.logit_bias)}, outside the vocabulary [0, {vocab})"
-        )
 
 
 class LLMEngine:

@@ -1,0 +1,30 @@
+"""The engine: requests in, tokens out, one compiled step at a time.
+
+One job per module:
+
+- `core`: `LLMEngine`, its wiring, public API and the loop that steps it;
+- `validation`: a request checked against the model, limits and pool;
+
+`LLMEngine` is loaded on first use (`__getattr__`), so that the host-side modules of
+the package (all but `core`) import without JAX.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jaxserve.engine.validation import validate_request
+
+if TYPE_CHECKING:
+    from jaxserve.engine.core import LLMEngine
+
+
+def __getattr__(name: str):
+    if name == "LLMEngine":
+        from jaxserve.engine.core import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["LLMEngine", "validate_request"]
