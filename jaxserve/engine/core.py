@@ -20,13 +20,14 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.engine import disagg_io
 from jaxserve.engine.validation import validate_request
 from jaxserve.engine_stats import EngineStats, StatsSnapshot
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.kv import PagePool
-from jaxserve.kv.connector import KVConnector, cached_prefix, encode_gathered
+from jaxserve.kv.connector import KVConnector
 from jaxserve.kv.tier import KVTier
-from jaxserve.kv.transfer import KVLayout, decode_page
+from jaxserve.kv.transfer import KVLayout
 from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.request_state import RequestState
 from jaxserve.runner import bundle
@@ -249,29 +250,21 @@ class LLMEngine:
         """The encoded KV pages of `token_ids`' full pages that the pool holds, in order
         up to the first it lacks: what a prefill instance pushes to a decode instance.
         Call it between steps (the engine's thread)."""
-        named = cached_prefix(self.pool, token_ids, self.config.cache.page_size, salt)
-        if not named:
-            return []
-        gathered = self.runner.gather_pages([n[0] for n in named])
-        return [data for _, data in encode_gathered(self.kv_layout, named, gathered)]
+        page_size = self.config.cache.page_size
+        return disagg_io.export_prefix(
+            self.pool, self.runner, self.kv_layout, page_size, token_ids, salt
+        )
 
     def save_kv_tier(self) -> None:
         """Copies every cached page the tier lacks into it (and its disk), waiting for
         it: at shutdown, so that a restart with the same kv_offload_dir finds them."""
-        if self.kv_connector is not None:
-            self.kv_connector.flush()
-            self.kv_connector.save(self.pool.named_pages())
+        disagg_io.save_kv_tier(self.kv_connector, self.pool)
 
     def import_pages(self, pages: list[bytes]) -> int:
         """Checks pushed pages and keeps them in the KV tier, where admission finds them
         (any thread). Raises KVTransferError (a ValueError) naming the first bad page,
         keeping none, or ValueError if this engine has no tier."""
-        if self.tier is None:
-            raise ValueError("this engine has no KV tier to receive pages in: set kv_offload_bytes")
-        decoded = [decode_page(self.kv_layout, data) for data in pages]
-        for page, data in zip(decoded, pages, strict=True):
-            self.tier.put(page.digest, data)
-        return len(decoded)
+        return disagg_io.import_pages(self.tier, self.kv_layout, pages)
 
     # ---------------------------------------------------------------- requests
 
