@@ -128,7 +128,7 @@ def build_sampling_ms(llm, params, rows: int = 16, reps: int = 50) -> float:
     engine = llm.engine
     grammar = None
     if params.structured_outputs is not None:
-        compiler = engine._grammar_compiler()
+        compiler = engine.grammars.compiler()
         template = compiler.compile(params.structured_outputs).result()
         grammar = [compiler.matcher(template) for _ in range(rows)]
     sample_rows = [

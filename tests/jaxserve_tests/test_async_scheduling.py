@@ -71,7 +71,7 @@ def test_abort_while_its_step_is_in_flight():
     for _ in range(3):
         for out in engine.step():
             streamed[out.request_id] += out.outputs[0].delta_token_ids
-    assert engine._inflight is not None and streamed["a"]
+    assert engine.pipeline.inflight is not None and streamed["a"]
     assert engine.abort("a") and not engine.abort("a")
     while engine.has_unfinished():
         for out in engine.step():
@@ -131,7 +131,7 @@ def generate(llm, prompts, sps):
     engine = llm.engine
     engine.pool.check_invariant()
     assert engine.pool.num_free == engine.pool.capacity
-    assert engine._inflight is None and not engine.scheduler.running
+    assert engine.pipeline.inflight is None and not engine.scheduler.running
     return [
         (
             [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs],

@@ -29,7 +29,8 @@ DEVICE_SIDE = {
     "jaxserve.checkpoint.hf",
     "jaxserve.checkpoint.orbax_io",
     "jaxserve.data_parallel",
-    "jaxserve.engine.core",
+    "jaxserve.engine.core",  # LLMEngine builds the model runner
+    "jaxserve.engine.startup",  # sets JAX's compilation cache; warms up
     "jaxserve.llm",
     "jaxserve.multihost",
     "jaxserve.parallel",

@@ -171,7 +171,7 @@ def test_min_tokens_blocks_a_stop_token_on_every_verified_row():
     seq = engine.scheduler.waiting[0]
     seq.append(11)
     seq.append(12)  # two outputs so far
-    rows = [engine._sample_row(seq, (1, 2, 3, 4), j) for j in range(5)]
+    rows = [engine.pipeline.sample_row(seq, (1, 2, 3, 4), j) for j in range(5)]
     assert [7 in r.blocked_ids for r in rows] == [True, True, True, False, False]
     assert [r.draft for r in rows] == [1, 2, 3, 4, -1]
     assert [len(r.token_ids) for r in rows] == [5, 6, 7, 8, 9]

@@ -294,7 +294,7 @@ PLAIN4 = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 def _slow_compiles(monkeypatch, engine, release, error=None):
     """Makes the engine's grammar compiles wait for `release` (then raise `error`)."""
-    compiler = engine._grammar_compiler()
+    compiler = engine.grammars.compiler()
     compile_now = compiler._compile
 
     def slow(spec):

@@ -471,7 +471,7 @@ def test_async_scheduling_over_grpc_and_http(tiny_model_dir):
         assert next(call).token_ids
         call.cancel()
         wait_idle(engine)
-        assert engine._inflight is None
+        assert engine.pipeline.inflight is None
     finally:
         server.stop()
 

@@ -1,0 +1,214 @@
+"""The step pipeline: a plan from the scheduler built into the runner's fixed-shape
+inputs (sequence work and sampler rows), dispatched to the device, its tokens fetched
+and handed to the `Emitter`; synchronous, or asynchronous with one step in flight.
+
+Host logic: no JAX (the runner does the device work).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from jaxserve.engine.emission import Emitter
+from jaxserve.engine.grammars import GrammarAdmission
+from jaxserve.engine_stats import EngineStats, StatsSnapshot
+from jaxserve.kv import PagePool
+from jaxserve.kv.connector import KVConnector
+from jaxserve.outputs import RequestOutput
+from jaxserve.request_state import RequestState
+from jaxserve.runner.input_batch import SampleRow, SeqWork
+from jaxserve.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from jaxserve.sequence import SequenceState
+
+if TYPE_CHECKING:
+    from jaxserve.runner.model_runner import ModelRunner, PendingStep
+
+
+@dataclasses.dataclass(eq=False)
+class Step:
+    """A dispatched step: its plan, its results on the device, and the sampler rows of
+    the sequences it samples a token for (from row `first`, 1 + drafts rows)."""
+
+    plan: SchedulerOutput
+    pending: PendingStep
+    sampled: list[tuple[ScheduledSeq, int]]  # (item, first row)
+
+    @functools.cached_property
+    def rows(self) -> dict[SequenceState, int]:
+        """Each sampling sequence's row: where the next step reads its token."""
+        return {item.seq: first for item, first in self.sampled}
+
+
+class StepPipeline:
+    """Schedules, builds, dispatches and applies steps; `inflight` is the step
+    dispatched whose tokens are not applied yet. `forget` drops a finished request
+    from the engine's table; `snapshot` is the engine's stats, for the periodic log."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        pool: PagePool,
+        kv_connector: KVConnector | None,
+        requests: dict[str, RequestState],
+        emitter: Emitter,
+        grammars: GrammarAdmission,
+        stats: EngineStats,
+        eos_token_ids: set[int],
+        forget: Callable[[str], RequestState | None],
+        snapshot: Callable[[], StatsSnapshot],
+    ):
+        self.runner, self.scheduler, self.pool = runner, scheduler, pool
+        self.kv_connector, self.requests, self.emitter = kv_connector, requests, emitter
+        self.grammars, self.stats, self.eos_token_ids = grammars, stats, eos_token_ids
+        self.forget, self.snapshot = forget, snapshot
+        self.drafter = runner.drafter  # the draft model's runner, if any
+        self.inflight: Step | None = None  # dispatched, its tokens not applied yet
+
+    def schedule(self) -> SchedulerOutput:
+        plan = self.scheduler.schedule()
+        if self.kv_connector is not None:  # before the step overwrites evicted pages
+            self.kv_connector.before_step(self.pool.take_evicted(), plan.loads)
+        return plan
+
+    def step_sync(self, t0: float) -> list[RequestOutput]:
+        plan = self.schedule()
+        if not plan.scheduled:
+            self.grammars.wait()
+            return []
+        if self.drafter is not None:
+            self.fill_drafts(plan)
+        return self.apply(self.dispatch(plan), t0)
+
+    def step_async(self, t0: float) -> list[RequestOutput]:
+        """Dispatches the next step, then applies the one in flight while the device
+        runs it.
+
+        The scheduler plans as if each sampling sequence of the step in flight had its
+        token already (`SequenceState.num_placeholders`); the runner reads those tokens on
+        the device. A sequence that the step in flight stops (or that is aborted) has
+        its next step's token discarded; its pages go back to the pool at once, which
+        is safe because every later step, the only reader or writer of a page, runs
+        after the step in flight on the device (each takes the KV caches the one
+        before returned).
+        """
+        prev = self.inflight
+        plan = self.schedule()
+        self.inflight = self.dispatch(plan, prev) if plan.scheduled else None
+        if prev is None:
+            if self.inflight is None:
+                self.grammars.wait()
+            return []
+        return self.apply(prev, t0)
+
+    def dispatch(self, plan, prev: Step | None = None) -> Step:
+        """Starts the plan's step on the device and does the bookkeeping that needs no
+        sampled token (a sequence verifying drafts waits for the verdict). `prev` is
+        the step in flight, whose tokens the placeholders of this one read."""
+        work, rows, sampled = [], [], []
+        for s in plan.scheduled:
+            num_samples = 1 + len(s.draft)
+            prev_row = prev.rows[s.seq] if s.placeholder else -1
+            work.append(
+                SeqWork(
+                    s.token_ids,
+                    s.start,
+                    s.seq.pages,
+                    prompt_targets(s),
+                    num_samples,
+                    prev_row=prev_row,
+                )
+            )
+            if s.samples:
+                sampled.append((s, len(rows)))
+            rows.extend(self.sample_row(s.seq, s.draft, j, prev_row) for j in range(num_samples))
+        runner = self.runner
+        batch = runner.build(work)
+        # Built (grammar bitmasks filled) while the forward pass runs on the device.
+        sampling = functools.partial(runner.build_sampling, rows, runner.row_bucket(len(rows)))
+        pending = runner.dispatch(batch, sampling, prev.pending if prev is not None else None)
+        for item in plan.scheduled:
+            if not item.draft:
+                self.scheduler.on_computed(item)
+        for item, _ in sampled:
+            item.seq.num_placeholders += 1
+        return Step(plan, pending, sampled)
+
+    def apply(self, step: Step, t0: float) -> list[RequestOutput]:
+        """Waits for a dispatched step's tokens, has the emitter apply them, and
+        forgets the requests they finish; counts the step's time and tokens."""
+        t1 = time.perf_counter()
+        out, prompt_lp = self.runner.fetch(step.pending)
+        t2 = time.perf_counter()
+        new_tokens, outputs = self.emitter.apply(step, out, prompt_lp)
+        for o in outputs:
+            if o.finished:
+                self.forget(o.request_id)
+                self.stats.on_finish()
+        t3 = time.perf_counter()
+        self.stats.on_step(
+            step.plan,
+            sum(len(t) for t in new_tokens.values()),
+            self.scheduler.running,
+            host_s=(t1 - t0) + (t3 - t2),
+            device_s=t2 - t1,
+        )
+        if self.stats.log_due(time.monotonic()):
+            self.stats.log(self.snapshot())
+        return outputs
+
+    def fill_drafts(self, plan) -> None:
+        """The draft model proposes the tokens the scheduler made room for."""
+        drafting = [i for i, s in enumerate(plan.scheduled) if s.draft]
+        if not drafting:
+            return
+        proposals = self.drafter.propose(
+            [(plan.scheduled[i].seq, len(plan.scheduled[i].draft)) for i in drafting]
+        )
+        for i, tokens in zip(drafting, proposals, strict=True):
+            plan.scheduled[i] = dataclasses.replace(plan.scheduled[i], draft=tuple(tokens))
+
+    def sample_row(
+        self, seq: SequenceState, draft: tuple[int, ...] = (), j: int = 0, prev_row: int = -1
+    ) -> SampleRow:
+        """The sampler's row for the sequence's next token, or with drafts for the
+        token after its first j drafts (row j verifies draft j, if there is one).
+        `prev_row`: the previous step's sampler row of the token in flight, if any."""
+        blocked = ()
+        # Asynchronous scheduling: the tokens in flight count (a placeholder stands in).
+        ahead = seq.num_placeholders
+        if len(seq.output_ids) + ahead + j < seq.params.min_tokens:
+            eos = () if seq.params.ignore_eos else self.eos_token_ids
+            blocked = tuple(set(eos) | set(seq.params.stop_token_ids))
+        req = self.requests[seq.request_id]
+        # A constrained sequence never speculates (`Emitter.propose`): only its row 0 exists.
+        grammar = req.matchers[seq.index] if req.matchers is not None else None
+        token_ids = seq.token_ids + list(draft[:j]) if j else seq.token_ids
+        if ahead:  # the penalties' history reads it on the device
+            token_ids = token_ids + [-2 - prev_row]
+        return SampleRow(
+            seq.params,
+            token_ids,
+            seq.num_prompt_tokens,
+            seq.seed,
+            blocked,
+            draft=draft[j] if j < len(draft) else -1,
+            grammar=grammar,
+        )
+
+
+def prompt_targets(item: ScheduledSeq) -> list[int]:
+    """Per token of the chunk, the next prompt token whose logprob is wanted (-1
+    past the prompt); empty unless the sequence asks for prompt logprobs."""
+    seq = item.seq
+    if seq.params.prompt_logprobs is None or seq.index != 0:
+        return []
+    nxt = seq.prompt_token_ids[item.start + 1 : item.start + item.num_tokens + 1]
+    return nxt + [-1] * (item.num_tokens - len(nxt))
+
+
+__all__ = ["Step", "StepPipeline", "prompt_targets"]
