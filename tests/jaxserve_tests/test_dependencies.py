@@ -7,6 +7,10 @@
   the device-side ones named below, listed from the package so a new module is
   covered without editing this file.
 - The runtime never imports torch or transformers.
+- No import cycle among the modules of the four packages, read from the source:
+  every import counts, function-level ones included, except those under
+  `if TYPE_CHECKING:` (never run) and the few function-level imports named in
+  DEFERRED, which the code relies on to stay acyclic.
 """
 
 import ast
@@ -43,6 +47,17 @@ DEVICE_SIDE = {
     "jaxserve.runner.sampler",
     "jaxserve.runner.step",
     "jaxserve.targets",  # compile-only devices of TPUs and GPUs
+}
+# Function-level imports that close a cycle, (importer, imported): each runs after
+# both modules have loaded. No other import may close one.
+DEFERRED = {
+    # A package's `__getattr__` loads its device side on first use, so that its host
+    # modules import no JAX (they import the package first). (`jaxserve.engine`'s
+    # does too, and closes no cycle while jaxserve's is deferred.)
+    ("jaxserve", "jaxserve.llm"): "jaxserve.LLM",
+    ("models", "models.registry"): "models.get_model_class and the registry",
+    # The multi-host fetch timeout; issue 29 breaks this cycle by passing it in.
+    ("jaxserve.runner.model_runner", "jaxserve.multihost"): "ModelRunner.fetch: wait_ready",
 }
 JAXSERVE_MODULES = sorted(m.name for m in pkgutil.walk_packages(jaxserve.__path__, "jaxserve."))
 HOST_MODULES = [m for m in JAXSERVE_MODULES if m not in DEVICE_SIDE] + ["models.config"]
@@ -103,3 +118,113 @@ def test_runtime_never_imports_torch_or_transformers():
 @pytest.mark.parametrize("module", HOST_MODULES)
 def test_host_logic_imports_no_jax(module):
     assert "jax" not in _imported_after(f"import {module}")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+SOURCES = {_module_name(p): p for layer in LAYERS for p in (ROOT / layer).rglob("*.py")}
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _module_imports(name: str, source: str) -> list[tuple[str, bool]]:
+    """(imported module, inside a function?) for each import of the packages' modules
+    in `source`, the code of module `name`; `from p import m` names p.m if it is a
+    module. Imports under `if TYPE_CHECKING:` are left out."""
+    found: list[tuple[str, bool]] = []
+    package = name if SOURCES.get(name, ROOT).name == "__init__.py" else name.rpartition(".")[0]
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if _is_type_checking(child):
+                for stmt in child.orelse:  # (the else branch runs)
+                    visit_one(stmt, in_function)
+                continue
+            visit_one(child, in_function)
+
+    def visit_one(node: ast.AST, in_function: bool) -> None:
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, in_function) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((sub if sub in SOURCES else base, in_function))
+        inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        visit(node, inner)
+
+    visit(ast.parse(source), False)
+    return [(module, f) for module, f in found if module in SOURCES]
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of `graph` as the path that closes it (first node repeated), or None."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def _import_graph(deferred) -> tuple[dict[str, set[str]], set[tuple[str, str]]]:
+    """The packages' import graph without the `deferred` function-level imports, and
+    the function-level imports seen (importer, imported)."""
+    graph: dict[str, set[str]] = {}
+    in_functions = set()
+    for name, path in SOURCES.items():
+        graph[name] = set()
+        for module, in_function in _module_imports(name, path.read_text()):
+            if in_function:
+                in_functions.add((name, module))
+            if not (in_function and (name, module) in deferred):
+                graph[name].add(module)
+    return graph, in_functions
+
+
+def test_no_import_cycle():
+    graph, in_functions = _import_graph(DEFERRED)
+    cycle = _find_cycle(graph)
+    assert cycle is None, "an import cycle: " + " -> ".join(cycle)
+    # Each deferred import is still one, inside a function (at the top it closes a cycle),
+    # and still needed: without it, there is a cycle (else drop it from DEFERRED).
+    assert set(DEFERRED) <= in_functions, sorted(set(DEFERRED) - in_functions)
+    for edge in DEFERRED:
+        graph, _ = _import_graph(set(DEFERRED) - {edge})
+        assert _find_cycle(graph) is not None, f"{edge} closes no cycle: drop it from DEFERRED"
+
+
+def test_the_cycle_check_sees_a_cycle():
+    assert _module_imports("jaxserve.scheduler", "import jaxserve.sequence\n") == [
+        ("jaxserve.sequence", False)
+    ]
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import jaxserve.kv\n"
+    assert _module_imports("jaxserve.scheduler", source) == []
+    deferred = "def f():\n    from jaxserve.engine import core\n"
+    assert _module_imports("jaxserve.kv.pool", deferred) == [("jaxserve.engine.core", True)]
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
