@@ -74,7 +74,6 @@ class LLMEngine:
         spec = config.speculative
         self._wire_kv(config)
         self.drafter = self.runner.drafter  # the draft model's runner, if any
-        self.proposer = make_proposer(spec)
         self.requests: dict[str, RequestState] = {}
         self.eos_token_ids = set(config.model.eos_token_ids)
         if not self.eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -92,7 +91,7 @@ class LLMEngine:
         self._stats = EngineStats(
             page_size=config.cache.page_size, interval_s=config.stats_interval_s
         )
-        self._wire_step(config)
+        self._wire_step(config, make_proposer(spec))
         logger.info(
             "engine ready: %d KV tokens in %d pages of %d; max concurrency at max_model_len "
             "%d: %.2fx; prefix caching %s",
@@ -129,8 +128,9 @@ class LLMEngine:
             token_buckets=self.runner.shapes.token_buckets,
         )
 
-    def _wire_step(self, config: EngineConfig) -> None:
-        """The step's collaborators, sharing the engine's request table and stats."""
+    def _wire_step(self, config: EngineConfig, proposer) -> None:
+        """The step's collaborators, sharing the engine's request table and stats;
+        `proposer` makes the drafts, if the engine speculates."""
         vocab_size = config.model.vocab_size
         self.grammars = GrammarAdmission(
             self.tokenizer,
@@ -144,7 +144,7 @@ class LLMEngine:
             self.requests,
             self.scheduler,
             self._stats,
-            self.proposer,
+            proposer,
             self.eos_token_ids,
             config.max_model_len,
         )
@@ -161,6 +161,15 @@ class LLMEngine:
             forget=self._forget,
             snapshot=self.stats,
         )
+
+    @property
+    def proposer(self):
+        """The speculative proposer, if any (tests swap in their own)."""
+        return self.pipeline.emitter.proposer
+
+    @proposer.setter
+    def proposer(self, proposer) -> None:
+        self.pipeline.emitter.proposer = proposer
 
     def save_compiled(self, directory: str) -> int:
         """Writes warm-up's programs and their manifest into `directory`, a bundle
