@@ -331,7 +331,7 @@ def test_error_shapes_and_status_codes(served, client, http):
 
 def test_api_key(served):
     """A second HTTP app on the same engine, with a key: 401 without it."""
-    state, metrics = served.server.state, served.server.prometheus
+    state, metrics = served.server.state, served.server.metrics
 
     async def start():
         server = HttpServer(build_app(state, metrics, api_key="s3cret"), "127.0.0.1", 0)
