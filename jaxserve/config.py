@@ -318,6 +318,11 @@ class EngineConfig:
     warmup: bool = True  # compile every bucket before serving
     compile_guard: bool = False  # after warm-up, any compilation raises (tests)
     compilation_cache_dir: str | None = None  # JAX's persistent compilation cache
+    # The C++ CPU kernels (`pallas_kernels.cpu`; off: XLA's formulations) and their
+    # per-user build cache (the edges resolve the default, `cache.default_dir`; None:
+    # a private directory, built again by each process).
+    native_cpu_kernels: bool = True
+    native_kernels_dir: str | None = None
     # A bundle of compiled programs to load at start-up instead of compiling any
     # (`jaxserve.runner.bundle`; made by `jaxserve preflight --output` or
     # `LLM.save_compiled`); it must have been made for this target and configuration.
@@ -349,6 +354,14 @@ class EngineConfig:
                     f"weights quantized as {stored!r}"
                 )
             object.__setattr__(self, "quantization", stored)
+        if not isinstance(self.native_cpu_kernels, bool):
+            raise ValueError(f"native_cpu_kernels must be a bool, got {self.native_cpu_kernels!r}")
+        if self.native_kernels_dir is not None and not (
+            isinstance(self.native_kernels_dir, str) and self.native_kernels_dir
+        ):
+            raise ValueError(
+                f"native_kernels_dir must be a directory or None, got {self.native_kernels_dir!r}"
+            )
         if self.max_logit_bias <= 0:
             raise ValueError(f"max_logit_bias must be positive, got {self.max_logit_bias}")
         if self.cache.offload and not self.scheduler.enable_prefix_caching:

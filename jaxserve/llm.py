@@ -19,6 +19,7 @@ from jaxserve.inputs import PromptType, parse_prompt
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
+from pallas_kernels.cpu import cache as kernel_cache
 
 # JAX's persistent compilation cache: a restart reuses compiled step programs.
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
@@ -86,6 +87,8 @@ class LLM:
         """Arguments as vLLM's; `engine_args` are further `jaxserve.config.ENGINE_ARGS`
         (num_kv_pages, kv_cache_memory_fraction, tensor_parallel_size, ...)."""
         model_dir = resolve_model_dir(model)
+        # The CPU kernels' per-user build cache, unless given (None: private, rebuilt).
+        engine_args.setdefault("native_kernels_dir", kernel_cache.default_dir(os.environ))
         spec = engine_args.get("speculative_config")
         if isinstance(spec, dict) and spec.get("model") is not None:  # a draft model's name
             engine_args["speculative_config"] = {**spec, "model": resolve_model_dir(spec["model"])}

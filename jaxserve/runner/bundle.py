@@ -39,13 +39,10 @@ from jax.experimental import serialize_executable
 import jaxserve
 from jaxserve.config import EngineConfig
 from jaxserve.runner.step import StepPrograms
+from pallas_kernels.cpu import features as cpu_features
 
 FORMAT = 1
 MANIFEST = "manifest.json"
-
-# /proc/cpuinfo flags naming instruction-set extensions XLA:CPU may compile for.
-_ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "bmi", "sse", "ssse", "vpclmul", "gfni", "vaes")
-
 
 # ----------------------------------------------------------------- manifest
 
@@ -70,7 +67,7 @@ def manifest(
     target = {"platform": device.platform, "device_kind": device.device_kind}
     target["num_devices"] = num_devices
     if device.platform == "cpu":  # XLA:CPU compiles for this machine's CPU
-        target["cpu_features"] = _cpu_features()
+        target["cpu_features"] = cpu_features.isa_features()
         target["cpu_kernels"] = cpu_kernels
     spec = config.speculative
     engine = {
@@ -108,15 +105,6 @@ def manifest(
 
 def _fingerprint(value) -> str:
     return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
-
-
-def _cpu_features() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((x for x in f if x.startswith("flags")), "")
-    except OSError:
-        return []
-    return sorted({f for f in line.split(":", 1)[-1].split() if f.startswith(_ISA_PREFIXES)})
 
 
 @functools.cache

@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -38,13 +37,10 @@ from jaxserve.runner.step import ModelDef, StepInput, StepPrograms
 from jaxserve.targets import Target, compiling_for
 from models.layers import store_rows
 from pallas_kernels.backends import check_kv_dtype, resolve_backend_name
+from pallas_kernels.cpu import features as cpu_features
 from pallas_kernels.cpu import library as cpu_library
 
 logger = logging.getLogger(__name__)
-
-# Where the CPU kernels are built (keyed by source, jaxlib and CPU; rebuilt in ~5 s
-# if the directory is cleared).
-KERNEL_CACHE_DIR = os.path.join(tempfile.gettempdir(), "jaxserve-kernels")
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -71,22 +67,6 @@ class CompileCounter:
     def close(self) -> None:
         jax.monitoring.unregister_event_duration_listener(self._on_duration)
         jax.monitoring.unregister_event_listener(self._on_event)
-
-
-def _fast_on_this_cpu(dtype: str) -> bool:
-    """float32 always; bfloat16 where the CPU multiplies it natively, with AMX or
-    AVX512-BF16 (measured faster than float32 on a Sapphire Rapids Xeon and a Zen 4
-    EPYC: benchmarks/README.md); float16 never."""
-    if dtype == "float32":
-        return True
-    if dtype != "bfloat16":
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +107,7 @@ class ModelRunner:
         check_kv_dtype(config.attention_backend, config.kv_dtype, self.compile_device)
         t0 = time.perf_counter()
         on_cpu = target is None and jax.default_backend() == "cpu"
-        if on_cpu and not _fast_on_this_cpu(config.dtype):
+        if on_cpu and not cpu_features.fast_dtype(config.dtype):
             logger.warning(
                 "dtype=%s is slow on this CPU: XLA:CPU runs its matmuls several times "
                 "slower than float32 (bfloat16 is fast with AMX or AVX512-BF16); "
@@ -136,9 +116,11 @@ class ModelRunner:
             )
         if on_cpu:
             # The CPU attention backend and decode steps' int8 / bfloat16 matmuls call
-            # C++ kernels (built once per machine); without them they run XLA's slower
-            # formulations.
-            cpu_library.load(KERNEL_CACHE_DIR)
+            # C++ kernels (built once per user and CPU); without them they run XLA's slower
+            # formulations (or when native_cpu_kernels is off).
+            cpu_library.prepare(
+                enabled=config.native_cpu_kernels, cache_dir=config.native_kernels_dir
+            )
         model = load_model(
             config.model_dir,
             config.model,

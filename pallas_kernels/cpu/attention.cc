@@ -107,7 +107,7 @@ inline void ConvertRow(const F8E5M2* src, float scale, float* dst, int64_t H) {
 static_assert(kBlock % kW == 0, "a block of keys is whole vectors");
 
 // s[j] = q . k_j for the block's kBlock keys (rows of H floats).
-#if defined(__AVX512F__)
+#if defined(JAXSERVE_X86) && defined(__AVX512F__)
 // Each key's products accumulate in a vector of 16 partial sums; the 16 vectors are
 // then summed across lanes together, by halving them level by level (so the block
 // costs 15 adds and ~30 shuffles, not 16 separate horizontal sums).

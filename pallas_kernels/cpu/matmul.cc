@@ -102,7 +102,7 @@ void MatmulNk(ffi::ThreadPool& pool, const Problem<T>& p) {
 
 // ------------------------------------------- nk, int8, with AVX-512 VNNI: in integers
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(JAXSERVE_X86) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // The rows of x in 16-bit fixed point (a scale per row: max|x| / 32767, so each value
 // is within 1/65534 of its row's largest: far below the int8 weights' own error), and
 // int16 x int16 products summed in int32 by vpdpwssd (32 products an instruction,

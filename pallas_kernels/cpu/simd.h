@@ -1,11 +1,20 @@
 // Shared by the CPU kernels: a vector type for the compiler's target (AVX-512,
 // AVX2 + FMA, or scalar), weight/KV element loads as float32, and a parallel loop
 // on XLA's intra-op thread pool.
+//
+// The x86 intrinsics are compiled only for x86 (JAXSERVE_X86): every other
+// architecture (aarch64, ...) builds the portable scalar code, which GCC
+// auto-vectorizes for the target's own vector unit where it can.
+// -DJAXSERVE_PORTABLE builds that code on x86 too (the tests check with it that
+// nothing x86 is left outside the guards).
 
 #ifndef JAXSERVE_PALLAS_KERNELS_CPU_SIMD_H_
 #define JAXSERVE_PALLAS_KERNELS_CPU_SIMD_H_
 
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(JAXSERVE_PORTABLE)
+#define JAXSERVE_X86 1
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -34,7 +43,7 @@ inline typename V::F ExpPoly(typename V::F r) {
   return V::Fma(p, V::Mul(r, r), V::Add(r, V::Set1(1.0f)));
 }
 
-#if defined(__AVX512F__)
+#if defined(JAXSERVE_X86) && defined(__AVX512F__)
 struct Vec {
   using F = __m512;
   static constexpr int kWidth = 16;
@@ -64,7 +73,7 @@ struct Vec {
     return _mm512_scalef_ps(ExpPoly<Vec>(r), n);
   }
 };
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(JAXSERVE_X86) && defined(__AVX2__) && defined(__FMA__)
 struct Vec {
   using F = __m256;
   static constexpr int kWidth = 8;

@@ -6,12 +6,14 @@ one typed `EngineConfig` that is passed down.
 
 from __future__ import annotations
 
+import os
 import tomllib
 
 from absl import flags
 
 from jaxserve.config import DATA_PARALLEL_BACKENDS
 from jaxserve.llm import DEFAULT_COMPILATION_CACHE
+from pallas_kernels.cpu import cache as kernel_cache
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
@@ -120,6 +122,18 @@ flags.DEFINE_string(
     DEFAULT_COMPILATION_CACHE,
     "JAX persistent compilation cache ('' disables it).",
 )
+flags.DEFINE_bool(
+    "native_cpu_kernels",
+    True,
+    "On the CPU, call the C++ kernels (built with g++ on first use; `jaxserve kernels "
+    "build` prebuilds them); false: XLA's slower formulations of the same computations.",
+)
+flags.DEFINE_string(
+    "native_kernels_dir",
+    "",
+    "Where the CPU kernels are built, per user (default: $XDG_CACHE_HOME/jaxserve/kernels "
+    "or ~/.cache/jaxserve/kernels; a directory other users can write is refused).",
+)
 flags.DEFINE_string(
     "compiled",
     None,
@@ -177,6 +191,8 @@ ENGINE_FLAGS = (
     "async_scheduling",
     "warmup",
     "compilation_cache_dir",
+    "native_cpu_kernels",
+    "native_kernels_dir",
     "compiled",
     *SPECULATIVE_FLAGS,
 )
@@ -199,6 +215,7 @@ def engine_kwargs() -> dict:
     kw["kv_offload_dir"] = kw["kv_offload_dir"] or None
     kw["ray_address"] = kw["ray_address"] or None
     kw["compiled"] = kw["compiled"] or None
+    kw["native_kernels_dir"] = kw["native_kernels_dir"] or kernel_cache.default_dir(os.environ)
     return gather_speculative(kw)
 
 

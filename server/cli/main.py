@@ -16,6 +16,7 @@ COMMANDS = {
     "bench": ("server.cli.bench", "throughput and latency benchmarks"),
     "convert": ("server.cli.convert", "write a model directory as an orbax checkpoint"),
     "preflight": ("server.cli.preflight", "compile for a TPU or GPU target before renting it"),
+    "kernels": ("server.cli.kernels", "build the C++ CPU kernels now (kernels build)"),
 }
 
 
