@@ -236,7 +236,9 @@ def test_a_crashed_build_leaves_nothing_and_is_swept(tmp_path, compiles):
 
 def test_a_failed_compile_leaves_no_file(tmp_path):
     compiler = tmp_path / "bad-g++"
-    compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && echo bad 1 && exit 0\necho no >&2\nexit 1\n')
+    compiler.write_text(
+        '#!/bin/sh\n[ "$1" = --version ] && echo bad 1 && exit 0\necho no >&2\nexit 1\n'
+    )
     compiler.chmod(0o755)
     d = _private_dir(tmp_path)
     with pytest.raises(RuntimeError, match="building the CPU kernels failed"):
