@@ -15,6 +15,7 @@ crashed build leaves no half-written library; the next build sweeps its leftover
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import pwd
@@ -91,7 +92,12 @@ def open_checked(path: str) -> int:
     """Opens the library at `path` for loading and checks the opened file; returns
     the descriptor (the caller closes it). Raises UnsafeCacheError, or
     FileNotFoundError if there is none."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise UnsafeCacheError(f"{path}: a symbolic link") from None
     reason = _refusal(os.fstat(fd), directory=False)
     if reason:
         os.close(fd)

@@ -4,6 +4,7 @@ so decode steps' matmuls run in the few-row kernel; generation is unchanged."""
 from jaxserve import LLM, SamplingParams
 from jaxserve.runner import model_runner
 from models import layers
+from pallas_kernels.cpu import library as cpu_library
 
 KW = dict(
     dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=64, num_kv_pages=64, warmup=False
@@ -32,3 +33,11 @@ def test_bfloat16_linears_are_stored_in_rows_and_generate_the_same(monkeypatch):
 
 def test_float32_keeps_its_layout():
     assert not linears(LLM(**{**KW, "dtype": "float32"}))
+
+
+def test_native_cpu_kernels_off_keeps_xlas_layout_and_formulations(monkeypatch):
+    monkeypatch.setattr(cpu_library, "_in_use", cpu_library._in_use)  # (restored after)
+    llm = LLM(**KW, native_cpu_kernels=False)
+    assert not linears(llm) and not cpu_library.is_loaded()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids) == 4

@@ -145,20 +145,24 @@ def test_the_directory_is_made_private(tmp_path, compiles):
 # ------------------------------------------------------------ the library
 
 
-@pytest.mark.parametrize("how", ["mode", "owner"])
+@pytest.mark.parametrize("how", ["mode", "owner", "symlink"])
 def test_a_planted_library_is_never_loaded(tmp_path, compiles, caplog, how):
     """A library at the predictable name that another user could have written (group-
-    and world-writable), or that another uid owns, is rebuilt before anything loads;
-    its code never runs."""
+    and world-writable), that another uid owns, or a link to one elsewhere, is rebuilt
+    before anything loads; its code never runs."""
     if how == "owner" and os.geteuid() != 0:
         pytest.skip("only root can give a file to another uid")
     d = _private_dir(tmp_path)
     path = library.library_path(d)
     marker = str(tmp_path / "their-code-ran")
-    _plant(path, marker)
+    if how == "symlink":
+        _plant(str(tmp_path / "theirs.so"), marker)
+        os.symlink(tmp_path / "theirs.so", path)
+    else:
+        _plant(path, marker)
     if how == "mode":
         os.chmod(path, 0o666)
-    else:
+    elif how == "owner":
         os.chown(path, OTHER_UID, OTHER_UID)
     with pytest.raises(cache.UnsafeCacheError):
         os.close(cache.open_checked(path))
