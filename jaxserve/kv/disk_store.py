@@ -5,13 +5,15 @@ most that many bytes of them: a write that would pass it first removes the least
 recently used files (written or read longest ago; the order survives a restart
 through the files' modification times, which a read refreshes).
 
-A write goes to a temporary file beside the page, `<digest hex>.kvpage.<pid>.<thread>.tmp`,
-then `os.replace` renames it into place: a reader sees the whole page or no page. A
-process killed mid-write leaves only its temporary file, and the next store to open
-the folder removes every file of that exact form (and nothing else). There is no
-fsync: this is a cache, and a file that a power cut left torn or empty fails the
-checksum every read is checked against (`transfer.decode_page`), so it is dropped
-and recomputed; a flush per page would only slow the offload thread.
+A write goes to a temporary file beside the page,
+`<digest hex>.kvpage.<pid>.<thread>.tmp`, then `os.replace` renames it into place: a
+reader sees the whole page or no page. A process killed mid-write leaves only its
+temporary file, and the next store to open the folder removes every file of that
+exact form, and nothing else (a process writing into the same folder at that moment
+loses that one page, counted as an error). There is no fsync: this is a cache, and a
+file that a power cut left torn or empty fails the checksum every read is checked
+against (`transfer.decode_page`), so it is dropped and recomputed; a flush per page
+would only slow the offload thread.
 
 A read that races an eviction of the same page either opened the file first (the
 open file stays whole after it is removed) or finds none (a miss: the engine
@@ -31,8 +33,8 @@ import threading
 
 logger = logging.getLogger(__name__)
 
-_PAGE = re.compile(r"[0-9a-f]+\.kvpage")
-_TEMP = re.compile(r"[0-9a-f]+\.kvpage\.\d+\.\d+\.tmp")
+_PAGE = re.compile(r"[0-9a-f]{32}\.kvpage")  # a 16-byte digest (transfer.page_digest)
+_TEMP = re.compile(r"[0-9a-f]{32}\.kvpage\.\d+\.\d+\.tmp")
 
 
 class DiskStore:

@@ -191,7 +191,7 @@ def test_a_writer_killed_mid_page_leaves_no_page_and_its_temp_file_is_swept(tmp_
     temps = [n for n in os.listdir(folder) if n.endswith(".tmp")]
     assert len(temps) == 1 and temps[0].startswith(pages[1].digest.hex() + ".kvpage.")
     # Files that are not this tier's temporary pages stay.
-    others = ["notes.tmp", "abcd.kvpage.tmp", "xyz.kvpage.1.2.tmp", "abcd.kvpage.1.2.tmp.bak"]
+    others = ["notes.tmp", "abc.kvpage", "abcd.kvpage.1.2.tmp", "ab.kvpage.1.2.tmp.bak"]
     for name in others:
         (tmp_path / tier.layout.fingerprint / name).write_bytes(b"keep")
     (tmp_path / (pages[1].digest.hex() + ".kvpage.1.2.tmp")).write_bytes(b"not its folder")
