@@ -21,6 +21,7 @@ from test_kv_tier import (
 )
 from test_scheduler import VOCAB, assert_exact, make_engine, params, run
 
+from jaxserve.kv import disk_store
 from jaxserve.kv.tier import KVTier
 from jaxserve.kv.transfer import ROOT_DIGEST, encode_page
 
@@ -88,7 +89,7 @@ def test_a_page_larger_than_the_bound_is_not_stored_on_disk(tmp_path):
     assert len(tier.load([p.digest for p in pages_of(2)])) == 2  # host memory still has them
 
 
-def test_a_read_racing_an_eviction_gets_the_whole_page_or_none(tmp_path):
+def test_a_read_racing_an_eviction_gets_the_whole_page_or_none(tmp_path, monkeypatch):
     """A reader that opened the file before an eviction removed it reads it whole (the
     open file outlives its name); one that comes after misses, and the tier forgets
     the page instead of counting it."""
@@ -104,13 +105,9 @@ def test_a_read_racing_an_eviction_gets_the_whole_page_or_none(tmp_path):
             put_all(tier, pages[2:])  # evicts page 0, the one being read
         return f
 
-    import jaxserve.kv.disk_store as disk_store
-
-    disk_store.open = open_then_evict
-    try:
-        got = tier.load([pages[0].digest])
-    finally:
-        del disk_store.open
+    monkeypatch.setattr(disk_store, "open", open_then_evict, raising=False)
+    got = tier.load([pages[0].digest])
+    monkeypatch.undo()
     assert [p.digest for p in got] == [pages[0].digest] and tier.stats.errors == 0
     assert not os.path.exists(evicted[0]) and tier.disk_used == 2 * PAGE_BYTES
     assert tier.load([pages[0].digest]) == [] and tier.disk_used == files_bytes(tier.disk.folder)
