@@ -66,9 +66,11 @@ class CacheConfig:
     # QUANTIZED_KV_DTYPES (pages of one byte a value, quantized as they are written)
     dtype: str = "auto"
     # The prefix cache's second tier (kv/tier.py): full pages evicted from the device
-    # move to host memory (at most `offload_bytes`, LRU) and, with `offload_dir`, to disk.
+    # move to host memory (at most `offload_bytes`, LRU) and, with `offload_dir`, to disk
+    # (at most `disk_max_bytes` there, LRU; None: no bound).
     offload_bytes: int = 0
     offload_dir: str | None = None
+    disk_max_bytes: int | None = None
 
     @property
     def offload(self) -> bool:
@@ -99,6 +101,7 @@ class CacheConfig:
             not isinstance(self.offload_dir, str) or not self.offload_dir
         ):
             raise ValueError(f"kv_offload_dir must be a directory path, got {self.offload_dir!r}")
+        self._check_disk_max_bytes()
         key = "auto" if self.dtype is None else str(self.dtype).lower()
         key = _KV_DTYPE_ALIASES.get(key, key)
         if key not in ("auto", *QUANTIZED_KV_DTYPES):
@@ -110,6 +113,20 @@ class CacheConfig:
                     f"'int8', 'fp8', 'fp8_e4m3', 'fp8_e5m2') (or an alias), got {self.dtype!r}"
                 ) from None
         object.__setattr__(self, "dtype", key)
+
+    def _check_disk_max_bytes(self) -> None:
+        m = self.disk_max_bytes
+        if m is None:
+            return
+        if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
+            raise ValueError(
+                f"kv_tier_disk_max_bytes must be a positive integer (bytes) or None (no bound), "
+                f"got {m!r}"
+            )
+        if self.offload_dir is None:
+            raise ValueError(
+                f"kv_tier_disk_max_bytes={m} bounds the disk tier, but kv_offload_dir is not set"
+            )
 
     @property
     def quantized(self) -> bool:
@@ -495,6 +512,7 @@ _NESTED_ARGS: dict[str, tuple[str, str]] = {
     "kv_cache_dtype": ("cache", "dtype"),
     "kv_offload_bytes": ("cache", "offload_bytes"),
     "kv_offload_dir": ("cache", "offload_dir"),
+    "kv_tier_disk_max_bytes": ("cache", "disk_max_bytes"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "enable_prefix_caching": ("scheduler", "enable_prefix_caching"),

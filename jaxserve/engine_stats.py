@@ -43,6 +43,10 @@ class StatsSnapshot:
     kv_tier_stores: int = 0  # evicted pages stored in the tier
     kv_tier_store_bytes: int = 0
     kv_tier_errors: int = 0  # pages refused or disk operations failed (recomputed)
+    kv_tier_host_bytes: int = 0  # gauge: bytes of pages held in host memory now
+    kv_tier_disk_bytes: int = 0  # gauge: bytes of pages on disk now
+    kv_tier_host_evictions: int = 0  # pages dropped from host memory (LRU, kv_offload_bytes)
+    kv_tier_disk_evictions: int = 0  # pages removed from disk (LRU, kv_tier_disk_max_bytes)
 
     @property
     def spec_decode_mean_acceptance_length(self) -> float:

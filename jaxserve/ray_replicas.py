@@ -8,10 +8,12 @@ the replica's pool size) and sends each to its actor (`ReplicaActor.add`); the
 actor's outputs come back on one Ray streaming generator, a batch per engine step
 for all its requests, and a thread of the front hands each to its request's stream.
 The front asks every replica whether it is alive every `HEALTH_INTERVAL_S`: a
-replica whose actor died, whose engine stopped, or that does not answer within
-`ParallelConfig.step_timeout_s` is failed, and so is every request in flight on it
-(EngineDeadError naming the replica); the front then reports unhealthy (the servers
-go NOT_SERVING), as a dead local replica or multi-host follower does.
+replica whose actor died, whose engine stopped, that does not answer within
+`ParallelConfig.step_timeout_s`, or whose engine showed no progress for that long
+(`progress_watch`: a long step, a compile or a long prefill, is not a stall) is
+failed, and so is every request in flight on it (EngineDeadError naming the
+replica); the front then reports unhealthy (the servers go NOT_SERVING), as a dead
+local replica or multi-host follower does.
 
 Why Ray: it is what vLLM uses for the same job, so operators of GPU/TPU clusters
 already run it; it places each replica by the resources it needs (GPUs, TPU chips,
@@ -49,6 +51,7 @@ from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.front import EngineDeadError, cannot_transfer_kv
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.outputs import ModelInfo, RequestOutput
+from jaxserve.progress_watch import ProgressWatch
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -75,6 +78,7 @@ class ReplicaActor:
         tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
         self.engine = AsyncLLMEngine(LLMEngine(config, tokenizer))
         self.step_timeout_s = config.parallel.step_timeout_s
+        self._progress = ProgressWatch()
         node = ray.get_runtime_context().get_node_id()
         self.where = f"{socket.gethostname()} pid {os.getpid()} node {node[:12]}"
         self.node_id = node
@@ -142,13 +146,17 @@ class ReplicaActor:
         return self.engine.stats()
 
     def health(self) -> None:
-        """Raises if the engine loop died, or has not come round for step_timeout_s
-        (a step that hangs)."""
+        """Raises if the engine loop died, or showed no progress for step_timeout_s: its
+        loop did not come round and its process did not compute (a step that hangs; one
+        that is only long, a compile or a long prefill, goes on)."""
         if not self.engine.healthy:
             raise EngineDeadError(f"the engine loop stopped: {self.engine.error!r}")
-        stuck = time.monotonic() - self.engine.last_round
+        stuck = self._progress.stalled_for(self.engine.last_round)
         if stuck > self.step_timeout_s:
-            raise EngineDeadError(f"the engine loop has not come round for {stuck:.0f}s")
+            raise EngineDeadError(
+                f"the engine loop has not come round, nor its process computed, for "
+                f"{stuck:.0f}s (step_timeout_s={self.step_timeout_s:g}): stalled"
+            )
 
     def shutdown(self, timeout: float) -> None:
         self.engine.shutdown(timeout)

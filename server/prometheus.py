@@ -101,6 +101,8 @@ class _EngineCollector:
         yield per_pos
         for name, doc in _TIER_COUNTERS:
             yield self._family(c, f"jaxserve:{name}", doc, getattr(s, name))
+        for name, doc in _TIER_GAUGES:
+            yield self._family(g, f"jaxserve:{name}", doc, getattr(s, name))
         yield from self._mesh()
 
     def _mesh(self):
@@ -151,6 +153,15 @@ _TIER_COUNTERS = (
     ("kv_tier_stores", "KV tier: pages evicted from the device and stored."),
     ("kv_tier_store_bytes", "KV tier: bytes stored."),
     ("kv_tier_errors", "KV tier: pages refused (corrupt or foreign) or failed disk I/O."),
+    ("kv_tier_host_evictions", "KV tier: pages dropped from host memory (LRU, kv_offload_bytes)."),
+    (
+        "kv_tier_disk_evictions",
+        "KV tier: page files removed from disk (LRU, kv_tier_disk_max_bytes).",
+    ),
+)
+_TIER_GAUGES = (
+    ("kv_tier_host_bytes", "KV tier: bytes of pages held in host memory."),
+    ("kv_tier_disk_bytes", "KV tier: bytes of page files on disk."),
 )
 
 

@@ -111,7 +111,10 @@ class LLMEngine:
         spec = config.speculative
         self.tier = self.kv_connector = None
         if config.cache.offload:
-            self.tier = KVTier(self.kv_layout, config.cache.offload_bytes, config.cache.offload_dir)
+            cache = config.cache
+            self.tier = KVTier(
+                self.kv_layout, cache.offload_bytes, cache.offload_dir, cache.disk_max_bytes
+            )
             self.kv_connector = KVConnector(self.tier, self.runner)
         self.pool = PagePool(
             self.runner.num_pages,
@@ -228,6 +231,10 @@ class LLMEngine:
             kv_tier_stores=t.stores,
             kv_tier_store_bytes=t.store_bytes,
             kv_tier_errors=t.errors,
+            kv_tier_host_bytes=self.tier.host_used,
+            kv_tier_disk_bytes=self.tier.disk_used,
+            kv_tier_host_evictions=t.host_evictions,
+            kv_tier_disk_evictions=self.tier.disk_evictions,
         )
 
     # ------------------------------------------------------- KV pages that travel

@@ -3,9 +3,10 @@
 Pages are stored as `transfer.encode_page` bytes under their digest (a chain
 hash over the prefix, salt included, so tenants never share an entry). The host
 tier holds at most `host_bytes` of them, least recently used out first; the
-disk tier (optional) keeps every page it is given as one file named by its
-digest, under a folder named by the layout's fingerprint, so it survives
-restarts and a different model never reads it. Writes go to both (the disk's
+disk tier (optional, `disk_store.DiskStore`) keeps each page as one file named by
+its digest, under a folder named by the layout's fingerprint, so it survives
+restarts and a different model never reads it; at most `disk_max_bytes` of them
+(None: no bound), least recently used out first. Writes go to both (the disk's
 write-through happens on the offload thread, off the step).
 
 Nothing here can give a wrong answer: every page read back is checked
@@ -18,13 +19,13 @@ the offload thread writes.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
 import os
 import threading
 from collections.abc import Hashable, Sequence
 
+from jaxserve.kv.disk_store import DiskStore
 from jaxserve.kv.transfer import KVLayout, KVTransferError, Page, check_chain, decode_page
 
 logger = logging.getLogger(__name__)
@@ -39,18 +40,24 @@ class TierStats:
     store_bytes: int = 0
     disk_hits: int = 0  # loads served from disk (not host memory)
     errors: int = 0  # pages refused on read (corrupt/foreign) or disk reads/writes that failed
+    host_evictions: int = 0  # pages dropped from host memory to keep under host_bytes
 
 
 class KVTier:
-    def __init__(self, layout: KVLayout, host_bytes: int, disk_dir: str | None = None):
+    def __init__(
+        self,
+        layout: KVLayout,
+        host_bytes: int,
+        disk_dir: str | None = None,
+        disk_max_bytes: int | None = None,
+    ):
         self.layout = layout
         self.host_bytes = host_bytes
         self._host: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self._host_used = 0
-        self.disk_dir = None
+        self.disk = None
         if disk_dir is not None:
-            self.disk_dir = os.path.join(disk_dir, layout.fingerprint)
-            os.makedirs(self.disk_dir, exist_ok=True)
+            self.disk = DiskStore(os.path.join(disk_dir, layout.fingerprint), disk_max_bytes)
         self._lock = threading.Lock()
         self.stats = TierStats()
 
@@ -60,7 +67,7 @@ class KVTier:
         with self._lock:
             if digest in self._host:
                 return True
-        return self.disk_dir is not None and os.path.exists(self._path(digest))
+        return self.disk is not None and self.disk.contains(digest)
 
     def put(self, digest: bytes, data: bytes) -> None:
         """Stores one encoded page (host memory, then disk); a failing disk is counted."""
@@ -68,9 +75,9 @@ class KVTier:
             self._put_host(digest, data)
             self.stats.stores += 1
             self.stats.store_bytes += len(data)
-        if self.disk_dir is not None and not os.path.exists(self._path(digest)):
+        if self.disk is not None:
             try:
-                self._write_file(self._path(digest), data)
+                self.disk.put(digest, data)
             except OSError as e:
                 self._error(f"writing KV page {digest.hex()} to disk failed: {e}")
 
@@ -85,20 +92,7 @@ class KVTier:
         while self._host_used > self.host_bytes:
             _, evicted = self._host.popitem(last=False)
             self._host_used -= len(evicted)
-
-    def _path(self, digest: bytes) -> str:
-        return os.path.join(self.disk_dir, digest.hex() + ".kvpage")
-
-    @staticmethod
-    def _write_file(path: str, data: bytes) -> None:
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)  # atomic: a reader sees the whole page or none
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            self.stats.host_evictions += 1
 
     # ------------------------------------------------------------------ reading
 
@@ -130,15 +124,14 @@ class KVTier:
             if data is not None:
                 self._host.move_to_end(digest)
                 return data, False
-        if self.disk_dir is None:
+        if self.disk is None:
             return None, False
         try:
-            with open(self._path(digest), "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return None, False
+            data = self.disk.read(digest)
         except OSError as e:
             self._error(f"reading KV page {digest.hex()} from disk failed: {e}")
+            return None, False
+        if data is None:
             return None, False
         with self._lock:
             self._put_host(digest, data)
@@ -149,9 +142,8 @@ class KVTier:
             data = self._host.pop(digest, None)
             if data is not None:
                 self._host_used -= len(data)
-        if self.disk_dir is not None:
-            with contextlib.suppress(OSError):
-                os.remove(self._path(digest))
+        if self.disk is not None:
+            self.disk.remove(digest)
 
     def _error(self, message: str) -> None:
         self.stats.errors += 1
@@ -160,3 +152,13 @@ class KVTier:
     @property
     def host_used(self) -> int:
         return self._host_used
+
+    @property
+    def disk_used(self) -> int:
+        """Bytes of pages on disk (0 without a disk tier)."""
+        return 0 if self.disk is None else self.disk.used
+
+    @property
+    def disk_evictions(self) -> int:
+        """Pages removed from disk to keep under disk_max_bytes."""
+        return 0 if self.disk is None else self.disk.evictions

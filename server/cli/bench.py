@@ -405,7 +405,10 @@ def main(argv) -> None:
         tier = kwargs["kv_offload_bytes"] or 1 << 30
         variants = [
             ("kv tier on", {"kv_offload_bytes": tier}),
-            ("kv tier off", {"kv_offload_bytes": 0, "kv_offload_dir": None}),
+            (
+                "kv tier off",
+                {"kv_offload_bytes": 0, "kv_offload_dir": None, "kv_tier_disk_max_bytes": None},
+            ),
         ]
     for label, overrides in variants:
         run_kwargs = {**kwargs, **overrides}

@@ -87,7 +87,8 @@ flags.DEFINE_float(
     "step_timeout_s",
     60.0,
     "Multi-host: a step the followers do not join in time fails; Ray replicas: one that "
-    "does not answer a health check in time (or whose step hangs that long) fails.",
+    "does not answer a health check in time, or whose engine shows no progress that long "
+    "(its loop does not come round and its process does not compute), fails.",
 )
 flags.DEFINE_bool("enable_prefix_caching", True, "Reuse the KV pages of shared prefixes.")
 flags.DEFINE_integer(
@@ -101,6 +102,12 @@ flags.DEFINE_string(
     None,
     "Directory for the prefix cache's disk tier (content-addressed, survives restarts; "
     "a full or failing disk only means recomputing).",
+)
+flags.DEFINE_integer(
+    "kv_tier_disk_max_bytes",
+    None,
+    "Most bytes of pages the disk tier keeps in --kv_offload_dir; least recently used "
+    "pages are removed first (unset: no bound).",
 )
 flags.DEFINE_string(
     "attention_backend",
@@ -178,6 +185,7 @@ ENGINE_FLAGS = (
     "enable_prefix_caching",
     "kv_offload_bytes",
     "kv_offload_dir",
+    "kv_tier_disk_max_bytes",
     "tensor_parallel_size",
     "data_parallel_size",
     "data_parallel_backend",

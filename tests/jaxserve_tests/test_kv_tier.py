@@ -153,7 +153,7 @@ def test_disk_tier_survives_a_restart_and_refuses_corrupt_files(tmp_path):
         pages[0].digest
     )
     third = KVTier(LAYOUT, host_bytes=0, disk_dir=str(tmp_path))
-    path = third._path(pages[1].digest)
+    path = third.disk._path(pages[1].digest)
     with open(path, "r+b") as f:
         data = bytearray(f.read())
         data[100] ^= 1
@@ -169,7 +169,7 @@ def test_a_failing_disk_is_counted_and_harmless(tmp_path, monkeypatch):
     def full(path, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tier, "_write_file", full)
+    monkeypatch.setattr(tier.disk, "_write_file", full)
     p = make_page()
     tier.put(p.digest, encode_page(LAYOUT, p))
     assert tier.stats.errors == 1 and tier.load([p.digest]) == []

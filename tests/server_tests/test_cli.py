@@ -131,6 +131,18 @@ def test_speculative_flags_become_vllms_speculative_config():
     assert not any(name in kw for name in engine_flags.SPECULATIVE_FLAGS)
 
 
+def test_kv_tier_disk_max_bytes_is_an_engine_flag():
+    from absl import flags
+
+    from jaxserve.config import ENGINE_ARGS
+    from server.cli import engine_flags
+
+    assert "kv_tier_disk_max_bytes" in engine_flags.ENGINE_FLAGS
+    assert "kv_tier_disk_max_bytes" in ENGINE_ARGS
+    flag = flags.FLAGS["kv_tier_disk_max_bytes"]
+    assert flag.default is None and flag._parse("1073741824") == 1 << 30
+
+
 @pytest.mark.slow
 def test_generate_needs_exactly_one_prompt_source(tiny_model_dir):
     proc = _jaxserve("generate", f"--model={tiny_model_dir}")

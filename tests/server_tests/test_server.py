@@ -436,6 +436,33 @@ def test_speculative_decoding_metrics_have_vllms_names():
     assert snapshot.spec_decode_mean_acceptance_length == 1.0 + 9 / 5
 
 
+def test_kv_tier_metrics_show_its_bytes_and_evictions():
+    import dataclasses
+
+    from prometheus_client import generate_latest
+
+    from jaxserve.engine_stats import StatsSnapshot
+    from server.prometheus import ServerMetrics
+
+    zero = {
+        f.name: 0 for f in dataclasses.fields(StatsSnapshot) if f.default is dataclasses.MISSING
+    }
+    snapshot = StatsSnapshot(
+        **zero,
+        kv_tier_host_bytes=4096,
+        kv_tier_disk_bytes=1 << 30,
+        kv_tier_host_evictions=7,
+        kv_tier_disk_evictions=3,
+    )
+    text = generate_latest(ServerMetrics("m", lambda: snapshot).registry).decode()
+    assert "# TYPE jaxserve:kv_tier_disk_bytes gauge" in text
+    assert 'jaxserve:kv_tier_disk_bytes{model_name="m"} 1.073741824e+09' in text
+    assert 'jaxserve:kv_tier_host_bytes{model_name="m"} 4096.0' in text
+    assert "# TYPE jaxserve:kv_tier_disk_evictions_total counter" in text
+    assert 'jaxserve:kv_tier_disk_evictions_total{model_name="m"} 3.0' in text
+    assert 'jaxserve:kv_tier_host_evictions_total{model_name="m"} 7.0' in text
+
+
 def test_async_scheduling_over_grpc_and_http(tiny_model_dir):
     """A server whose engine schedules asynchronously streams what the synchronous
     offline engine generates, over gRPC and HTTP, and a cancelled stream frees its
