@@ -8,6 +8,7 @@ import asyncio
 import logging
 import threading
 import time
+import types
 
 import pytest
 from mock_runner import expected_tokens
@@ -284,3 +285,50 @@ def test_request_failed_error_keeps_its_output_when_pickled():
     out = RequestOutput("r#1", None, [1], [], finished=True, error="request 'r' failed")
     e = pickle.loads(pickle.dumps(RequestFailedError("request 'r' failed", out)))
     assert str(e) == "request 'r' failed" and e.output == out
+
+
+def test_a_ray_replica_drops_outputs_for_a_closed_loop_and_serves_on(monkeypatch):
+    """The front's receiving thread hands a replica's outputs to the requests' streams:
+    one whose client loop closed used to raise there, failing the whole replica (and
+    killing its actor). Now that request is aborted on the actor and the others'
+    outputs still arrive."""
+    ray = pytest.importorskip("ray")
+    from jaxserve.ray_replicas import RayReplica
+
+    aborted, killed = [], []
+
+    class Remote:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def remote(self, *args):
+            return self.fn(*args)
+
+        def options(self, **kw):
+            return self
+
+    live = asyncio.new_event_loop()
+    closed = asyncio.new_event_loop()
+    closed.close()
+    unfinished = RequestOutput("a#0", None, [1], [], finished=False)
+    finished = RequestOutput("b#1", None, [1], [], finished=True)
+    actor = types.SimpleNamespace(
+        outputs=Remote(lambda: [[(0, unfinished)], [(1, finished)]]),
+        abort=Remote(aborted.append),
+    )
+    monkeypatch.setattr(ray, "get", lambda ref, **kw: ref)
+    monkeypatch.setattr(ray, "kill", killed.append)
+    replica = object.__new__(RayReplica)
+    replica.actor, replica.index, replica.where, replica.error = actor, 0, "here", None
+    replica._lock, replica._stop = threading.Lock(), threading.Event()
+    replica._streams = {0: OutputStream(closed, asyncio.Queue())}
+    replica._streams[1] = OutputStream(live, asyncio.Queue())
+    replica._key_of = {"a": 0, "b": 1}
+    replica._receive()  # returns when the (fake) output stream ends
+    live.run_until_complete(asyncio.sleep(0))
+    assert replica._streams[1].queue.get_nowait() is finished
+    assert aborted == [0]  # the orphaned request, on the actor
+    assert 0 not in replica._streams and "a" not in replica._key_of
+    # What failed the replica in the end is only its (fake) stream ending.
+    assert "output stream ended" in str(replica.error), replica.error
+    live.close()
