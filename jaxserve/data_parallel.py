@@ -247,6 +247,9 @@ class DataParallelEngine:
         callers, which may be inside a running event loop themselves (Jupyter), where
         `asyncio.run` fails. The one loop serves every call until `shutdown`. If the
         caller is interrupted, the coroutine is cancelled (its requests aborted)."""
+        if not self.healthy:  # (shut down: no loop is started again)
+            coro.close()
+            raise self.error
         with self._lock:
             if self._loop is None:
                 self._loop = _LoopThread()

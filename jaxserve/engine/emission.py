@@ -51,9 +51,9 @@ class Emitter:
         An exception in one request's work fails that request alone (`fail_request`):
         its output names the cause, and the step's other requests keep their tokens."""
         failed: dict[str, RequestOutput] = {}
-        for request_id, error in step.row_errors.items():  # (rows sampled neutrally)
-            req = self.requests.get(request_id)
-            if req is not None and not req.finished:
+        for seq, error in step.row_errors.items():  # (rows sampled neutrally)
+            if not seq.finished:  # (not aborted meanwhile)
+                req = self.requests[seq.request_id]
                 self._fail(req, error, "packing its sampler rows", failed)
         if prompt_lp is not None:
             self._record_prompt_logprobs(step, prompt_lp, failed)

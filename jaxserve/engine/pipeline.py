@@ -33,13 +33,13 @@ if TYPE_CHECKING:
 class Step:
     """A dispatched step: its plan, its results on the device, and the sampler rows of
     the sequences it samples a token for (from row `first`, 1 + drafts rows).
-    `row_errors`: the requests with a sampler row the runner could not pack (sampled
-    with neutral settings), and why; they fail when the step is applied."""
+    `row_errors`: the sequences with a sampler row the runner could not pack (sampled
+    with neutral settings), and why; their requests fail when the step is applied."""
 
     plan: SchedulerOutput
     pending: PendingStep
     sampled: list[tuple[ScheduledSeq, int]]  # (item, first row)
-    row_errors: dict[str, Exception] = dataclasses.field(default_factory=dict)
+    row_errors: dict[SequenceState, Exception] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def rows(self) -> dict[SequenceState, int]:
@@ -166,7 +166,7 @@ class StepPipeline:
             if s.samples:
                 sampled.append((s, len(flat)))
             flat.extend(item_rows)
-            owners.extend([s.seq.request_id] * len(item_rows))
+            owners.extend([s.seq] * len(item_rows))
         runner = self.runner
         batch = runner.build(work)
         # Built (grammar bitmasks filled) while the forward pass runs on the device. A
@@ -181,8 +181,8 @@ class StepPipeline:
                 self.scheduler.on_computed(item)
         for item, _ in sampled:
             item.seq.num_placeholders += 1
-        failed_rows: dict[str, Exception] = {}
-        for row, e in sorted(row_errors.items()):  # each request's first failed row
+        failed_rows: dict[SequenceState, Exception] = {}
+        for row, e in sorted(row_errors.items()):  # each sequence's first failed row
             failed_rows.setdefault(owners[row], e)
         return Step(plan, pending, sampled, failed_rows)
 

@@ -87,6 +87,7 @@ def test_stream_all_works_inside_a_running_event_loop():
     from test_scheduler import VOCAB
 
     from jaxserve.data_parallel import stream_all
+    from jaxserve.front import EngineDeadError
 
     front, engines = _mock_replicas()
     requests = _requests()
@@ -111,6 +112,9 @@ def test_stream_all_works_inside_a_running_event_loop():
     front.shutdown()
     loops[0].join(5)
     assert not loops[0].is_alive()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        stream_all(front, requests, keep)
+    assert not [t for t in threading.enumerate() if t.name == "jaxserve-data-parallel-loop"]
 
 
 def test_stream_all_returns_a_request_the_engine_failed_with_the_others(monkeypatch):
