@@ -24,6 +24,8 @@ from jaxserve.config import ModelConfig, engine_config
 from jaxserve.engine import LLMEngine
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.request_state import RequestState
+from server import jaxserve_pb2 as pb
+from server import jaxserve_pb2_grpc as pb_grpc
 from server.app import JaxServeServer, ServerOptions, _ApiKeyInterceptor
 from server.openai_api.api import build_app
 from server.prometheus import ServerMetrics
@@ -150,6 +152,41 @@ def test_a_request_the_engine_failed_is_a_500_naming_the_cause(monkeypatch):
 
     asyncio.run(main())
     front.shutdown()
+
+
+def test_a_request_the_engine_failed_is_internal_over_grpc(monkeypatch):
+    check_stop = RequestState.check_stop
+
+    def failing(self, *args):
+        if self.prompt_token_ids == [7, 7, 7]:
+            raise RuntimeError("injected failure")
+        return check_stop(self, *args)
+
+    monkeypatch.setattr(RequestState, "check_stop", failing)
+    engine = mock_engine()
+
+    def request(ids):
+        params = pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        return pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids), sampling_params=params)
+
+    async def main():
+        server = JaxServeServer(lambda: (engine, None), ServerOptions(port=0), model_name="m")
+        port = await server.start()
+        await server.load()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.JaxServeStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Complete(request([7, 7, 7]))
+                assert e.value.code() == grpc.StatusCode.INTERNAL
+                assert "RuntimeError: injected failure" in e.value.details()
+                ok = await stub.Complete(request([1, 2, 3]))
+                assert len(ok.completions[0].token_ids) == 4
+            assert server.state.engine.healthy
+        finally:
+            await server.stop(grace=0)
+
+    asyncio.run(main())
 
 
 # ------------------------------------------------------------------------ API keys
