@@ -15,6 +15,7 @@ Front ends use it only as a `jaxserve.front.EngineFront`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -25,7 +26,7 @@ from typing import TypeVar
 
 from jaxserve.engine import LLMEngine
 from jaxserve.engine_stats import StatsSnapshot
-from jaxserve.front import EngineDeadError
+from jaxserve.front import EngineDeadError, RequestFailedError
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.outputs import ModelInfo, RequestOutput
 
@@ -43,9 +44,23 @@ class OutputStream:
     queue: asyncio.Queue
     closed: bool = False  # the client stopped reading (finished, cancelled or failed)
 
-    def put(self, item) -> None:
-        if not self.closed:
+    def put(self, item) -> bool:
+        """Hands `item` to the reader's loop; False if it was dropped: the reader
+        stopped, or its loop is closed (or closes meanwhile). Never raises."""
+        if self.closed:
+            return False
+        try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody will read this stream again
+            self.closed = True
+            return False
+        return True
+
+
+def _reply(future: asyncio.Future, result, error) -> None:
+    """Settles `future` on its loop (from another thread); dropped if the loop closed."""
+    with contextlib.suppress(RuntimeError):  # its loop closed: nobody waits for it
+        future.get_loop().call_soon_threadsafe(_settle, future, result, error)
 
 
 def _settle(future: asyncio.Future, result, error) -> None:
@@ -175,7 +190,7 @@ class AsyncLLMEngine:
                     result, error = fn(self.engine), None
                 except Exception as e:  # the caller's error; the engine is fine
                     result, error = None, e
-                future.get_loop().call_soon_threadsafe(_settle, future, result, error)
+                _reply(future, result, error)
             elif command[0] == "add":
                 _, request, stream = command
                 if stream.closed:
@@ -184,6 +199,13 @@ class AsyncLLMEngine:
                     self.engine.add_request(request)
                 except (ValueError, TypeError) as e:  # this request is bad; the engine is fine
                     stream.put(e if isinstance(e, ValueError) else ValueError(str(e)))
+                except Exception as e:  # this request failed alone; the engine is fine
+                    message = (
+                        f"request {request.request_id!r} failed on the engine while being "
+                        f"added: {type(e).__name__}: {e}"
+                    )
+                    logger.exception("%s", message)
+                    stream.put(RequestFailedError(message))
                 else:
                     self._live[request.request_id] = stream
             else:
@@ -193,7 +215,11 @@ class AsyncLLMEngine:
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._live.get(out.request_id)
         if stream is not None:
-            stream.put(out)
+            item = out if out.error is None else RequestFailedError(out.error, out)
+            if not stream.put(item) and not out.finished:
+                # Its reader is gone (a closed event loop never ran generate's cleanup).
+                self.engine.abort(out.request_id)
+                self._live.pop(out.request_id, None)
         if out.finished:
             self._live.pop(out.request_id, None)
 

@@ -23,7 +23,8 @@ import asyncio
 import collections
 import dataclasses
 import threading
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Sequence
+from typing import Any, TypeVar
 
 import jax
 
@@ -32,11 +33,13 @@ from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.engine_stats import StatsSnapshot
-from jaxserve.front import EngineDeadError, EngineFront, cannot_transfer_kv
+from jaxserve.front import EngineDeadError, EngineFront, RequestFailedError, cannot_transfer_kv
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.kv.page_pool import ROOT_UID
 from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 
 class PrefixRouter:
@@ -144,6 +147,7 @@ class DataParallelEngine:
         )
         self._lock = threading.Lock()  # routing may come from several event loops
         self._owner: dict[str, int] = {}  # request id -> its replica, while it runs
+        self._loop: _LoopThread | None = None  # synchronous callers' (`run_sync`)
         info = self.replicas[0].model_info
         self.model_info: ModelInfo = dataclasses.replace(
             info,
@@ -233,22 +237,77 @@ class DataParallelEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         for r in self.replicas:
             r.shutdown(timeout)
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.close()
+
+    def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs `coro` to its end on this front's own event loop thread, for synchronous
+        callers, which may be inside a running event loop themselves (Jupyter), where
+        `asyncio.run` fails. The one loop serves every call until `shutdown`. If the
+        caller is interrupted, the coroutine is cancelled (its requests aborted)."""
+        if not self.healthy:  # (shut down: no loop is started again)
+            coro.close()
+            raise self.error
+        with self._lock:
+            if self._loop is None:
+                self._loop = _LoopThread()
+            loop = self._loop
+        return loop.run(coro)
+
+
+class _LoopThread:
+    """An event loop running on a thread of its own until `close`."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="jaxserve-data-parallel-loop", daemon=True
+        )
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:  # KeyboardInterrupt included: stop the coroutine too
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
 
 
 def stream_all(
-    front: EngineFront,
+    front: DataParallelEngine,
     requests: Sequence[GenerateRequest],
     on_output: Callable[[int, RequestOutput], None],
 ) -> None:
     """Sends every request through the front at once and calls `on_output(i, out)` for
-    each output of request i, until all finished: for callers without an event loop
-    (`LLM.generate`, the offline bench)."""
+    each output of request i, until all finished: for synchronous callers
+    (`LLM.generate`, the offline bench), on the front's own loop (`run_sync`). A
+    request the engine failed alone (`RequestFailedError`) gives its last output,
+    whose `error` names the cause; any other error ends every request and is raised."""
 
     async def one(i: int) -> None:
-        async for out in front.generate(requests[i]):
-            on_output(i, out)
+        try:
+            async for out in front.generate(requests[i]):
+                on_output(i, out)
+        except RequestFailedError as e:
+            if e.output is None:
+                raise
+            on_output(i, e.output)
 
     async def run_all() -> None:
-        await asyncio.gather(*(one(i) for i in range(len(requests))))
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(requests))]
+        try:
+            await asyncio.gather(*tasks)
+        finally:  # on an error, the other requests stop too (aborted)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
-    asyncio.run(run_all())
+    front.run_sync(run_all())

@@ -22,6 +22,17 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an unexpected error; no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request: an unexpected error in its host work
+    (detokenizer, grammar, logprobs, stop checks, sampler rows), named in the message.
+    The engine serves on. `output` is the request's last output (`error` set, its
+    unfinished samples "abort"), where there is one."""
+
+    def __init__(self, message: str, output: RequestOutput | None = None):
+        super().__init__(message)
+        self.output = output
+
+
 @runtime_checkable
 class EngineFront(Protocol):
     @property

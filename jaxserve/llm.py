@@ -215,10 +215,12 @@ class LLM:
         for i, request in enumerate(requests):
             try:
                 self.engine.add_request(request)
-            except ValueError as e:
+            except Exception as e:  # none of this call's requests stays queued
                 for earlier in requests[:i]:
                     self.engine.abort(earlier.request_id)
-                raise ValueError(f"prompts[{i}]: {e}") from e
+                if isinstance(e, ValueError):
+                    raise ValueError(f"prompts[{i}]: {e}") from e
+                raise
         results: dict[str, RequestOutput] = {}
 
         def keep(out: RequestOutput) -> None:

@@ -32,6 +32,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then per token.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Why the engine failed this request (an unexpected error in its host work, named
+    # with its cause); its unfinished samples end "abort". None for every other output.
+    error: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,7 @@ from jaxserve.async_engine import AsyncLLMEngine, OutputStream
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine, validate_request
 from jaxserve.engine_stats import StatsSnapshot
-from jaxserve.front import EngineDeadError, cannot_transfer_kv
+from jaxserve.front import EngineDeadError, RequestFailedError, cannot_transfer_kv
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.progress_watch import ProgressWatch
@@ -241,6 +241,8 @@ class RayReplica:
                 if item is None:  # aborted
                     return
                 if isinstance(item, BaseException):
+                    if isinstance(item, RequestFailedError) and item.output is not None:
+                        item.output.request_id = request_id
                     raise item
                 item.request_id = request_id  # the engine's was made unique with the key
                 finished = item.finished
@@ -317,11 +319,21 @@ class RayReplica:
                     if isinstance(payload, EngineDeadError):
                         self._fail(payload)
                     stream = self._streams.get(key)
-                    if stream is not None:
-                        stream.put(payload)
+                    if stream is not None and not stream.put(payload):
+                        self._orphaned(key, payload)
             raise EngineDeadError("the replica's output stream ended")
         except Exception as e:  # the actor, or its machine, is gone
             self._fail(e)
+
+    def _orphaned(self, key: int, payload) -> None:
+        """A request whose reader is gone (its event loop closed without closing the
+        stream): forgets its stream, and aborts it on the actor if it still runs."""
+        with self._lock:
+            self._streams.pop(key, None)
+            for request_id in [r for r, k in self._key_of.items() if k == key]:
+                del self._key_of[request_id]
+        if isinstance(payload, RequestOutput) and not payload.finished:
+            self.actor.abort.remote(key)
 
     def _watch(self) -> None:
         import ray

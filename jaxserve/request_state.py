@@ -42,6 +42,8 @@ class RequestState:
     sync_only: bool = False
     # Disaggregated decode: resumed samples' tokens, sent with their first output.
     resumed: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # Why the engine failed it (`jaxserve.engine.failures`): its outputs carry it.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -125,7 +127,8 @@ class RequestState:
             detok = self.detoks[seq.index]
             text = delta = ""
             if detok is not None:
-                delta = detok.release(seq.finished)
+                if self.error is None:  # (a failed request's detokenizer may be what failed)
+                    delta = detok.release(seq.finished)
                 text = detok.text[: detok.released]
             tokens = new_tokens.get(seq, [])
             if self.resumed and seq in new_tokens:
@@ -156,6 +159,7 @@ class RequestState:
             prompt_logprobs=(
                 list(self.prompt_logprobs) if self.params.prompt_logprobs is not None else None
             ),
+            error=self.error,
         )
 
 

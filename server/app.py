@@ -26,7 +26,7 @@ from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.engine import LLMEngine
 from jaxserve.front import EngineFront
 from jaxserve.tokenizer import Tokenizer
-from server import disagg
+from server import auth, disagg
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
 from server.prometheus import ServerMetrics
@@ -68,12 +68,25 @@ class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls without the API key (health checks and reflection stay open)."""
 
     def __init__(self, key: str):
-        self._accepted = {("authorization", f"Bearer {key}"), ("x-api-key", key)}
+        self._expected = {
+            "authorization": b"Bearer " + auth.key_bytes(key),
+            "x-api-key": auth.key_bytes(key),
+        }
+
+    def _authorized(self, metadata) -> bool:
+        """Whether the call carries the key; every candidate value is compared, in
+        constant time."""
+        ok = False
+        for name, value in metadata or ():
+            expected = self._expected.get(name)
+            if expected is not None:
+                ok |= auth.matches(auth.presented(value), expected)
+        return ok
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if details.method.startswith(_OPEN_METHODS) or self._accepted & set(
-            details.invocation_metadata or ()
+        if details.method.startswith(_OPEN_METHODS) or self._authorized(
+            details.invocation_metadata
         ):
             return handler
 
@@ -250,7 +263,7 @@ class JaxServeServer:
         try:
             disagg.check_role(front, self.options.role)
         except ValueError:
-            front.shutdown()
+            await asyncio.to_thread(front.shutdown)
             raise
         self.state.tokenizer = tokenizer
         self.state.engine = front
@@ -280,10 +293,11 @@ class JaxServeServer:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
+        # Off the event loop (joins threads, saves the KV tier, calls Ray replicas).
         if self.state.engine is not None:
-            self.state.engine.shutdown()
+            await asyncio.to_thread(self.state.engine.shutdown)
         if self._metrics_http is not None:
-            self._metrics_http.shutdown()
+            await asyncio.to_thread(self._metrics_http.shutdown)
 
     async def _drain_http(self, grace: float, grpc_stop: asyncio.Task | None) -> None:
         """Keeps the HTTP port open (answering 503) while requests are in flight and

@@ -29,6 +29,7 @@ _CODES = {
     Reason.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Reason.FAILED: grpc.StatusCode.INTERNAL,
 }
 
 _OPTIONAL_SAMPLING_FIELDS = (

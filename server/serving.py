@@ -16,7 +16,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Iterator
 
-from jaxserve.front import EngineDeadError, EngineFront
+from jaxserve.front import EngineDeadError, EngineFront, RequestFailedError
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -28,6 +28,7 @@ class Reason(enum.Enum):
     INVALID = "invalid"  # a bad field: gRPC INVALID_ARGUMENT, HTTP 400
     OVERLOADED = "overloaded"  # past max_pending: RESOURCE_EXHAUSTED, 429
     UNAVAILABLE = "unavailable"  # loading, draining, or the engine died: UNAVAILABLE, 503
+    FAILED = "failed"  # the engine failed this request alone (its cause named): INTERNAL, 500
 
 
 class Refused(Exception):
@@ -89,7 +90,8 @@ async def stream(
     """The engine's outputs for one request, with latency metrics recorded.
 
     Raises Refused (INVALID) if the engine's validation refuses the request, before
-    anything ran, and Refused (UNAVAILABLE) if the engine dies. Closing the iterator
+    anything ran, Refused (UNAVAILABLE) if the engine dies, and Refused (FAILED) if
+    the engine failed this request alone. Closing the iterator
     early (a client that went away) aborts the request.
     """
     start = last = time.monotonic()
@@ -109,6 +111,8 @@ async def stream(
         raise invalid(metrics, str(e), param_of(str(e))) from None
     except EngineDeadError as e:
         raise Refused(Reason.UNAVAILABLE, str(e)) from None
+    except RequestFailedError as e:  # the engine serves on
+        raise Refused(Reason.FAILED, str(e)) from None
 
 
 def deltas(out: RequestOutput, reported: set[int]) -> Iterator[CompletionOutput]:

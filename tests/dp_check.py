@@ -5,9 +5,10 @@ Usage: python dp_check.py MODEL_DIR DP TP
 
 `LLM(data_parallel_size=DP, tensor_parallel_size=TP)` serves a mixed workload
 (groups of prompts sharing a system prefix, and unrelated prompts; greedy and
-seeded sampling, n=2) twice; every request is answered exactly once, outputs equal
-one engine's on one device, and requests sharing a prefix land on the replica that
-holds it (the router's affinity hits, and the replicas' prefix-cache hits).
+seeded sampling, n=2) twice, and once more from inside a running event loop; every
+request is answered exactly once, outputs equal one engine's on one device, and
+requests sharing a prefix land on the replica that holds it (the router's affinity
+hits, and the replicas' prefix-cache hits).
 """
 
 import asyncio
@@ -90,6 +91,12 @@ def main(model_dir: str, dp: str, tp: str) -> None:
         return await asyncio.gather(*(through_server(i) for i in (1, 2, 4)))
 
     assert asyncio.run(all_through_server()) == [want[i][0] for i in (1, 2, 4)]
+
+    async def inside_a_running_loop():  # as Jupyter runs a cell
+        return outputs(llm, prompts, params)
+
+    assert asyncio.run(inside_a_running_loop()) == want
+    print("LLM.generate inside a running event loop: equal to one engine")
     for r in front.replicas:
         r.shutdown()
     assert not front.healthy and "was shut down" in str(front.error), front.error

@@ -64,7 +64,7 @@ class MockRunner:
             num_rows=self.shapes.max_rows,
         )
 
-    def build_sampling(self, rows, row_bucket) -> SamplingMetadata:
+    def build_sampling(self, rows, row_bucket, errors=None) -> SamplingMetadata:
         self._rows = rows
         return build_sampling(
             rows,
@@ -72,6 +72,7 @@ class MockRunner:
             history_len=self.config.pages_per_seq * self.config.cache.page_size,
             max_bias=self.config.max_logit_bias,
             vocab_size=self.vocab,
+            errors=errors,
         )
 
     def warmup(self):

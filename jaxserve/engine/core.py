@@ -321,14 +321,18 @@ class LLMEngine:
             sync_only=grammar is not None,
         )
         self._num_sync_only += self.requests[request_id].sync_only
-        if resume is not None:
-            self.requests[request_id].resume(resume)
         self._stats.on_add()
-        if grammar is not None:
-            self.grammars.waiting.append(self.requests[request_id])  # scheduled once compiled
-        else:
-            for seq in seqs:
-                self.scheduler.add(seq)
+        try:
+            if resume is not None:
+                self.requests[request_id].resume(resume)
+            if grammar is not None:
+                self.grammars.waiting.append(self.requests[request_id])  # scheduled once compiled
+            else:
+                for seq in seqs:
+                    self.scheduler.add(seq)
+        except BaseException:  # nothing of it stays behind
+            self.abort(request_id)
+            raise
 
     def _sequences(
         self, request: GenerateRequest, ids: list[int], max_tokens: int, indices
@@ -405,9 +409,10 @@ class LLMEngine:
         Each turn calls `poll()` (to take new requests), then runs one step and hands
         each output to `on_output`, counting finished requests on `progress` (a tqdm
         bar). With no work left it returns, or, given `idle`, calls it (to wait for
-        work) and goes on until `stop()` is true. On any exception (KeyboardInterrupt
-        included) every unfinished request is aborted, freeing its pages, and the
-        exception propagates.
+        work) and goes on until `stop()` is true. One request's failure stays in the
+        step (`jaxserve.engine.failures`); an exception out of the step (the device
+        step, given the KV cache; the scheduler) or KeyboardInterrupt aborts every
+        unfinished request, freeing its pages, and propagates: the engine is done.
         """
         try:
             while stop is None or not stop():

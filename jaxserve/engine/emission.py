@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from jaxserve.engine.failures import fail_request
 from jaxserve.engine_stats import EngineStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.request_state import RequestState
@@ -45,14 +46,17 @@ class Emitter:
     ) -> tuple[dict[SequenceState, list[int]], list[RequestOutput]]:
         """Does a fetched step's host work: append its tokens, check stops, detokenize,
         cache the pages they fill, propose drafts. Returns the tokens appended per
-        sequence and an output per request that made progress."""
+        sequence and an output per request that made progress.
+
+        An exception in one request's work fails that request alone (`fail_request`):
+        its output names the cause, and the step's other requests keep their tokens."""
+        failed: dict[str, RequestOutput] = {}
+        for seq, error in step.row_errors.items():  # (rows sampled neutrally)
+            if not seq.finished:  # (not aborted meanwhile)
+                req = self.requests[seq.request_id]
+                self._fail(req, error, "packing its sampler rows", failed)
         if prompt_lp is not None:
-            offset = 0
-            for item in step.plan.scheduled:
-                seq = item.seq  # (an aborted request's entries are not wanted)
-                if seq.params.prompt_logprobs is not None and not seq.finished:
-                    self.requests[seq.request_id].record_prompt_logprobs(item, offset, prompt_lp)
-                offset += item.num_tokens
+            self._record_prompt_logprobs(step, prompt_lp, failed)
         touched: dict[str, RequestState] = {}
         new_tokens: dict[SequenceState, list[int]] = {}
         for item, first in step.sampled:
@@ -61,18 +65,56 @@ class Emitter:
             if seq.finished:  # stopped by the step before, or aborted: discard the token
                 continue
             req = self.requests[seq.request_id]
-            new_tokens[seq] = self.emit(req, item, out, first, first + 1 + len(item.draft))
+            try:
+                new_tokens[seq] = self.emit(req, item, out, first, first + 1 + len(item.draft))
+            except Exception as e:
+                self._fail(req, e, "applying its sampled tokens", failed)
+                continue
             touched[seq.request_id] = req
             if not seq.finished:  # a next step in flight may have computed the token:
                 self.scheduler.cache_pages(seq)  # the page it completes, if any
         if self.proposer is not None:
-            # Proposals for the next step, unless the batch is too large to speculate
-            # (stale ones would only be rejected: clear them).
-            speculate = len(self.scheduler.running) <= self.scheduler.spec_max_batch
-            for seq in new_tokens:
-                if not seq.finished:
-                    seq.spec_token_ids = self.propose(seq) if speculate else []
-        return new_tokens, [req.output(new_tokens) for req in touched.values()]
+            self._propose_next(new_tokens, failed)
+        outputs = []
+        for req in touched.values():
+            if req.request_id not in failed:
+                try:
+                    outputs.append(req.output(new_tokens))
+                except Exception as e:
+                    self._fail(req, e, "building its output", failed)
+        return new_tokens, outputs + list(failed.values())
+
+    def _record_prompt_logprobs(self, step, prompt_lp, failed: dict[str, RequestOutput]) -> None:
+        offset = 0
+        for item in step.plan.scheduled:
+            seq = item.seq  # (an aborted request's entries are not wanted)
+            if seq.params.prompt_logprobs is not None and not seq.finished:
+                req = self.requests[seq.request_id]
+                try:
+                    req.record_prompt_logprobs(item, offset, prompt_lp)
+                except Exception as e:
+                    self._fail(req, e, "recording its prompt logprobs", failed)
+            offset += item.num_tokens
+
+    def _propose_next(
+        self, new_tokens: dict[SequenceState, list[int]], failed: dict[str, RequestOutput]
+    ) -> None:
+        """Proposals for the next step, unless the batch is too large to speculate
+        (stale ones would only be rejected: clear them)."""
+        speculate = len(self.scheduler.running) <= self.scheduler.spec_max_batch
+        for seq in new_tokens:
+            if seq.finished:
+                continue
+            try:
+                seq.spec_token_ids = self.propose(seq) if speculate else []
+            except Exception as e:
+                self._fail(self.requests[seq.request_id], e, "proposing its drafts", failed)
+
+    def _fail(
+        self, req: RequestState, error: Exception, doing: str, failed: dict[str, RequestOutput]
+    ) -> None:
+        if req.request_id not in failed:
+            failed[req.request_id] = fail_request(req, error, doing, self.scheduler)
 
     def emit(self, req: RequestState, item: ScheduledSeq, out, first: int, end: int) -> list[int]:
         """Appends what the sampler rows [first, end) of a sequence give: its accepted

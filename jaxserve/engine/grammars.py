@@ -11,6 +11,7 @@ import concurrent.futures
 import logging
 from collections.abc import Callable
 
+from jaxserve.engine.failures import fail_request
 from jaxserve.engine_stats import EngineStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.request_state import RequestState
@@ -51,20 +52,30 @@ class GrammarAdmission:
         failed = []
         for req in [r for r in self.waiting if r.grammar.done()]:
             self.waiting.remove(req)
-            error = req.grammar.exception()
-            if error is None:
-                compiled = req.grammar.result()
-                req.matchers = [self.compiler().matcher(compiled) for _ in req.seqs]
-                for seq in req.seqs:
-                    self.scheduler.add(seq)
-                continue
+            out = self._admit(req)
+            if out is not None:
+                failed.append(out)
+                self.forget(req.request_id)
+                self.stats.on_finish(aborted=True)
+        return failed
+
+    def _admit(self, req: RequestState) -> RequestOutput | None:
+        """Schedules a request whose grammar has compiled; its final output instead if
+        the compile failed, or its matchers raise (it fails alone)."""
+        error = req.grammar.exception()
+        if error is not None:
             logger.error("request %s: its grammar failed to compile: %s", req.request_id, error)
             for seq in req.seqs:
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
-            failed.append(req.output({}))
-            self.forget(req.request_id)
-            self.stats.on_finish(aborted=True)
-        return failed
+            return req.output({})
+        try:
+            compiled = req.grammar.result()
+            req.matchers = [self.compiler().matcher(compiled) for _ in req.seqs]
+        except Exception as e:
+            return fail_request(req, e, "starting its grammar", self.scheduler)
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+        return None
 
     def wait(self) -> None:
         """With nothing to run but requests whose grammar compiles, waits a little for

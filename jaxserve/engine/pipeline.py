@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from jaxserve.engine.emission import Emitter
+from jaxserve.engine.failures import fail_request
 from jaxserve.engine.grammars import GrammarAdmission
 from jaxserve.engine_stats import EngineStats, StatsSnapshot
 from jaxserve.kv import PagePool
@@ -31,11 +32,14 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(eq=False)
 class Step:
     """A dispatched step: its plan, its results on the device, and the sampler rows of
-    the sequences it samples a token for (from row `first`, 1 + drafts rows)."""
+    the sequences it samples a token for (from row `first`, 1 + drafts rows).
+    `row_errors`: the sequences with a sampler row the runner could not pack (sampled
+    with neutral settings), and why; their requests fail when the step is applied."""
 
     plan: SchedulerOutput
     pending: PendingStep
     sampled: list[tuple[ScheduledSeq, int]]  # (item, first row)
+    row_errors: dict[SequenceState, Exception] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def rows(self) -> dict[SequenceState, int]:
@@ -82,7 +86,10 @@ class StepPipeline:
             return []
         if self.drafter is not None:
             self.fill_drafts(plan)
-        return self.apply(self.dispatch(plan), t0)
+        rows, failed = self.sample_rows(plan)
+        if not plan.scheduled:
+            return failed
+        return failed + self.apply(self.dispatch(plan, rows), t0)
 
     def step_async(self, t0: float) -> list[RequestOutput]:
         """Dispatches the next step, then applies the one in flight while the device
@@ -98,20 +105,53 @@ class StepPipeline:
         """
         prev = self.inflight
         plan = self.schedule()
-        self.inflight = self.dispatch(plan, prev) if plan.scheduled else None
+        self.inflight, failed = None, []
+        if plan.scheduled:
+            rows, failed = self.sample_rows(plan, prev)
+            if plan.scheduled:
+                self.inflight = self.dispatch(plan, rows, prev)
         if prev is None:
-            if self.inflight is None:
+            if self.inflight is None and not failed:
                 self.grammars.wait()
-            return []
-        return self.apply(prev, t0)
+            return failed
+        return failed + self.apply(prev, t0)
 
-    def dispatch(self, plan, prev: Step | None = None) -> Step:
-        """Starts the plan's step on the device and does the bookkeeping that needs no
-        sampled token (a sequence verifying drafts waits for the verdict). `prev` is
-        the step in flight, whose tokens the placeholders of this one read."""
-        work, rows, sampled = [], [], []
+    def sample_rows(
+        self, plan: SchedulerOutput, prev: Step | None = None
+    ) -> tuple[list[list[SampleRow]], list[RequestOutput]]:
+        """Each scheduled item's sampler rows (1 + drafts). A request whose rows raise
+        fails alone (`fail_request`): its items leave the plan, and its output (which
+        names the cause) is returned with the rows, the request forgotten."""
+        rows: list[list[SampleRow]] = []
+        failed: dict[str, RequestOutput] = {}
         for s in plan.scheduled:
-            num_samples = 1 + len(s.draft)
+            req = self.requests[s.seq.request_id]
+            prev_row = prev.rows[s.seq] if s.placeholder else -1
+            try:
+                rows.append(
+                    [self.sample_row(s.seq, s.draft, j, prev_row) for j in range(1 + len(s.draft))]
+                )
+            except Exception as e:
+                rows.append([])
+                if req.request_id not in failed:
+                    doing = "building its sampler rows"
+                    failed[req.request_id] = fail_request(req, e, doing, self.scheduler)
+        if failed:
+            kept = [i for i, s in enumerate(plan.scheduled) if s.seq.request_id not in failed]
+            plan.scheduled[:] = [plan.scheduled[i] for i in kept]
+            rows = [rows[i] for i in kept]
+            for request_id in failed:
+                self.forget(request_id)
+                self.stats.on_finish(aborted=True)
+        return rows, list(failed.values())
+
+    def dispatch(self, plan, rows: list[list[SampleRow]], prev: Step | None = None) -> Step:
+        """Starts the plan's step on the device and does the bookkeeping that needs no
+        sampled token (a sequence verifying drafts waits for the verdict). `rows` are
+        each item's sampler rows (`sample_rows`); `prev` is the step in flight, whose
+        tokens the placeholders of this one read."""
+        work, flat, sampled, owners = [], [], [], []
+        for s, item_rows in zip(plan.scheduled, rows, strict=True):
             prev_row = prev.rows[s.seq] if s.placeholder else -1
             work.append(
                 SeqWork(
@@ -119,24 +159,32 @@ class StepPipeline:
                     s.start,
                     s.seq.pages,
                     prompt_targets(s),
-                    num_samples,
+                    len(item_rows),
                     prev_row=prev_row,
                 )
             )
             if s.samples:
-                sampled.append((s, len(rows)))
-            rows.extend(self.sample_row(s.seq, s.draft, j, prev_row) for j in range(num_samples))
+                sampled.append((s, len(flat)))
+            flat.extend(item_rows)
+            owners.extend([s.seq] * len(item_rows))
         runner = self.runner
         batch = runner.build(work)
-        # Built (grammar bitmasks filled) while the forward pass runs on the device.
-        sampling = functools.partial(runner.build_sampling, rows, runner.row_bucket(len(rows)))
+        # Built (grammar bitmasks filled) while the forward pass runs on the device. A
+        # row that cannot be packed is recorded, not raised: its request fails alone.
+        row_errors: dict[int, Exception] = {}
+        sampling = functools.partial(
+            runner.build_sampling, flat, runner.row_bucket(len(flat)), errors=row_errors
+        )
         pending = runner.dispatch(batch, sampling, prev.pending if prev is not None else None)
         for item in plan.scheduled:
             if not item.draft:
                 self.scheduler.on_computed(item)
         for item, _ in sampled:
             item.seq.num_placeholders += 1
-        return Step(plan, pending, sampled)
+        failed_rows: dict[SequenceState, Exception] = {}
+        for row, e in sorted(row_errors.items()):  # each sequence's first failed row
+            failed_rows.setdefault(owners[row], e)
+        return Step(plan, pending, sampled, failed_rows)
 
     def apply(self, step: Step, t0: float) -> list[RequestOutput]:
         """Waits for a dispatched step's tokens, has the emitter apply them, and
@@ -148,7 +196,7 @@ class StepPipeline:
         for o in outputs:
             if o.finished:
                 self.forget(o.request_id)
-                self.stats.on_finish()
+                self.stats.on_finish(aborted=o.error is not None)
         t3 = time.perf_counter()
         self.stats.on_step(
             step.plan,

@@ -269,6 +269,7 @@ def build_sampling(
     max_bias: int,
     vocab_size: int,
     with_history: bool | None = None,
+    errors: dict[int, Exception] | None = None,
 ) -> SamplingMetadata:
     """Packs the rows' settings. The token history for penalties is [B, history_len]
     only when some row needs it (or `with_history`), else [B, 1]: a batch without
@@ -279,6 +280,11 @@ def build_sampling(
     bitmask of the whole vocabulary, so a request may block any number of them
     without a cap or another program; the sparse bias holds only `logit_bias`. A
     row with a grammar has the grammar fill its words first (in place, no copy).
+
+    Given `errors`, a row that cannot be packed (a value the arrays cannot hold that
+    slipped past validation, a grammar that raises) does not raise: its exception
+    goes into `errors[row]` and the row keeps neutral settings, so that the step of
+    the other rows runs, and the engine fails that row's request alone.
     """
     b = seq_bucket
     if with_history is None:
@@ -300,32 +306,18 @@ def build_sampling(
     num_prompt = np.zeros(b, np.int32)
     draft = np.full(b, -1, np.int32)
     want_logprobs = False
+    columns = (temperature, top_k, top_p, min_p, presence, frequency, repetition, seed)
+    columns += (position, bias_ids, bias_values, allowed, masked, history, num_prompt, draft)
+    neutral = [c[-1].copy() for c in columns] if b else []  # (every row starts neutral)
     for i, row in enumerate(rows):
-        p = row.params
-        temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-        presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
-        repetition[i] = p.repetition_penalty
-        seed[i] = row.seed & 0xFFFFFFFF
-        position[i] = len(row.token_ids) - row.num_prompt
-        bias = p.logit_bias or {}
-        if len(bias) > max_bias:
-            raise ValueError(f"logit_bias has {len(bias)} entries; the cap is {max_bias}")
-        bias_ids[i, : len(bias)] = list(bias)
-        bias_values[i, : len(bias)] = list(bias.values())
-        if row.grammar is not None:  # the grammar's allowed tokens, then min_tokens' blocks
-            row.grammar.fill_bitmask(allowed[i])
-            masked[i] = True
-        blocked = np.asarray([t for t in row.blocked_ids if 0 <= t < vocab_size], np.int64)
-        if blocked.size:
-            # Clear bit (t % 32) of word (t // 32); ufunc.at handles repeated words.
-            bits = np.left_shift(np.uint32(1), (blocked % 32).astype(np.uint32))
-            np.bitwise_and.at(allowed[i], blocked // 32, ~bits)
-            masked[i] = True
-        if wants_history(p):
-            history[i, : len(row.token_ids)] = row.token_ids
-            num_prompt[i] = row.num_prompt
-        draft[i] = row.draft
-        want_logprobs |= p.logprobs is not None
+        try:
+            want_logprobs |= _pack_row(i, row, columns, max_bias=max_bias, vocab_size=vocab_size)
+        except Exception as e:
+            if errors is None:
+                raise
+            errors[i] = e
+            for c, value in zip(columns, neutral, strict=True):
+                c[i] = value
     return SamplingMetadata(
         temperature=temperature,
         top_k=top_k,
@@ -345,3 +337,35 @@ def build_sampling(
         draft=draft,
         want_logprobs=np.array([want_logprobs]),
     )
+
+
+def _pack_row(i: int, row: SampleRow, columns, *, max_bias: int, vocab_size: int) -> bool:
+    """Writes row `i`'s settings into `columns` (`build_sampling`'s arrays, in its
+    order); returns whether the row wants logprobs."""
+    (temperature, top_k, top_p, min_p, presence, frequency, repetition, seed) = columns[:8]
+    (position, bias_ids, bias_values, allowed, masked, history, num_prompt, draft) = columns[8:]
+    p = row.params
+    temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+    presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
+    repetition[i] = p.repetition_penalty
+    seed[i] = row.seed & 0xFFFFFFFF
+    position[i] = len(row.token_ids) - row.num_prompt
+    bias = p.logit_bias or {}
+    if len(bias) > max_bias:
+        raise ValueError(f"logit_bias has {len(bias)} entries; the cap is {max_bias}")
+    bias_ids[i, : len(bias)] = list(bias)
+    bias_values[i, : len(bias)] = list(bias.values())
+    if row.grammar is not None:  # the grammar's allowed tokens, then min_tokens' blocks
+        row.grammar.fill_bitmask(allowed[i])
+        masked[i] = True
+    blocked = np.asarray([t for t in row.blocked_ids if 0 <= t < vocab_size], np.int64)
+    if blocked.size:
+        # Clear bit (t % 32) of word (t // 32); ufunc.at handles repeated words.
+        bits = np.left_shift(np.uint32(1), (blocked % 32).astype(np.uint32))
+        np.bitwise_and.at(allowed[i], blocked // 32, ~bits)
+        masked[i] = True
+    if wants_history(p):
+        history[i, : len(row.token_ids)] = row.token_ids
+        num_prompt[i] = row.num_prompt
+    draft[i] = row.draft
+    return p.logprobs is not None

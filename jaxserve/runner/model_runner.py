@@ -268,8 +268,14 @@ class ModelRunner:
         )
 
     def build_sampling(
-        self, rows: list[SampleRow], row_bucket: int, with_history: bool | None = None
+        self,
+        rows: list[SampleRow],
+        row_bucket: int,
+        with_history: bool | None = None,
+        errors: dict[int, Exception] | None = None,
     ) -> SamplingMetadata:
+        """`input_batch.build_sampling` for this model; `errors` collects the rows
+        that could not be packed (none raises then)."""
         return build_sampling(
             rows,
             seq_bucket=row_bucket,
@@ -277,6 +283,7 @@ class ModelRunner:
             max_bias=self.config.max_logit_bias,
             vocab_size=self.config.model.vocab_size,
             with_history=with_history,
+            errors=errors,
         )
 
     # ------------------------------------------------------------------- steps

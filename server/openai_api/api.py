@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from jaxserve.inputs import parse_prompt
-from server import serving
+from server import auth, serving
 from server.openai_api.completions import OpenAIServing, error_body, status_of
 from server.openai_api.protocol import (
     BadField,
@@ -64,14 +64,17 @@ class DetokenizeRequest(BaseModel):
 def build_app(state: ServingState, metrics: ServerMetrics, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None)
     openai = OpenAIServing(state, metrics)
-    accepted = {f"Bearer {api_key}"} if api_key else set()
+    key = auth.key_bytes(api_key) if api_key else b""
+    bearer = b"Bearer " + key
 
     def authorized(request: Request) -> None:
         if not api_key:
             return
-        if request.headers.get("authorization") in accepted:
-            return
-        if request.headers.get("x-api-key") == api_key:
+        headers = request.headers  # (decoded from the raw bytes as latin-1)
+        given = auth.presented(headers.get("authorization"), latin1=True)
+        given_key = auth.presented(headers.get("x-api-key"), latin1=True)
+        # Both compared, in constant time.
+        if auth.matches(given, bearer) | auth.matches(given_key, key):
             return
         raise _Error(
             401, "missing or wrong API key", "invalid_request_error", None, "invalid_api_key"
@@ -127,7 +130,10 @@ def build_app(state: ServingState, metrics: ServerMetrics, api_key: str | None =
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # Off the event loop: collecting reads the engine's stats, which over Ray
+        # replicas waits for each replica's answer (up to a second each).
+        body = await asyncio.to_thread(generate_latest, metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/v1/models")
     async def models():

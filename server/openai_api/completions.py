@@ -288,7 +288,7 @@ class OpenAIServing:
                     started.add(index)
                 if out.finished:
                     finals.append(out)
-        except Refused as e:  # the engine died mid-stream: the status line is long sent
+        except Refused as e:  # the engine died or failed it mid-stream: the status is sent
             yield _event(error_body(e.message, _ERROR_TYPES[e.reason][1], e.param))
         else:
             options = job.body.stream_options
@@ -367,6 +367,7 @@ _ERROR_TYPES = {
     Reason.INVALID: (400, "invalid_request_error"),
     Reason.OVERLOADED: (429, "rate_limit_exceeded"),
     Reason.UNAVAILABLE: (503, "service_unavailable"),
+    Reason.FAILED: (500, "server_error"),
 }
 
 

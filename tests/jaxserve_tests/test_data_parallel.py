@@ -39,6 +39,7 @@ def test_replicas_answer_each_request_once_like_one_engine(dp, tp, hf_model_dir)
     path, _ = hf_model_dir("llama2_mha")
     stdout = run_on_8_devices("dp_check.py", path, dp, tp)
     assert f"dp={dp} tp={tp}: 30 requests answered once, equal to one engine" in stdout
+    assert "LLM.generate inside a running event loop: equal to one engine" in stdout
 
 
 @pytest.mark.sharded
@@ -54,3 +55,95 @@ def test_replicas_on_a_ray_cluster_serve_like_one_engine_and_fail_alone(hf_model
     assert "request id reused after a cancel: the new request's tokens" in stdout
     assert "stalled replica: its 2 requests failed" in stdout
     assert "killed replica: its request failed" in stdout
+
+
+def _mock_replicas(n=2):
+    """`n` local replicas over mock engines (no devices): a `DataParallelEngine`."""
+    from test_scheduler import make_engine
+
+    from jaxserve.async_engine import AsyncLLMEngine
+    from jaxserve.data_parallel import DataParallelEngine
+
+    engines = [make_engine(num_pages=64, max_num_seqs=8, budget=32) for _ in range(n)]
+    return DataParallelEngine([AsyncLLMEngine(e) for e in engines], engines[0].config), engines
+
+
+def _requests(n=6):
+    from test_scheduler import params
+
+    from jaxserve.generate_request import GenerateRequest
+
+    return [GenerateRequest(str(i), [3 + i, 5, 7], params(4 + i)) for i in range(n)]
+
+
+def test_stream_all_works_inside_a_running_event_loop():
+    """`LLM.generate` over replicas from code that runs in an event loop (Jupyter): it
+    used `asyncio.run`, which refuses to run there. Its calls now share the front's
+    own loop thread, which shutdown closes."""
+    import asyncio
+    import threading
+
+    from mock_runner import expected_tokens
+    from test_scheduler import VOCAB
+
+    from jaxserve.data_parallel import stream_all
+    from jaxserve.front import EngineDeadError
+
+    front, engines = _mock_replicas()
+    requests = _requests()
+    finals = {}
+
+    def keep(i, out):
+        if out.finished:
+            finals[i] = out
+
+    async def inside_a_loop():
+        stream_all(front, requests, keep)  # (blocks this loop, as a sync call does)
+
+    asyncio.run(inside_a_loop())
+    asyncio.run(inside_a_loop())  # again: the same loop thread serves it
+    stream_all(front, requests, keep)  # and outside any loop
+    for i, r in enumerate(requests):
+        want = expected_tokens(r.prompt_token_ids, r.params.max_tokens, VOCAB)
+        assert finals[i].outputs[0].token_ids == want
+    assert all(e.stats().requests_finished > 0 for e in engines)  # both replicas served
+    loops = [t for t in threading.enumerate() if t.name == "jaxserve-data-parallel-loop"]
+    assert len(loops) == 1
+    front.shutdown()
+    loops[0].join(5)
+    assert not loops[0].is_alive()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        stream_all(front, requests, keep)
+    assert not [t for t in threading.enumerate() if t.name == "jaxserve-data-parallel-loop"]
+
+
+def test_stream_all_returns_a_request_the_engine_failed_with_the_others(monkeypatch):
+    from mock_runner import expected_tokens
+    from test_scheduler import VOCAB
+
+    from jaxserve.data_parallel import stream_all
+    from jaxserve.request_state import RequestState
+
+    check_stop = RequestState.check_stop
+
+    def failing(self, *args):
+        if self.request_id == "2":
+            raise RuntimeError("injected")
+        return check_stop(self, *args)
+
+    monkeypatch.setattr(RequestState, "check_stop", failing)
+    front, _ = _mock_replicas()
+    requests, finals = _requests(), {}
+
+    def keep(i, out):
+        if out.finished:
+            finals[i] = out
+
+    stream_all(front, requests, keep)
+    assert "RuntimeError: injected" in finals[2].error
+    for i, r in enumerate(requests):
+        if i != 2:
+            want = expected_tokens(r.prompt_token_ids, r.params.max_tokens, VOCAB)
+            assert finals[i].outputs[0].token_ids == want and finals[i].error is None
+    assert front.healthy
+    front.shutdown()

@@ -227,3 +227,52 @@ def test_tokenizer_from_another_directory(tiny_model_dir, tmp_path):
         warmup=False,
     )
     assert llm.generate(["The quick"], GREEDY)[0].outputs[0].text
+
+
+def test_generate_inside_a_running_event_loop(llm):
+    """As in a Jupyter cell, where an event loop runs (over data-parallel replicas:
+    `test_data_parallel.py`)."""
+    import asyncio
+
+    want = llm.generate(["The quick"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+    async def cell():
+        return llm.generate(["The quick"], GREEDY, use_tqdm=False)
+
+    assert asyncio.run(cell())[0].outputs[0].token_ids == want
+    _assert_idle(llm)
+
+
+def test_a_detokenizer_that_raises_fails_only_its_prompt(llm, monkeypatch, caplog):
+    """An exception in one request's detokenizer (here: the one with stop=["~fails~"])
+    used to end `generate` for every prompt; now that prompt's output names the cause,
+    the others are whole, and the engine serves on."""
+    from jaxserve.detokenizer import IncrementalDetokenizer
+
+    prompts = ["The quick", "Hello there", "One two"]
+    want = [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    add = IncrementalDetokenizer.add
+
+    def add_or_fail(self, token_id, **kw):
+        if self.stop == ["~fails~"] and len(self.text) > 2:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return add(self, token_id, **kw)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add", add_or_fail)
+    failing = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=["~fails~"])
+    outs = llm.generate(prompts, [GREEDY, failing, GREEDY], use_tqdm=False)
+    for i in (0, 2):
+        assert outs[i].error is None
+        assert (outs[i].outputs[0].token_ids, outs[i].outputs[0].text) == (
+            want[i].token_ids,
+            want[i].text,
+        )
+    bad = outs[1]
+    assert bad.finished and bad.outputs[0].finish_reason == "abort"
+    assert "UnicodeDecodeError" in bad.error and "injected" in bad.error, bad.error
+    assert bad.outputs[0].token_ids == want[1].token_ids[: len(bad.outputs[0].token_ids)]
+    assert any(r.exc_info for r in caplog.records if "failed on the engine" in r.getMessage())
+    _assert_idle(llm)
+    assert llm.engine.stats().kv_cache_usage == 0
+    monkeypatch.undo()
+    assert llm.generate(prompts[1:2], GREEDY, use_tqdm=False)[0].outputs[0].text == want[1].text

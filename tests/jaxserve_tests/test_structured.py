@@ -360,6 +360,44 @@ def test_demo_a_grammar_that_fails_to_compile_aborts_only_its_request(demo, monk
         )
 
 
+@pytest.mark.parametrize(
+    "method, doing",
+    [("accept", "applying its sampled tokens"), ("fill_bitmask", "packing its sampler rows")],
+)
+def test_demo_a_grammar_that_raises_fails_only_its_request(demo, monkeypatch, method, doing):
+    """An exception from a request's grammar matcher, while it checks a sampled token
+    (`accept`) or fills the next token's bitmask (`fill_bitmask`, in the sampler rows'
+    packing), fails that request alone; the unconstrained request beside it gets the
+    tokens it gets alone, and every page comes back."""
+    from jaxserve.structured.compiler import GrammarMatcher
+
+    engine = demo.engine
+
+    def run(*requests):
+        for r in requests:
+            engine.add_request(r)
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return done
+
+    alone = run(GenerateRequest("alone", [1, 2, 3], PLAIN4))["alone"].outputs[0].token_ids
+
+    def broken(self, *args):
+        raise RuntimeError(f"injected failure in {method}")
+
+    monkeypatch.setattr(GrammarMatcher, method, broken)
+    spec = _params(0, SO(regex=f"(yes|no) {method}-case"))
+    done = run(GenerateRequest("g", [1, 2, 3], spec), GenerateRequest("plain", [1, 2, 3], PLAIN4))
+    assert done["plain"].error is None and done["plain"].outputs[0].token_ids == alone
+    failed = done["g"]
+    assert failed.outputs[0].finish_reason == "abort"
+    assert doing in failed.error and f"injected failure in {method}" in failed.error
+    assert not engine.requests and engine.pool.num_free == engine.pool.capacity
+
+
 # ------------------------------------------------------ a random-weight model
 
 
