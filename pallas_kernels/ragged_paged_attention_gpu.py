@@ -51,7 +51,15 @@ _OTHER_SHARED_MEMORY = 101_376  # sm86, sm89 (A10, L4, L40, RTX 30xx/40xx): 99 K
 
 
 def shared_memory_bytes(
-    *, block_q: int, block_kv: int, heads: int, head_dim: int, q_dtype, kv_dtype, quantized: bool
+    *,
+    block_q: int,
+    block_kv: int,
+    heads: int,
+    head_dim: int,
+    q_dtype,
+    kv_dtype,
+    quantized: bool,
+    ieee_float32: bool = False,
 ) -> int:
     """The shared memory Triton asks for one program of the attention kernel
     (bytes); `head_dim` is the padded one.
@@ -66,7 +74,8 @@ def shared_memory_bytes(
       - per kv token: K and V as loaded (2 * H in the cache dtype) and 4 bytes per
         lane more (their copies on the way to the dots), the two float32 scales of a
         quantized cache, and with float32 dots the token's column of the [block_q,
-        block_kv] probabilities (4 * block_q).
+        block_kv] probabilities (4 * block_q; 4 * max(block_q, H) where the dots run
+        in IEEE float32, `ieee_float32`, not TF32: fitted to 12 shapes on sm90, exact).
     num_warps and num_stages move the request by a few bytes (the kv loads are
     gathers, which Triton does not pipeline). At block_q 64 with float32 dots the
     requests strayed up to a fifth either way: `GpuBlockSizes.tile` leaves a quarter
@@ -75,8 +84,22 @@ def shared_memory_bytes(
     q, kv = jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize
     dot = jnp.dtype(_dot_dtype(q_dtype, kv_dtype, quantized)).itemsize
     queries = heads * block_q * head_dim * max(q, dot)
-    per_token = (2 * kv + 4) * head_dim + 8 * quantized + (4 * block_q if dot == 4 else 0)
+    column = max(block_q, head_dim) if ieee_float32 else block_q
+    per_token = (2 * kv + 4) * head_dim + 8 * quantized + (4 * column if dot == 4 else 0)
     return queries + block_kv * per_token
+
+
+def dot_precision(setting: str | None) -> jax.lax.Precision | None:
+    """The dots' precision under JAX's default matmul precision `setting` (the
+    `jax_default_matmul_precision` config), as XLA's own dots take it: float32
+    operands are multiplied in TF32 on the tensor cores unless the setting asks for
+    full float32 ('highest' / 'float32'), then in IEEE float32. Other operand
+    dtypes are unaffected."""
+    if setting in ("highest", "float32"):
+        return jax.lax.Precision.HIGHEST
+    if setting in ("high", "tensorfloat32"):
+        return jax.lax.Precision.HIGH
+    return None  # 'default', 'bfloat16', 'fastest', unset: TF32 for float32 operands
 
 
 def _dot_dtype(q_dtype, kv_dtype, quantized: bool):
@@ -149,6 +172,7 @@ class GpuBlockSizes:
         q_dtype,
         kv_dtype,
         quantized: bool,
+        ieee_float32: bool = False,
     ) -> tuple[int, int]:
         """(block_kv, heads per program) for these shapes: those set, else the largest
         kv tile that fits in `shared_memory` with all G query heads, else with fewer
@@ -178,6 +202,7 @@ class GpuBlockSizes:
                     q_dtype=q_dtype,
                     kv_dtype=kv_dtype,
                     quantized=quantized,
+                    ieee_float32=ieee_float32,
                 )
                 slack = _SLACK if self.block_q <= 32 else need // 4
                 if need + slack <= self.shared_memory:
@@ -210,6 +235,7 @@ def _kernel(
     heads,
     true_head_dim,
     dot_dtype,
+    precision,
 ):
     if quantized:  # the K and V scales of this kv head, [P, S] each
         ks_ref, vs_ref, pages_ref, kv_lens_ref, cu_ref, num_seqs_ref, _, o_ref = refs
@@ -269,7 +295,8 @@ def _kernel(
             new = []
             for g in range(heads):
                 m, denom, acc = carry[g]
-                s = plgpu.dot(qs[g], k, trans_b=True).astype(jnp.float32) * sm_scale
+                s = plgpu.dot(qs[g], k, trans_b=True, precision=precision)
+                s = s.astype(jnp.float32) * sm_scale
                 if soft_cap is not None:
                     s = soft_cap * jnp.tanh(s / soft_cap)
                 s = jnp.where(visible, s, MASK_VALUE)
@@ -277,9 +304,8 @@ def _kernel(
                 p = jnp.exp(s - m_new[:, None])
                 correction = jnp.exp(m - m_new)
                 denom = denom * correction + p.sum(axis=-1)
-                acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(
-                    jnp.float32
-                )
+                pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)
+                acc = acc * correction[:, None] + pv.astype(jnp.float32)
                 new.append((m_new, denom, acc))
             return tuple(new)
 
@@ -332,6 +358,8 @@ def ragged_paged_attention(
     # lanes past head_dim masked to zero (queries are zero-padded to match).
     hp = max(16, pl.next_power_of_2(h))
     dot_dtype = _dot_dtype(queries.dtype, kv_cache.dtype, quantized)
+    # read where the step is traced: jit keys its programs on this setting
+    precision = dot_precision(jax.config.jax_default_matmul_precision)
     block_kv, heads = block_sizes.tile(
         page_size=s,
         pages=page_indices.shape[1],
@@ -340,6 +368,7 @@ def ragged_paged_attention(
         q_dtype=queries.dtype,
         kv_dtype=kv_cache.dtype,
         quantized=quantized,
+        ieee_float32=precision == jax.lax.Precision.HIGHEST,
     )
     head_blocks = group // heads
     num_seqs_b = kv_lens.shape[0]
@@ -359,6 +388,7 @@ def ragged_paged_attention(
         true_head_dim=h,
         quantized=quantized,
         dot_dtype=dot_dtype,
+        precision=precision,
     )
     # Program (b, i, c): sequence b, query block i, head block c, which is query heads
     # [c % head_blocks * heads, ...) of kv head c // head_blocks.

@@ -57,18 +57,19 @@ def test_kernel_runs_natively_and_matches_the_reference(kernel, batch, dtype, he
         seq_bucket=len(q_lens) + 2,
     )
     q, kv = q.astype(dtype), kv.astype(dtype)
+    run = lambda f: np.asarray(jax.device_get(f(q, kv, kvl, pi, cu, ns, sm_scale=0.2)), np.float32)
     with jax.default_matmul_precision("highest"):
-        want = np.asarray(
-            jax.device_get(ref.ragged_paged_attention_jit(q, kv, kvl, pi, cu, ns, sm_scale=0.2)),
-            np.float32,
-        )
-    got = np.asarray(
-        kernel.ragged_paged_attention(q, kv, kvl, pi, cu, ns, sm_scale=0.2), np.float32
-    )
+        want = run(ref.ragged_paged_attention_jit)
+        got = run(kernel.ragged_paged_attention)
     t = sum(q_lens)
     assert np.isfinite(got[:t]).all()
     tol = 2e-5 if dtype == "float32" else 2e-2
     np.testing.assert_allclose(got[:t], want[:t], atol=tol, rtol=tol)
+    if dtype == "float32" and PLATFORM == "gpu":
+        # JAX's default precision: float32 dots in TF32 (10-bit mantissa), as XLA's own
+        # matmuls on the same GPU; within TF32's error, and not bitwise the IEEE result.
+        fast = run(kernel.ragged_paged_attention)
+        np.testing.assert_allclose(fast[:t], want[:t], atol=1e-2, rtol=1e-2)
 
 
 _GREEDY = """
@@ -113,7 +114,8 @@ def test_roofline_bench_on_the_device(kernel, tmp_path):
             "bench",
             "--model=demo-model",
             "--roofline",
-            f"--result_path={out}",
+            f"--output_json={out}",
+            "--output_png=",
         ],
         capture_output=True,
         text=True,
@@ -121,3 +123,5 @@ def test_roofline_bench_on_the_device(kernel, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout[-2000:])  # the MBU line, for benchmarks/README.md
+    roofline = json.loads(out.read_text())["roofline"]
+    assert roofline["decode_step_ms"] > 0 and 0 < roofline["model_bandwidth_utilization"] <= 1
