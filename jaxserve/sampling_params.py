@@ -7,10 +7,21 @@ request reaches the engine.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+
+logger = logging.getLogger(__name__)
 
 # The most top logprobs a request may ask for (vLLM's default cap).
 MAX_LOGPROBS = 20
+# The most outputs one request may ask for (the OpenAI API's bound on n).
+MAX_N = 128
+# The sampler computes in float32: every float setting must be finite there.
+FLOAT32_MAX = 3.4028234663852886e38
+# A positive temperature below this is raised to it (as vLLM does): logits divided
+# by a smaller one overflow float32 to inf, and the softmax to NaN.
+MIN_TEMPERATURE = 1e-2
+SEED_RANGE = (-(2**63), 2**63)  # int64, as vLLM and the gRPC field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +74,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: no top-k
+    top_k: int = 0  # 0 or -1: no top-k; past the vocabulary: all of it (as 0)
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -89,6 +100,13 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning(
+                "temperature %r is below %r and raised to it (float32 logits would overflow)",
+                self.temperature,
+                MIN_TEMPERATURE,
+            )
+            self.temperature = MIN_TEMPERATURE
 
     @property
     def greedy(self) -> bool:
@@ -105,9 +123,11 @@ class SamplingParams:
             value = getattr(self, field)
             if not isinstance(value, int | float) or not math.isfinite(value):
                 bad(field, "must be a finite number")
+            if abs(value) > FLOAT32_MAX:
+                bad(field, f"must be finite in float32 (at most {FLOAT32_MAX:.4g} in magnitude)")
 
-        if not is_int(self.n) or self.n < 1:
-            bad("n", "must be an integer >= 1")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}]")
         for f in (
             "temperature",
             "top_p",
@@ -128,10 +148,12 @@ class SamplingParams:
         for f in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, f) <= 2:
                 bad(f, "must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0")
-        if self.seed is not None and not is_int(self.seed):
-            bad("seed", "must be an integer or None")
+        if not self.repetition_penalty >= 1e-30:  # > 0, and not 0 in float32
+            bad("repetition_penalty", "must be > 0 (at least 1e-30)")
+        if self.seed is not None and (
+            not is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]
+        ):
+            bad("seed", "must be a 64-bit signed integer or None")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1 (or None)")
         if not is_int(self.min_tokens) or self.min_tokens < 0:

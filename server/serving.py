@@ -68,6 +68,13 @@ def ready(state: ServingState) -> EngineFront:
 def admit(state: ServingState, metrics: ServerMetrics, *, extra: int = 0) -> EngineFront:
     """The engine, if it is ready and has room for `1 + extra` more requests."""
     engine = ready(state)
+    if 1 + extra > state.max_pending:  # no retry could ever admit it
+        raise invalid(
+            metrics,
+            f"prompt: a batch of {1 + extra} prompts is more than this server holds pending "
+            f"at once ({state.max_pending}); send at most that many per request",
+            "prompt",
+        )
     if engine.num_requests + extra >= state.max_pending:
         metrics.rejected.labels("overloaded").inc()
         raise Refused(

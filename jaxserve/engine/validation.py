@@ -82,6 +82,11 @@ def _validate_params(config: EngineConfig, has_tokenizer: bool, params: Sampling
                 "needs a tokenizer, and this engine has none (skip_tokenizer_init)"
             )
         GrammarCompiler.check(params.structured_outputs)  # ~1 ms; the compile is later
+    if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+        raise ValueError(
+            f"stop_token_ids names token {max(params.stop_token_ids)}, outside the "
+            f"vocabulary [0, {vocab})"
+        )
     if params.logit_bias and max(params.logit_bias) >= vocab:
         raise ValueError(
             f"logit_bias names token {max(params.logit_bias)}, outside the vocabulary [0, {vocab})"

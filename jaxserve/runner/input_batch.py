@@ -345,7 +345,9 @@ def _pack_row(i: int, row: SampleRow, columns, *, max_bias: int, vocab_size: int
     (temperature, top_k, top_p, min_p, presence, frequency, repetition, seed) = columns[:8]
     (position, bias_ids, bias_values, allowed, masked, history, num_prompt, draft) = columns[8:]
     p = row.params
-    temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+    # top_k past the vocabulary keeps all of it (and may not fit an int32)
+    temperature[i], top_k[i] = p.temperature, min(p.top_k, vocab_size)
+    top_p[i], min_p[i] = p.top_p, p.min_p
     presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
     repetition[i] = p.repetition_penalty
     seed[i] = row.seed & 0xFFFFFFFF

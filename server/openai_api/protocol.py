@@ -224,6 +224,10 @@ class CompletionRequest(_Request):
             raise BadField("best_of", f"best_of must equal n ({self.n}), got {self.best_of}")
 
 
+# The roles of OpenAI's chat messages ("function": its deprecated tool role).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -262,6 +266,10 @@ class ChatCompletionRequest(_Request):
         """The messages in `parse_prompt`'s shape, and the chat template's arguments."""
         messages = []
         for i, m in enumerate(self.messages):
+            if m.role not in CHAT_ROLES:
+                raise BadField(
+                    f"messages[{i}].role", f"role must be one of {CHAT_ROLES}, got {m.role!r}"
+                )
             content = m.content
             if isinstance(content, list):  # content parts: only text is supported
                 texts = []

@@ -150,14 +150,40 @@ def test_request_larger_than_the_pool_is_rejected(tiny_model_dir):
         ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
         ("min_p", 1.5, r"min_p must be in \[0, 1\]"),
         ("logprobs", 21, r"logprobs must be an integer in \[0, 20\]"),
-        ("n", 0, "n must be an integer >= 1"),
+        ("n", 0, r"n must be an integer in \[1, 128\]"),
+        ("n", 10_000, r"n must be an integer in \[1, 128\]"),
         ("top_k", -2, "top_k"),
         ("stop", [""], "stop must be non-empty strings"),
+        ("temperature", 1e300, "temperature must be finite in float32"),
+        ("repetition_penalty", 1e300, "repetition_penalty must be finite in float32"),
+        ("repetition_penalty", 1e-300, "repetition_penalty must be > 0"),
+        ("seed", 2**63, "seed must be a 64-bit signed integer"),
+        ("seed", 10**30, "seed must be a 64-bit signed integer"),
     ],
 )
 def test_sampling_params_validation_names_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**{field: value})
+
+
+def test_a_tiny_temperature_is_raised_to_the_float32_safe_floor():
+    assert SamplingParams(temperature=1e-40).temperature == 0.01
+    assert SamplingParams(temperature=0.5).temperature == 0.5
+    assert SamplingParams(temperature=0.0).greedy
+
+
+def test_values_past_the_device_arrays_are_bounded_offline(llm):
+    """Offline, top_k 2**31 raised a bare OverflowError from the device-input builder;
+    stop_token_ids past the vocabulary were accepted (issue 28)."""
+    prompt = {"prompt_token_ids": [1, 50, 60, 70]}
+    sampled = lambda top_k: SamplingParams(max_tokens=6, seed=3, top_k=top_k)
+    want = llm.generate([prompt], sampled(320))[0].outputs[0].token_ids
+    for top_k in (2**31, 10**20):
+        assert llm.generate([prompt], sampled(top_k))[0].outputs[0].token_ids == want
+    bad = SamplingParams(max_tokens=4, stop_token_ids=[7, 320])
+    with pytest.raises(ValueError, match=r"stop_token_ids names token 320, outside"):
+        llm.generate([prompt], bad)
+    _assert_idle(llm)
 
 
 def test_model_must_be_a_local_directory(tmp_path):

@@ -286,6 +286,16 @@ BAD = [
     ({"messages": HI, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ({"messages": HI, "guided_json": "{not json"}, "guided_json"),
     ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+    # issue 28's HTTP fuzz: values past what the engine can hold
+    ({"prompt": PROMPT, "temperature": 1e300}, "temperature"),
+    ({"prompt": PROMPT, "repetition_penalty": 1e300}, "repetition_penalty"),
+    ({"prompt": PROMPT, "n": 10000}, "n"),
+    ({"prompt": PROMPT, "seed": 2**64}, "seed"),
+    ({"prompt": PROMPT, "seed": -(2**63) - 1}, "seed"),
+    ({"prompt": PROMPT, "stop_token_ids": [320]}, "stop_token_ids"),
+    ({"prompt": [PROMPT] * 1025}, "prompt"),  # more than max_pending: no retry fits
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [HI[0], {"role": "", "content": "x"}]}, "messages[1].role"),
 ]  # fmt: skip
 
 
@@ -300,7 +310,19 @@ def test_invalid_fields_are_400_naming_the_param(http, body, param):
         assert error["message"]
 
 
-def test_error_shapes_and_status_codes(served, client, http):
+def test_top_k_past_int32_is_served_as_the_whole_vocabulary(served, http):
+    """top_k 2**31 raised OverflowError on the engine thread, which ended the engine
+    for every later request (issue 28); it is clamped to the vocabulary, as vLLM does."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "seed": 7, "temperature": 1}
+    want = http.post("/v1/completions", json={**body, "top_k": 320}).json()["choices"]
+    for top_k in (2**31, 10**20):
+        r = http.post("/v1/completions", json={**body, "top_k": top_k})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"] == want
+    assert http.get("/health").status_code == 200
+
+
+def test_error_shapes_and_status_codes(served, client, http, monkeypatch):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt=PROMPT)
     assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
@@ -313,12 +335,14 @@ def test_error_shapes_and_status_codes(served, client, http):
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert http.get("/v1/nowhere").status_code == 404
     state = served.server.state
-    state.max_pending = 0  # overloaded
+    state.max_pending = 2  # overloaded: two requests already pending
+    monkeypatch.setattr(type(state.engine), "num_requests", property(lambda self: 2))
     try:
         r = http.post("/v1/completions", json={"prompt": PROMPT})
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_exceeded"
     finally:
         state.max_pending = 1024
+        monkeypatch.undo()
     state.draining = True
     try:
         r = http.post("/v1/chat/completions", json={"messages": MESSAGES})

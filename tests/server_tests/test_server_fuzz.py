@@ -19,21 +19,24 @@ VOCAB, MAX_LEN = 320, 128  # the tiny test model; ServerThread's max_model_len
 
 # field -> (valid values, [(invalid value, text the error must contain)])
 SAMPLING = {
-    "temperature": ([0.0, 1e-6, 0.7, 2.0], [(-1.0, "temperature"), (math.nan, "temperature")]),
+    "temperature": (
+        [0.0, 1e-6, 0.7, 2.0, 1e30],
+        [(-1.0, "temperature"), (math.nan, "temperature"), (math.inf, "temperature")],
+    ),
     "top_p": ([1e-3, 0.5, 1.0], [(0.0, "top_p"), (1.5, "top_p")]),
-    "top_k": ([-1, 0, 1, 5, VOCAB + 80], [(-5, "top_k")]),
+    "top_k": ([-1, 0, 1, 5, VOCAB + 80, 2**31 - 1], [(-5, "top_k")]),
     "min_p": ([0.0, 0.2, 1.0], [(1.5, "min_p"), (-0.1, "min_p")]),
     "presence_penalty": ([-2.0, 0.0, 2.0], [(2.5, "presence_penalty")]),
     "frequency_penalty": ([-2.0, 0.5, 2.0], [(-3.0, "frequency_penalty")]),
     "repetition_penalty": ([0.5, 1.0, 2.0], [(0.0, "repetition_penalty")]),
     "seed": ([0, 1, -5, 2**62], []),
-    "n": ([1, 2, 3], [(0, "n must be")]),
+    "n": ([1, 2, 3], [(0, "n must be"), (129, "n must be")]),
     "logprobs": ([0, 3, 20], [(21, "logprobs")]),
     "prompt_logprobs": ([0, 5], [(21, "prompt_logprobs")]),
     "stop": ([[], ["x"], ["\n", "e "]], [([""], "stop")]),
     "stop_token_ids": (
         [[], [5], list(range(1, 101)), list(range(7, 207))],
-        [([-1], "stop_token_ids")],
+        [([-1], "stop_token_ids"), ([5, VOCAB], "stop_token_ids")],
     ),
     "logit_bias": (
         [{}, {5: 100.0}, {i: -1.0 for i in range(300)}],
