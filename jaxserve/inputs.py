@@ -21,6 +21,7 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
+from jaxserve.sampling_params import ParamError
 from jaxserve.tokenizer import Tokenizer
 
 PromptType = str | Mapping[str, Any]
@@ -46,77 +47,90 @@ def parse_prompt(
     `tokenizer` is None for an engine started without one (`skip_tokenizer_init`):
     then only token ids are accepted. `chat_template_kwargs` go to the chat template
     with messages (e.g. `add_generation_prompt=False`; it defaults to True).
-    Raises ValueError naming the field.
+    Raises ParamError naming the field.
     """
     if isinstance(prompt, str):
         prompt = {"prompt": prompt}
     if not isinstance(prompt, Mapping):
-        raise ValueError(f"a prompt must be {_SHAPES}; got {type(prompt).__name__}")
+        raise ParamError("prompt", f"a prompt must be {_SHAPES}; got {type(prompt).__name__}")
     unknown = sorted(set(prompt) - set(_KEYS))
     if unknown:
-        raise ValueError(f"unknown prompt fields {unknown}; a prompt is {_SHAPES}")
+        raise ParamError("prompt", f"unknown prompt fields {unknown}; a prompt is {_SHAPES}")
     given = [k for k in ("prompt_token_ids", "messages") if k in prompt]
     if len(given) > 1:
-        raise ValueError("a prompt takes one of prompt_token_ids or messages, got both")
+        raise ParamError(
+            "prompt_token_ids", "a prompt takes one of prompt_token_ids or messages, got both"
+        )
     if "prompt_token_ids" in prompt:
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
-            raise ValueError(f"prompt must be text, got {type(text).__name__}")
+            raise ParamError("prompt", f"prompt must be text, got {type(text).__name__}")
         return ParsedPrompt(_token_ids(prompt["prompt_token_ids"]), text)
     if "messages" in prompt:
         if "prompt" in prompt:
-            raise ValueError("a prompt takes one of prompt or messages, got both")
+            raise ParamError("messages", "a prompt takes one of prompt or messages, got both")
         tok = _need_tokenizer(tokenizer, "messages")
         messages = _messages(prompt["messages"])
         try:
             text = tok.apply_chat_template(messages, **(chat_template_kwargs or {}))
         except ValueError as e:
-            raise ValueError(f"messages: {e}") from None
+            raise ParamError("messages", f"messages: {e}") from None
         return ParsedPrompt(tok.encode(text, add_special_tokens=False), text)
     if "prompt" not in prompt:
-        raise ValueError("one of prompt, prompt_token_ids or messages is required")
+        raise ParamError("prompt", "one of prompt, prompt_token_ids or messages is required")
     text = prompt["prompt"]
     if not isinstance(text, str):
-        raise ValueError(f"prompt must be text, got {type(text).__name__}")
+        raise ParamError("prompt", f"prompt must be text, got {type(text).__name__}")
     return ParsedPrompt(_need_tokenizer(tokenizer, "prompt").encode(text), text)
 
 
 def _need_tokenizer(tokenizer: Tokenizer | None, field: str) -> Tokenizer:
     if tokenizer is None:
-        raise ValueError(
+        raise ParamError(
+            field,
             f"{field}: this engine has no tokenizer (skip_tokenizer_init); "
-            "pass prompt_token_ids instead"
+            "pass prompt_token_ids instead",
         )
     return tokenizer
 
 
 def _token_ids(ids: Any) -> list[int]:
     if isinstance(ids, str | bytes) or not hasattr(ids, "__iter__"):
-        raise ValueError(f"prompt_token_ids must be a list of integers, got {ids!r:.80}")
+        raise ParamError(
+            "prompt_token_ids", f"prompt_token_ids must be a list of integers, got {ids!r:.80}"
+        )
     out = []
     for i, t in enumerate(ids):
         if isinstance(t, bool):
-            raise ValueError(f"prompt_token_ids[{i}] must be an integer, got {t!r}")
+            raise ParamError(
+                "prompt_token_ids", f"prompt_token_ids[{i}] must be an integer, got {t!r}"
+            )
         try:
             out.append(operator.index(t))  # ints and numpy integers, not floats or strings
         except TypeError:
-            raise ValueError(f"prompt_token_ids[{i}] must be an integer, got {t!r:.40}") from None
+            raise ParamError(
+                "prompt_token_ids", f"prompt_token_ids[{i}] must be an integer, got {t!r:.40}"
+            ) from None
     return out
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:
     if isinstance(messages, str | bytes | Mapping) or not hasattr(messages, "__iter__"):
-        raise ValueError("messages must be a list of {role, content} objects")
+        raise ParamError("messages", "messages must be a list of {role, content} objects")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
-            raise ValueError(f"messages[{i}] must be an object with role and content")
+            raise ParamError("messages", f"messages[{i}] must be an object with role and content")
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not role:
-            raise ValueError(f"messages[{i}].role must be a non-empty string, got {role!r}")
+            raise ParamError(
+                "messages", f"messages[{i}].role must be a non-empty string, got {role!r}"
+            )
         if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string, got {content!r:.40}")
+            raise ParamError(
+                "messages", f"messages[{i}].content must be a string, got {content!r:.40}"
+            )
         out.append({"role": role, "content": content})
     if not out:
-        raise ValueError("messages must not be empty")
+        raise ParamError("messages", "messages must not be empty")
     return out

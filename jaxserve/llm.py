@@ -17,12 +17,17 @@ from jaxserve.engine import LLMEngine
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.inputs import PromptType, parse_prompt
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import ParamError, SamplingParams
 from jaxserve.tokenizer import Tokenizer
 from pallas_kernels.cpu import cache as kernel_cache
 
 # JAX's persistent compilation cache: a restart reuses compiled step programs.
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
+
+
+def _prompt_error(i: int, e: ValueError) -> ParamError:
+    """`e` about the call's prompt `i`: its message says which, its field stays."""
+    return ParamError(getattr(e, "field", None), f"prompts[{i}]: {e}")
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> str:
@@ -198,7 +203,7 @@ class LLM:
             try:
                 parsed.append(parse_prompt(prompt, self.tokenizer))
             except ValueError as e:
-                raise ValueError(f"prompts[{i}]: {e}") from None
+                raise _prompt_error(i, e) from None
         requests = [
             GenerateRequest(
                 str(next(self._ids)),
@@ -219,7 +224,7 @@ class LLM:
                 for earlier in requests[:i]:
                     self.engine.abort(earlier.request_id)
                 if isinstance(e, ValueError):
-                    raise ValueError(f"prompts[{i}]: {e}") from e
+                    raise _prompt_error(i, e) from e
                 raise
         results: dict[str, RequestOutput] = {}
 
@@ -242,7 +247,7 @@ class LLM:
             try:  # all validated before any is queued
                 self.engine.validate(request)
             except ValueError as e:
-                raise ValueError(f"prompts[{i}]: {e}") from e
+                raise _prompt_error(i, e) from e
 
         finals: list[RequestOutput | None] = [None] * len(requests)
         with tqdm(

@@ -1,7 +1,13 @@
 """Per-request sampling parameters, with vLLM's field names and validation.
 
-Every invalid value raises ValueError naming the field and the value, before a
-request reaches the engine.
+Every invalid value raises `ParamError` (a ValueError) naming the field and the
+value, before a request reaches the engine. The field's name is also data
+(`ParamError.field`), for front ends that report it under their own names.
+
+`SamplingParams`' fields are the one description of a request's sampling
+settings: the gRPC, HTTP and CLI front ends map theirs onto them by name
+(`FIELDS`), each with a short list of the fields it names or converts
+otherwise, and their tests fail on a field a front end does not carry.
 """
 
 from __future__ import annotations
@@ -24,6 +30,19 @@ MIN_TEMPERATURE = 1e-2
 SEED_RANGE = (-(2**63), 2**63)  # int64, as vLLM and the gRPC field
 
 
+class ParamError(ValueError):
+    """A refused request value. `field` names it as `SamplingParams` and
+    `GenerateRequest` do ("temperature", "max_tokens", "prompt_token_ids",
+    "structured_outputs", ...), or is None where no one field is at fault."""
+
+    def __init__(self, field: str | None, message: str):
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self):  # keeps the field across processes (Ray replicas)
+        return type(self), (self.field, str(self))
+
+
 @dataclasses.dataclass(frozen=True)
 class StructuredOutputsParams:
     """Constrains a request's output (vLLM's `StructuredOutputsParams`): exactly one of
@@ -41,26 +60,30 @@ class StructuredOutputsParams:
             f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)
         ]
         if len(given) != 1:
-            raise ValueError(
+            raise ParamError(
+                "structured_outputs",
                 "structured_outputs must set exactly one of json, json_object, regex, "
-                f"choice, grammar; got {given or 'none'}"
+                f"choice, grammar; got {given or 'none'}",
             )
         if self.choice is not None:
             if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
-                raise ValueError(
-                    f"structured_outputs.choice must be non-empty strings, got {self.choice!r}"
+                raise ParamError(
+                    "structured_outputs",
+                    f"structured_outputs.choice must be non-empty strings, got {self.choice!r}",
                 )
             object.__setattr__(self, "choice", list(self.choice))
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(
-                    f"structured_outputs.{name} must be a non-empty string, got {value!r}"
+                raise ParamError(
+                    "structured_outputs",
+                    f"structured_outputs.{name} must be a non-empty string, got {value!r}",
                 )
         if self.json is not None and not isinstance(self.json, dict | str):
-            raise ValueError(
+            raise ParamError(
+                "structured_outputs",
                 f"structured_outputs.json must be a JSON schema (dict or JSON text), "
-                f"got {type(self.json).__name__}"
+                f"got {type(self.json).__name__}",
             )
 
     @property
@@ -114,7 +137,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(field: str, why: str):
-            raise ValueError(f"{field} {why}, got {getattr(self, field)!r}")
+            raise ParamError(field, f"{field} {why}, got {getattr(self, field)!r}")
 
         def is_int(x):
             return isinstance(x, int) and not isinstance(x, bool)
@@ -159,8 +182,9 @@ class SamplingParams:
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            raise ParamError(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
             )
         for f in ("logprobs", "prompt_logprobs"):
             value = getattr(self, f)
@@ -176,6 +200,14 @@ class SamplingParams:
             bad("structured_outputs", "must be a StructuredOutputsParams or None")
         for token, bias in (self.logit_bias or {}).items():
             if not is_int(token) or token < 0:
-                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+                raise ParamError(
+                    "logit_bias", f"logit_bias keys must be token ids >= 0, got {token!r}"
+                )
             if not isinstance(bias, int | float) or not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias!r}")
+                raise ParamError(
+                    "logit_bias", f"logit_bias[{token}] must be in [-100, 100], got {bias!r}"
+                )
+
+
+# The sampling settings every front end carries, by SamplingParams' names.
+FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))

@@ -17,13 +17,16 @@ from jaxserve.front import EngineFront, cannot_transfer_kv
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.inputs import ParsedPrompt, parse_prompt
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxserve.sampling_params import FIELDS, ParamError, SamplingParams, StructuredOutputsParams
 from jaxserve.tokenizer import Tokenizer
 from server import disagg, serving
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
 from server.prometheus import ServerMetrics
 from server.serving import Reason, Refused, ServingState
+
+# The trailing metadata key of an INVALID_ARGUMENT's field ("temperature", ...).
+FIELD_METADATA = "jaxserve-invalid-field"
 
 _CODES = {
     Reason.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -32,44 +35,34 @@ _CODES = {
     Reason.FAILED: grpc.StatusCode.INTERNAL,
 }
 
-_OPTIONAL_SAMPLING_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-    "logprobs",
-    "prompt_logprobs",
-    "n",
-    "skip_special_tokens",
-)
-
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """Builds validated SamplingParams; unset optional fields keep vLLM's defaults."""
-    kw = {f: getattr(msg, f) for f in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(f)}
-    kw.update(
-        stop=list(msg.stop),
-        stop_token_ids=list(msg.stop_token_ids),
-        include_stop_str_in_output=msg.include_stop_str_in_output,
-        ignore_eos=msg.ignore_eos,
-        min_tokens=msg.min_tokens,
-        logit_bias=dict(msg.logit_bias) or None,
-    )
-    if msg.HasField("structured_outputs"):
-        kw["structured_outputs"] = _structured_outputs(msg.structured_outputs)
+    """Builds validated SamplingParams from the message's field of the same name for
+    every `SamplingParams` field (`test_server.py` checks the message has them all):
+    an unset optional field keeps vLLM's default, a repeated or map field its
+    contents, a plain field its value."""
+    kw: dict = {}
+    for name in FIELDS:
+        field = msg.DESCRIPTOR.fields_by_name[name]
+        value = getattr(msg, name)
+        if name == "structured_outputs":
+            if msg.HasField(name):
+                kw[name] = _structured_outputs(value)
+        elif field.message_type is not None and field.message_type.GetOptions().map_entry:
+            kw[name] = dict(value) or None
+        elif field.is_repeated:
+            kw[name] = list(value)
+        elif not field.has_presence or msg.HasField(name):
+            kw[name] = value
     return SamplingParams(**kw)
 
 
 def _structured_outputs(msg: pb.StructuredOutputs) -> StructuredOutputsParams:
     kind = msg.WhichOneof("kind")
     if kind is None:
-        raise ValueError(
-            "structured_outputs must set one of json, json_object, regex, choice, grammar"
+        raise ParamError(
+            "structured_outputs",
+            "structured_outputs must set one of json, json_object, regex, choice, grammar",
         )
     value = getattr(msg, kind)
     return StructuredOutputsParams(**{kind: list(value.choices) if kind == "choice" else value})
@@ -118,12 +111,18 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         try:
             return serving.ready(self.state)
         except Refused as e:
-            await context.abort(_CODES[e.reason], e.message)
+            await self._abort(context, e)
 
-    async def _invalid(self, context, message: str):
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT, serving.invalid(self.metrics, message).message
-        )
+    async def _invalid(self, context, error: ValueError | str):
+        """Aborts INVALID_ARGUMENT with `error`'s message, and its field (a request
+        field's name, `ParamError.field`) as trailing metadata when it names one."""
+        field = getattr(error, "field", None)
+        await self._abort(context, serving.invalid(self.metrics, str(error), field))
+
+    @staticmethod
+    async def _abort(context, refused: Refused):
+        metadata = ((FIELD_METADATA, refused.param),) if refused.param else ()
+        await context.abort(_CODES[refused.reason], refused.message, trailing_metadata=metadata)
 
     async def _prompt(self, request, context) -> ParsedPrompt:
         """The request's prompt through the one parser all front ends share."""
@@ -138,7 +137,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         try:
             return parse_prompt(prompt, self.state.tokenizer)
         except ValueError as e:
-            await self._invalid(context, str(e))
+            await self._invalid(context, e)
 
     async def _request(
         self, request, context, params: SamplingParams | None = None
@@ -168,20 +167,20 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         try:
             engine = serving.admit(self.state, self.metrics)
         except Refused as e:
-            await context.abort(_CODES[e.reason], e.message)
+            await self._abort(context, e)
         if gen is None:
             gen = await self._request(request, context)
         try:
             async for out in serving.stream(engine, self.metrics, gen):
                 yield gen.request_id, out
         except Refused as e:
-            await context.abort(_CODES[e.reason], e.message)
+            await self._abort(context, e)
 
     async def _params(self, request, context) -> SamplingParams:
         try:
             return sampling_params_from_proto(request.sampling_params)
         except ValueError as e:
-            await self._invalid(context, str(e))
+            await self._invalid(context, e)
 
     # -------------------------------------------------------------------- RPCs
 
@@ -257,7 +256,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             try:
                 parsed = parse_prompt({"messages": _messages(request.messages)}, tok)
             except ValueError as e:
-                await self._invalid(context, str(e))
+                await self._invalid(context, e)
             return pb.TokenizeResponse(token_ids=parsed.token_ids)
         await self._invalid(context, "one of text or messages is required")
 
@@ -321,7 +320,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         try:  # the whole request, before the one-token run that checks only its first token
             engine.validate(gen)
         except ValueError as e:
-            await self._invalid(context, str(e))
+            await self._invalid(context, e)
         first = dataclasses.replace(gen, params=disagg.first_token_params(params))
         final, rid = None, ""
         async for request_id, out in self._stream(msg, context, first):

@@ -4,22 +4,20 @@ A front end turns its request into a prompt (`jaxserve.inputs.parse_prompt`) and
 `SamplingParams`, builds one `GenerateRequest`, then calls `admit` and `stream`:
 they refuse requests the same way for every protocol (`Refused`, with a reason each
 front end maps to its own status code) and record the same latency metrics.
-`param_of` finds the field a validation message names, for front ends that report
-it apart from the message.
+A refused value's field travels as data (`jaxserve.sampling_params.ParamError`);
+each front end reports it under its own name for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import re
 import time
 from collections.abc import AsyncIterator, Iterator
 
 from jaxserve.front import EngineDeadError, EngineFront, RequestFailedError
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 from server.prometheus import ServerMetrics
 
@@ -115,7 +113,7 @@ async def stream(
                 for c in out.outputs:
                     metrics.requests.labels(c.finish_reason).inc()
     except ValueError as e:
-        raise invalid(metrics, str(e), param_of(str(e))) from None
+        raise invalid(metrics, str(e), getattr(e, "field", None)) from None
     except EngineDeadError as e:
         raise Refused(Reason.UNAVAILABLE, str(e)) from None
     except RequestFailedError as e:  # the engine serves on
@@ -132,31 +130,3 @@ def deltas(out: RequestOutput, reported: set[int]) -> Iterator[CompletionOutput]
         if c.finished:
             reported.add(c.index)
         yield c
-
-
-# A validation message starts with the field it is about (`SamplingParams`,
-# `LLMEngine.validate`, `parse_prompt`): "temperature must be ...", "logit_bias[5] ...",
-# "messages[0].role ...". A few name the field that fixes them later in the text.
-_FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_FIXED_BY = (
-    (re.compile(r"\+ max_tokens|KV pages"), "max_tokens"),
-    (re.compile(r"^prompt has \d+ tokens"), "prompt"),
-)
-_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {
-    "prompt",
-    "prompt_token_ids",
-    "messages",
-    "priority",
-    "request_id",
-}
-
-
-def param_of(message: str) -> str | None:
-    """The request field a validation message is about, or None if it names none."""
-    for pattern, field in _FIXED_BY:
-        if pattern.search(message):
-            return field
-    match = _FIELD.match(message)
-    if match and match.group() in _FIELDS:
-        return match.group()
-    return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from jaxserve.config import EngineConfig
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.request_state import check_resume
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import ParamError, SamplingParams
 from jaxserve.structured import GrammarCompiler
 
 
@@ -20,14 +20,17 @@ def validate_request(
     pages (`LLMEngine.validate`; a front of remote replicas checks here, before
     anything is sent); returns its max_tokens.
 
-    Raises ValueError naming the field and the value.
+    Raises ParamError naming the field and the value.
     """
     if not isinstance(request.priority, int) or isinstance(request.priority, bool):
-        raise ValueError(f"priority must be an integer, got {request.priority!r}")
+        raise ParamError("priority", f"priority must be an integer, got {request.priority!r}")
     max_tokens = _validate_prompt(config, pool_capacity, request.prompt_token_ids, request.params)
     _validate_params(config, has_tokenizer, request.params)
     if request.resume is not None:
-        check_resume(request.resume, request.params, max_tokens, config.model.vocab_size)
+        try:
+            check_resume(request.resume, request.params, max_tokens, config.model.vocab_size)
+        except ValueError as e:
+            raise ParamError("resume", str(e)) from None
     return max_tokens
 
 
@@ -37,27 +40,33 @@ def _validate_prompt(
     """The prompt's ids and length, and the room it needs; returns its max_tokens."""
     vocab = config.model.vocab_size
     if not ids:
-        raise ValueError("prompt_token_ids must not be empty")
+        raise ParamError("prompt_token_ids", "prompt_token_ids must not be empty")
     bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        raise ParamError(
+            "prompt_token_ids",
+            f"prompt_token_ids has ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+        )
     limit = config.max_model_len
     if len(ids) >= limit:
-        raise ValueError(
+        raise ParamError(
+            "prompt_token_ids",
             f"prompt has {len(ids)} tokens; max_model_len is {limit}, "
-            "which must leave room for at least one generated token"
+            "which must leave room for at least one generated token",
         )
     max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
     if len(ids) + max_tokens > limit:
-        raise ValueError(
+        raise ParamError(
+            "max_tokens",
             f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-            f"max_model_len ({limit})"
+            f"max_model_len ({limit})",
         )
     need = -(-(len(ids) + max_tokens) // config.cache.page_size)
     if need > pool_capacity:
-        raise ValueError(
+        raise ParamError(
+            "max_tokens",
             f"request needs {need} KV pages for {len(ids) + max_tokens} tokens; "
-            f"the whole pool has {pool_capacity}"
+            f"the whole pool has {pool_capacity}",
         )
     return max_tokens
 
@@ -66,30 +75,38 @@ def _validate_params(config: EngineConfig, has_tokenizer: bool, params: Sampling
     """What SamplingParams cannot check alone: the engine's limits, tokenizer and vocab."""
     vocab = config.model.vocab_size
     if len(params.logit_bias or {}) > config.max_logit_bias:
-        raise ValueError(
+        raise ParamError(
+            "logit_bias",
             f"logit_bias has {len(params.logit_bias)} entries; this engine takes at "
-            f"most {config.max_logit_bias} (its max_logit_bias)"
+            f"most {config.max_logit_bias} (its max_logit_bias)",
         )
     if params.stop and not has_tokenizer:
-        raise ValueError(
+        raise ParamError(
+            "stop",
             f"stop {params.stop!r}: stop strings need a tokenizer, and this engine has "
-            "none (skip_tokenizer_init); use stop_token_ids"
+            "none (skip_tokenizer_init); use stop_token_ids",
         )
     if params.structured_outputs is not None:
         if not has_tokenizer:
-            raise ValueError(
+            raise ParamError(
+                "structured_outputs",
                 f"structured_outputs.{params.structured_outputs.kind}: structured output "
-                "needs a tokenizer, and this engine has none (skip_tokenizer_init)"
+                "needs a tokenizer, and this engine has none (skip_tokenizer_init)",
             )
-        GrammarCompiler.check(params.structured_outputs)  # ~1 ms; the compile is later
+        try:
+            GrammarCompiler.check(params.structured_outputs)  # ~1 ms; the compile is later
+        except ValueError as e:
+            raise ParamError("structured_outputs", str(e)) from None
     if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
-        raise ValueError(
+        raise ParamError(
+            "stop_token_ids",
             f"stop_token_ids names token {max(params.stop_token_ids)}, outside the "
-            f"vocabulary [0, {vocab})"
+            f"vocabulary [0, {vocab})",
         )
     if params.logit_bias and max(params.logit_bias) >= vocab:
-        raise ValueError(
-            f"logit_bias names token {max(params.logit_bias)}, outside the vocabulary [0, {vocab})"
+        raise ParamError(
+            "logit_bias",
+            f"logit_bias names token {max(params.logit_bias)}, outside the vocabulary [0, {vocab})",
         )
 
 

@@ -26,7 +26,7 @@ from jaxserve.generate_request import GenerateRequest
 from jaxserve.inputs import parse_prompt
 from jaxserve.llm import LLM
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import FIELDS, SamplingParams
 from server.cli.engine_flags import engine_kwargs
 
 FLAGS = flags.FLAGS
@@ -53,30 +53,25 @@ flags.DEFINE_integer("logprobs", None, "Top logprobs to return per generated tok
 flags.DEFINE_bool("skip_special_tokens", True, "Leave special tokens out of the text.")
 
 
+# SamplingParams fields whose flag has another name (--seed is absl's own), and those
+# with no flag: a JSONL record gives them in its "sampling_params" object.
+_FLAG_NAMES = {"seed": "sampling_seed"}
+_RECORD_ONLY = frozenset({"prompt_logprobs", "logit_bias", "structured_outputs"})
+
+
 def sampling_kwargs() -> dict:
+    """Every SamplingParams field from its flag (`FIELDS`; `test_cli.py` checks that
+    each has one, or is a record-only field)."""
+    kw = {
+        name: FLAGS[_FLAG_NAMES.get(name, name)].value
+        for name in FIELDS
+        if name not in _RECORD_ONLY
+    }
     try:
-        stop_ids = [int(t) for t in FLAGS.stop_token_ids]
+        kw["stop_token_ids"] = [int(t) for t in kw["stop_token_ids"]]
     except ValueError:
         raise SystemExit(f"--stop_token_ids must be integers, got {FLAGS.stop_token_ids}") from None
-    return dict(
-        n=FLAGS.n,
-        temperature=FLAGS.temperature,
-        top_p=FLAGS.top_p,
-        top_k=FLAGS.top_k,
-        min_p=FLAGS.min_p,
-        presence_penalty=FLAGS.presence_penalty,
-        frequency_penalty=FLAGS.frequency_penalty,
-        repetition_penalty=FLAGS.repetition_penalty,
-        seed=FLAGS.sampling_seed,
-        stop=FLAGS.stop,
-        stop_token_ids=stop_ids,
-        include_stop_str_in_output=FLAGS.include_stop_str_in_output,
-        ignore_eos=FLAGS.ignore_eos,
-        max_tokens=FLAGS.max_tokens,
-        min_tokens=FLAGS.min_tokens,
-        logprobs=FLAGS.logprobs,
-        skip_special_tokens=FLAGS.skip_special_tokens,
-    )
+    return kw
 
 
 def _read_inputs() -> list[dict]:

@@ -90,8 +90,8 @@ class OpenAIServing:
         except BadField as e:
             raise serving.invalid(self.metrics, str(e), e.param) from None
         except ValueError as e:
-            param = serving.param_of(str(e))
-            raise serving.invalid(self.metrics, str(e), names.get(param, param)) from None
+            field = getattr(e, "field", None)
+            raise serving.invalid(self.metrics, str(e), names.get(field, field)) from None
         return _Job(rid, engine, parsed, requests, params, body)
 
     def _streams(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -12,7 +12,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxserve.sampling_params import FIELDS, SamplingParams, StructuredOutputsParams
+
+# SamplingParams fields the OpenAI API names or shapes otherwise (`sampling_params`).
+_CONVERTED = frozenset({"max_tokens", "logprobs", "logit_bias", "structured_outputs"})
+# Not a field of these requests: echo with logprobs asks for the prompt's.
+_NOT_CARRIED = frozenset({"prompt_logprobs"})
 
 
 class BadField(ValueError):
@@ -96,7 +101,12 @@ class _Request(BaseModel):
 
     def sampling_params(self) -> tuple[SamplingParams, dict[str, str]]:
         """The request's validated SamplingParams, and the request's name for each of
-        its fields whose name differs (for errors: `param`)."""
+        its fields whose name differs (for errors: `param`).
+
+        Every `SamplingParams` field is taken from the attribute of the same name,
+        except those in `_CONVERTED` (another name, or another shape, in the OpenAI
+        API) and `_NOT_CARRIED`; `test_http.py` checks that this covers them all.
+        """
         max_tokens, max_tokens_name = self._max_tokens()
         logprobs, logprobs_name = self._logprobs()
         constraint, constraint_name = self._structured_outputs()
@@ -107,38 +117,20 @@ class _Request(BaseModel):
         }
         kw = {
             f: getattr(self, f)
-            for f in (
-                "temperature",
-                "top_p",
-                "top_k",
-                "min_p",
-                "presence_penalty",
-                "frequency_penalty",
-                "repetition_penalty",
-            )
-            if getattr(self, f) is not None
+            for f in FIELDS
+            if f not in _CONVERTED and f not in _NOT_CARRIED and getattr(self, f) is not None
         }
+        kw.update(
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            logit_bias=_logit_bias(self.logit_bias),
+            structured_outputs=constraint,
+        )
         try:
-            params = SamplingParams(
-                n=self.n,
-                seed=self.seed,
-                stop=self.stop,
-                stop_token_ids=self.stop_token_ids,
-                include_stop_str_in_output=self.include_stop_str_in_output,
-                ignore_eos=self.ignore_eos,
-                max_tokens=max_tokens,
-                min_tokens=self.min_tokens,
-                logprobs=logprobs,
-                logit_bias=_logit_bias(self.logit_bias),
-                skip_special_tokens=self.skip_special_tokens,
-                structured_outputs=constraint,
-                **kw,
-            )
+            params = SamplingParams(**kw)
         except ValueError as e:
-            from server.serving import param_of
-
-            param = param_of(str(e))
-            raise BadField(names.get(param, param), str(e)) from None
+            field = getattr(e, "field", None)
+            raise BadField(names.get(field, field), str(e)) from None
         return params, names
 
     def _structured_outputs(self) -> tuple[StructuredOutputsParams | None, str]:

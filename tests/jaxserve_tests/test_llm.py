@@ -166,6 +166,23 @@ def test_sampling_params_validation_names_the_field(field, value, match):
         SamplingParams(**{field: value})
 
 
+def test_a_refused_value_names_its_field_as_data(llm):
+    """Front ends report the field from `ParamError.field`, not from the message's text;
+    it survives pickling (a Ray replica's error) and LLM.generate's prompt prefix."""
+    import pickle
+
+    from jaxserve.sampling_params import ParamError
+
+    with pytest.raises(ParamError) as e:
+        SamplingParams(top_p=2.0)
+    assert e.value.field == "top_p"
+    again = pickle.loads(pickle.dumps(e.value))
+    assert (again.field, str(again)) == ("top_p", str(e.value))
+    with pytest.raises(ParamError, match=r"prompts\[0\]: prompt \(4 tokens\) \+ max_tokens") as e:
+        llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=500))
+    assert e.value.field == "max_tokens"
+
+
 def test_a_tiny_temperature_is_raised_to_the_float32_safe_floor():
     assert SamplingParams(temperature=1e-40).temperature == 0.01
     assert SamplingParams(temperature=0.5).temperature == 0.5

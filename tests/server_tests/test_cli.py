@@ -205,3 +205,26 @@ def test_a_bad_input_line_is_named_and_nothing_runs(tiny_model_dir, tmp_path):
     assert proc.returncode != 0
     assert "input 1: prompt_token_ids has ids outside the vocabulary" in proc.stderr
     assert not dst.exists()
+
+
+def test_every_sampling_field_has_a_flag_or_comes_from_the_record():
+    """`jaxserve generate` takes SamplingParams' fields by name (issue 29: one schema):
+    a field added there without a flag here fails this test."""
+    from absl import flags
+
+    from jaxserve.sampling_params import FIELDS
+    from server.cli import generate
+
+    for name in FIELDS:
+        if name not in generate._RECORD_ONLY:
+            flag = flags.FLAGS[generate._FLAG_NAMES.get(name, name)]
+            assert flag.default == getattr(SamplingParams(), name) or name in (
+                "temperature",  # greedy by default
+                "max_tokens",  # 64
+                "stop",
+                "stop_token_ids",  # [] flags for None
+            ), name
+    flags.FLAGS.mark_as_parsed()
+    assert SamplingParams(**generate.sampling_kwargs()) == SamplingParams(
+        temperature=0.0, max_tokens=64
+    )

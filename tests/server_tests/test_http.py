@@ -310,6 +310,19 @@ def test_invalid_fields_are_400_naming_the_param(http, body, param):
         assert error["message"]
 
 
+def test_the_requests_carry_every_sampling_field():
+    """The HTTP front takes SamplingParams' fields by name (issue 29: one schema): a
+    field added there without one here fails this test."""
+    from jaxserve.sampling_params import FIELDS
+    from server.openai_api import protocol
+
+    for model in (protocol.CompletionRequest, protocol.ChatCompletionRequest):
+        carried = set(model.model_fields) | protocol._CONVERTED | protocol._NOT_CARRIED
+        assert set(FIELDS) <= carried, model
+    params, _ = protocol.CompletionRequest(prompt="x").sampling_params()
+    assert params == SamplingParams()
+
+
 def test_top_k_past_int32_is_served_as_the_whole_vocabulary(served, http):
     """top_k 2**31 raised OverflowError on the engine thread, which ended the engine
     for every later request (issue 28); it is clamped to the vocabulary, as vLLM does."""

@@ -244,6 +244,35 @@ BAD = [
 ]
 
 
+def test_the_proto_carries_every_sampling_field_with_its_default():
+    """The gRPC front takes SamplingParams' fields by name (issue 29: one schema): a
+    field added there without one here fails this test."""
+    from jaxserve.sampling_params import FIELDS, SamplingParams
+    from server.servicer import sampling_params_from_proto
+
+    assert set(FIELDS) <= set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+    assert sampling_params_from_proto(pb.SamplingParams()) == SamplingParams()
+
+
+@pytest.mark.parametrize(
+    "req,field",
+    [
+        (request(temperature=-1.0), "temperature"),
+        (request(max_tokens=500), "max_tokens"),
+        (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5, 320])), "prompt_token_ids"),
+        (request(structured_outputs=pb.StructuredOutputs(regex="a(b")), "structured_outputs"),
+        (request(stop_token_ids=[320]), "stop_token_ids"),
+    ],
+)
+def test_an_invalid_argument_names_its_field_as_metadata(served, req, field):
+    from server.servicer import FIELD_METADATA
+
+    with pytest.raises(grpc.RpcError) as e:
+        stub(served.target).Complete(req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(e.value.trailing_metadata())[FIELD_METADATA] == field
+
+
 @pytest.mark.parametrize("req,match", BAD)
 def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(served, req, match):
     s = stub(served.target)
