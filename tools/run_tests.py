@@ -15,7 +15,9 @@ included) or a folder runs no test.
 `--accelerator` runs the accelerator suite instead, on a GPU or TPU machine: the
 tests marked `accelerator` (native Pallas kernels against the reference, greedy
 parity of the engine on the device against the CPU, `jaxserve bench --roofline`),
-in one pytest process on the machine's own platform.
+in one pytest process on the machine's own platform. Only the files that hold
+such tests are collected, so the machine needs jaxserve, its device's JAX and
+pytest, not the test extras (torch, transformers, ... for the CPU suite).
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ import sys
 TESTS = pathlib.Path(__file__).resolve().parents[1] / "tests"
 FILES_PER_PROCESS = 12
 NO_TESTS = 5  # pytest's exit code when nothing ran (e.g. all deselected)
+_MARK = "pytest.mark.accelerator"
 
 
 def main(argv: list[str]) -> int:
     if "--accelerator" in argv:
         argv = [a for a in argv if a != "--accelerator"]
         env = {**os.environ, "JAXSERVE_TEST_ACCELERATOR": "1"}
-        cmd = [sys.executable, "-m", "pytest", str(TESTS), "-m", "accelerator", "-s", *argv]
+        files = [str(p) for p in sorted(TESTS.rglob("test_*.py")) if _MARK in p.read_text()]
+        cmd = [sys.executable, "-m", "pytest", *files, "-m", "accelerator", "-s", *argv]
         return subprocess.run(cmd, env=env).returncode
     folders = sorted(p for p in TESTS.iterdir() if p.is_dir() and p.name.endswith("_tests"))
     totals: dict[str, int] = {}
