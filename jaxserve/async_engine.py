@@ -216,10 +216,14 @@ class AsyncLLMEngine:
         stream = self._live.get(out.request_id)
         if stream is not None:
             item = out if out.error is None else RequestFailedError(out.error, out)
-            if not stream.put(item) and not out.finished:
-                # Its reader is gone (a closed event loop never ran generate's cleanup).
-                self.engine.abort(out.request_id)
-                self._live.pop(out.request_id, None)
+            if not stream.put(item):
+                # Its reader is gone: a closed event loop never ran generate's cleanup,
+                # which would have forgotten the stream (it counts in num_requests).
+                if self._streams.get(out.request_id) is stream:
+                    self._streams.pop(out.request_id, None)
+                if not out.finished:
+                    self.engine.abort(out.request_id)
+                    self._live.pop(out.request_id, None)
         if out.finished:
             self._live.pop(out.request_id, None)
 

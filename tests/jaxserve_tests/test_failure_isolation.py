@@ -239,6 +239,7 @@ def test_a_client_loop_that_closes_mid_stream_leaves_the_engine_serving():
     assert aengine.healthy, aengine.error
     assert not engine.has_unfinished()
     assert engine.stats().requests_aborted == 1
+    assert aengine.num_requests == 0  # it counted forever, towards max_pending's 429s
 
     async def after():
         return await collect(aengine, "after", [4, 5], 3)
