@@ -24,20 +24,27 @@ logger = logging.getLogger(__name__)
 
 
 def fail_request(
-    req: RequestState, error: BaseException, doing: str, scheduler: Scheduler
+    req: RequestState,
+    error: BaseException,
+    doing: str,
+    scheduler: Scheduler,
+    *,
+    scheduled: bool = True,
 ) -> RequestOutput:
     """Ends `req` after `error` was raised while `doing` its work: logs the traceback,
     finishes its unfinished samples ("abort", their pages freed) and returns its last
-    output, whose `error` names the cause. The caller forgets the request."""
+    output, whose `error` names the cause. The caller forgets the request.
+    `scheduled=False`: its samples were never handed to the scheduler (a request
+    whose grammar was compiling)."""
     req.error = (
         f"request {req.request_id!r} failed on the engine while {doing}: "
         f"{type(error).__name__}: {error}"
     )
     logger.error("%s", req.error, exc_info=error)
     for seq in req.seqs:
-        if seq.status in (Status.RUNNING, Status.WAITING):
-            scheduler.finish(seq, "abort")
-        elif not seq.finished:  # not handed to the scheduler yet (a grammar compiling)
+        if scheduled:
+            scheduler.finish(seq, "abort")  # (a finished sample stays as it is)
+        elif not seq.finished:
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
     return req.output({})
 

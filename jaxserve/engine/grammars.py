@@ -16,7 +16,6 @@ from jaxserve.engine_stats import EngineStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.request_state import RequestState
 from jaxserve.scheduler import Scheduler
-from jaxserve.sequence import Status
 from jaxserve.structured import GrammarCompiler
 from jaxserve.tokenizer import Tokenizer
 
@@ -64,15 +63,14 @@ class GrammarAdmission:
         the compile failed, or its matchers raise (it fails alone)."""
         error = req.grammar.exception()
         if error is not None:
-            logger.error("request %s: its grammar failed to compile: %s", req.request_id, error)
-            for seq in req.seqs:
-                seq.status, seq.finish_reason = Status.FINISHED, "abort"
-            return req.output({})
+            return fail_request(
+                req, error, "compiling its grammar", self.scheduler, scheduled=False
+            )
         try:
             compiled = req.grammar.result()
             req.matchers = [self.compiler().matcher(compiled) for _ in req.seqs]
         except Exception as e:
-            return fail_request(req, e, "starting its grammar", self.scheduler)
+            return fail_request(req, e, "starting its grammar", self.scheduler, scheduled=False)
         for seq in req.seqs:
             self.scheduler.add(seq)
         return None

@@ -351,6 +351,9 @@ def test_demo_a_grammar_that_fails_to_compile_aborts_only_its_request(demo, monk
             if out.finished:
                 done[out.request_id] = out
     assert done["fails"].outputs[0].finish_reason == "abort"
+    assert "compiling its grammar: ValueError: structured_outputs.regex: boom" in (
+        done["fails"].error or ""
+    )  # the cause, not a bare abort
     assert done["plain"].outputs[0].finish_reason == "length"
     assert not engine.requests
     # The failure is cached: the same spec is refused at once, naming the field.
@@ -358,6 +361,29 @@ def test_demo_a_grammar_that_fails_to_compile_aborts_only_its_request(demo, monk
         engine.add_request(
             GenerateRequest("again", [1, 2, 3], _params(0, SO(regex="x{1,3}failing-case")))
         )
+
+
+def test_demo_a_grammar_whose_matchers_fail_to_start_fails_only_its_request(demo, monkeypatch):
+    """Its samples were never handed to the scheduler: failing them used to raise
+    ValueError (list.remove) out of the engine loop, ending the engine."""
+    engine = demo.engine
+    compiler = engine.grammars.compiler()
+
+    def broken(compiled):
+        raise RuntimeError("no matcher today")
+
+    monkeypatch.setattr(compiler, "matcher", broken)
+    engine.add_request(GenerateRequest("fails", [1, 2, 3], _params(0, SO(regex="no-matcher"), n=2)))
+    engine.add_request(GenerateRequest("plain", [1, 2, 3], PLAIN4))
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert [c.finish_reason for c in done["fails"].outputs] == ["abort", "abort"]
+    assert "starting its grammar: RuntimeError: no matcher today" in done["fails"].error
+    assert done["plain"].outputs[0].finish_reason == "length"
+    assert not engine.requests
 
 
 @pytest.mark.parametrize(
