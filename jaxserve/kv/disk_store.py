@@ -83,18 +83,16 @@ class DiskStore:
 
     def contains(self, digest: bytes) -> bool:
         """Whether the page is on disk (a file another process wrote is counted from now)."""
-        with self._lock:
-            if digest in self._files:
+        with self._lock:  # (the stat too: an eviction between it and the count would
+            if digest in self._files:  # leave a page counted that is gone)
                 return True
-        try:
-            size = os.stat(self._path(digest)).st_size
-        except OSError:
-            return False
-        with self._lock:
-            if digest not in self._files:
-                self._files[digest] = size
-                self._used += size
-                self._make_room(0)
+            try:
+                size = os.stat(self._path(digest)).st_size
+            except OSError:
+                return False
+            self._files[digest] = size
+            self._used += size
+            self._make_room(0)
         return True
 
     def put(self, digest: bytes, data: bytes) -> None:

@@ -113,6 +113,36 @@ def test_a_read_racing_an_eviction_gets_the_whole_page_or_none(tmp_path, monkeyp
     assert tier.load([pages[0].digest]) == [] and tier.disk_used == files_bytes(tier.disk.folder)
 
 
+def test_a_page_found_on_disk_is_not_counted_after_an_eviction_removed_it(tmp_path, monkeypatch):
+    """`contains` of a page another process wrote: while it looked at the file, this
+    process stored the same page and then evicted it; counting the file afterwards
+    left the tier holding a page that was gone (its bytes counted, its put skipped)."""
+    import threading
+
+    store = disk_store.DiskStore(str(tmp_path), max_bytes=64)
+    x, y = b"x" * 16, b"y" * 16
+    with open(store._path(x), "wb") as f:  # written by another process
+        f.write(b"a" * 64)
+    real_stat, others = os.stat, []
+
+    def stat_while_another_thread_stores_and_evicts(path, *a, **kw):
+        st = real_stat(path, *a, **kw)
+        if not others:
+            others.append(
+                threading.Thread(target=lambda: (store.put(x, b"a" * 64), store.put(y, b"b" * 64)))
+            )
+            others[0].start()
+            others[0].join(1.0)  # (blocks on the store's lock where the stat holds it)
+        return st
+
+    monkeypatch.setattr(disk_store.os, "stat", stat_while_another_thread_stores_and_evicts)
+    store.contains(x)
+    others[0].join(10)
+    monkeypatch.undo()
+    on_disk = {d for d in (x, y) if os.path.exists(store._path(d))}
+    assert set(store._files) == on_disk and store.used == 64 * len(on_disk)
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
