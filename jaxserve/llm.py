@@ -56,8 +56,12 @@ class LLM:
     A bundle made for another target, jax version, code or configuration is refused
     with a ValueError naming each difference.
 
-    >>> llm = LLM(model="path/to/model", dtype="float32")
-    >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
+    `close()` (or `with LLM(...) as llm:`) releases the engine: its threads, JAX
+    monitoring listeners, KV tier and device buffers (weights, KV caches), and
+    data-parallel replicas (their threads, or their Ray actors).
+
+    >>> with LLM(model="path/to/model", dtype="float32") as llm:
+    ...     out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
     >>> out[0].outputs[0].text
     """
 
@@ -111,6 +115,7 @@ class LLM:
             compiled_dir=None if compiled is None else os.fspath(compiled),
             **engine_args,
         )
+        self.closed = False
         parallel = self.config.parallel
         multihost.initialize(parallel)  # before anything touches a device
         self.follower = None
@@ -137,6 +142,26 @@ class LLM:
             else None
         )
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Releases the engine (`LLMEngine.close`, or the data-parallel replicas' with
+        their threads or Ray actors), a multi-host leader's plan thread or a follower's
+        runner. Idempotent; `generate` raises after it."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.engine is not None:
+            self.engine.close()
+        if self.leader is not None:
+            self.leader.close()
+        if self.follower is not None:
+            self.follower.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def save_compiled(self, directory: str | os.PathLike) -> int:
         """Writes this engine's compiled programs (warm-up's) with their manifest into
@@ -178,6 +203,8 @@ class LLM:
         validated before any is queued, so a bad one changes nothing.
         If interrupted, the requests still running are aborted and their pages freed.
         """
+        if self.closed:
+            raise RuntimeError("this LLM is closed")
         if self.engine is None:
             raise ValueError("this is a multi-host follower (process_id > 0): call follow()")
         if isinstance(prompts, str | Mapping):

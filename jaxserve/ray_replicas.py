@@ -159,7 +159,7 @@ class ReplicaActor:
             )
 
     def shutdown(self, timeout: float) -> None:
-        self.engine.shutdown(timeout)
+        self.engine.close(timeout)
 
 
 class RayReplica:
@@ -269,16 +269,35 @@ class RayReplica:
     async def import_pages(self, pages: list[bytes]) -> int:
         raise NotImplementedError(cannot_transfer_kv(self))
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Closes the actor's engine (at most about `timeout` seconds), kills the actor,
+        ends the streams still open and stops this handle's threads. Idempotent."""
         import ray
 
+        if self._stop.is_set():
+            return
         self._stop.set()
-        try:
-            ray.get(self.actor.shutdown.remote(timeout), timeout=timeout + 5)
-        except Exception as e:
-            logger.warning("replica %d (%s): shutdown: %r", self.index, self.where, e)
+        if self.error is None:  # (a failed replica's actor is killed already)
+            try:
+                ray.get(self.actor.shutdown.remote(timeout), timeout=timeout + 5)
+            except Exception as e:
+                logger.warning("replica %d (%s): shutdown: %r", self.index, self.where, e)
         ray.kill(self.actor)
         self._end_streams(self._dead())  # "was shut down"
+        # The receiver ends with the killed actor's stream, the watcher at its next tick.
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """`close` (the servers' name for it)."""
+        self.close(timeout)
+
+    def __enter__(self) -> RayReplica:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _dead(self) -> EngineDeadError:
         if self.error is None:
