@@ -14,6 +14,7 @@ from jaxserve.assets import DEFAULT_MODEL, EMBEDDED_MODELS
 from jaxserve.config import ModelConfig, engine_config
 from jaxserve.data_parallel import DataParallelEngine, data_parallel_engine, stream_all
 from jaxserve.engine import LLMEngine
+from jaxserve.engine.startup import use_compilation_cache
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.inputs import PromptType, parse_prompt
 from jaxserve.outputs import RequestOutput
@@ -21,7 +22,8 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 from pallas_kernels.cpu import cache as kernel_cache
 
-# JAX's persistent compilation cache: a restart reuses compiled step programs.
+# The command line's JAX persistent compilation cache (a restart reuses compiled step
+# programs); `LLM` uses one only where `compilation_cache_dir` names it.
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
 
 
@@ -56,6 +58,11 @@ class LLM:
     A bundle made for another target, jax version, code or configuration is refused
     with a ValueError naming each difference.
 
+    `compilation_cache_dir` opts in to JAX's persistent compilation cache there (the
+    command line's is DEFAULT_COMPILATION_CACHE): a later start loads the programs
+    instead of compiling them. The setting is JAX's, process-wide, for the rest of
+    the process; without it (the default) constructing an LLM changes no JAX setting.
+
     `close()` (or `with LLM(...) as llm:`) releases the engine: its threads, JAX
     monitoring listeners, KV tier and device buffers (weights, KV caches), and
     data-parallel replicas (their threads, or their Ray actors).
@@ -83,7 +90,7 @@ class LLM:
         attention_backend: str = "auto",
         seed: int = 0,
         warmup: bool = True,
-        compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
+        compilation_cache_dir: str | os.PathLike | None = None,
         compiled: str | os.PathLike | None = None,
         mesh: Mesh | None = None,
         **engine_args,
@@ -91,6 +98,8 @@ class LLM:
         """Arguments as vLLM's; `engine_args` are further `jaxserve.config.ENGINE_ARGS`
         (num_kv_pages, kv_cache_memory_fraction, tensor_parallel_size, ...)."""
         model_dir = resolve_model_dir(model)
+        if compilation_cache_dir is not None:
+            compilation_cache_dir = os.path.expanduser(os.fspath(compilation_cache_dir))
         # The CPU kernels' per-user build cache, unless given (None: private, rebuilt).
         engine_args.setdefault("native_kernels_dir", kernel_cache.default_dir(os.environ))
         spec = engine_args.get("speculative_config")
@@ -116,6 +125,9 @@ class LLM:
             **engine_args,
         )
         self.closed = False
+        # Opted in: JAX's cache, process-wide. (A bundle's programs never touch it.)
+        if compilation_cache_dir and compiled is None:
+            use_compilation_cache(compilation_cache_dir)
         parallel = self.config.parallel
         multihost.initialize(parallel)  # before anything touches a device
         self.follower = None

@@ -47,6 +47,7 @@ from collections.abc import AsyncIterator, Sequence
 from jaxserve.async_engine import AsyncLLMEngine, OutputStream
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine, validate_request
+from jaxserve.engine.startup import use_compilation_cache
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.front import EngineDeadError, RequestFailedError, cannot_transfer_kv
 from jaxserve.generate_request import GenerateRequest
@@ -75,6 +76,9 @@ class ReplicaActor:
     def __init__(self, config: EngineConfig, tokenizer_dir: str | None):
         import ray
 
+        if config.compilation_cache_dir and not config.compiled_dir:
+            # This process's edge: the front's cache (an engine never sets it).
+            use_compilation_cache(config.compilation_cache_dir)
         tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
         self.engine = AsyncLLMEngine(LLMEngine(config, tokenizer))
         self.step_timeout_s = config.parallel.step_timeout_s

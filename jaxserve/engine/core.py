@@ -26,7 +26,7 @@ from jaxserve.engine import disagg_io
 from jaxserve.engine.emission import Emitter
 from jaxserve.engine.grammars import GrammarAdmission
 from jaxserve.engine.pipeline import StepPipeline
-from jaxserve.engine.startup import load_or_warm_up, make_proposer, use_compilation_cache
+from jaxserve.engine.startup import load_or_warm_up, make_proposer
 from jaxserve.engine.validation import validate_request
 from jaxserve.engine_stats import EngineStats, StatsSnapshot
 from jaxserve.generate_request import GenerateRequest
@@ -67,9 +67,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.closed = False
-        # (A compiled bundle compiles nothing: its programs never touch the cache.)
-        if config.compilation_cache_dir and not config.compiled_dir:
-            use_compilation_cache(config.compilation_cache_dir)
+        # (JAX's persistent compilation cache is process-wide: the edges set it, the
+        # command line and `LLM(compilation_cache_dir=...)`, never an engine.)
         self.runner = runner if runner is not None else ModelRunner(config, mesh, target=target)
         config = self.config = self.runner.config  # (the target's attention backend)
         spec = config.speculative
