@@ -123,7 +123,7 @@ class AsyncLLMEngine:
         and EngineDeadError if the engine loop has died.
         """
         if not self.healthy:
-            raise EngineDeadError(f"the engine loop stopped: {self.error!r}")
+            raise self._dead()
         self.validate(request)
         request_id = request.request_id
         if request_id in self._streams:
@@ -153,7 +153,7 @@ class AsyncLLMEngine:
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs `fn(engine)` on the engine's thread between two steps; its result."""
         if not self.healthy:
-            raise EngineDeadError(f"the engine loop stopped: {self.error!r}")
+            raise self._dead()
         future = asyncio.get_running_loop().create_future()
         self._send(("call", fn, future))
         return await future
@@ -164,12 +164,39 @@ class AsyncLLMEngine:
     async def import_pages(self, pages: list[bytes]) -> int:
         return await asyncio.to_thread(self.engine.import_pages, pages)  # any thread
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the engine thread, waiting at most about `timeout` seconds for the step
+        it is in, then closes the engine (`LLMEngine.close`: a disk KV tier saved for a
+        restart; its threads, JAX listeners and device buffers released). Streams still
+        open end with EngineDeadError. Idempotent. If the step outlasts `timeout`, the
+        engine thread closes the engine when the step ends."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self.engine.save_kv_tier()  # a restart with the same kv_offload_dir finds them
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning(
+                "the engine thread did not stop within %.0fs; it closes the engine when its "
+                "step ends",
+                timeout,
+            )
+            return
+        self.engine.close()  # (done already by the thread, as it stopped)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """`close` (the servers' name for it)."""
+        self.close(timeout)
+
+    def __enter__(self) -> AsyncLLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _dead(self) -> EngineDeadError:
+        if self.error is None:
+            return EngineDeadError("the engine was shut down")
+        return EngineDeadError(f"the engine loop stopped: {self.error!r}")
 
     def _send(self, command) -> None:
         self._commands.put(command)
@@ -243,3 +270,8 @@ class AsyncLLMEngine:
             end = EngineDeadError(f"the engine loop stopped: {e!r}")
         for stream in list(self._streams.values()):  # nobody waits forever
             stream.put(end)
+        if self._stop.is_set():  # closing: the engine's own thread releases it
+            try:
+                self.engine.close()
+            except Exception:
+                logger.exception("closing the engine failed")

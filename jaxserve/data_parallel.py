@@ -118,10 +118,16 @@ def replica_engines(
             f"available ({devices[0].platform})"
         )
     tp = p.tensor_parallel_size
-    return [
-        LLMEngine(config, tokenizer, parallel.make_mesh(1, tp, devices[i * tp : (i + 1) * tp]))
-        for i in range(p.data_parallel_size)
-    ]
+    engines: list[LLMEngine] = []
+    try:
+        for i in range(p.data_parallel_size):
+            mesh = parallel.make_mesh(1, tp, devices[i * tp : (i + 1) * tp])
+            engines.append(LLMEngine(config, tokenizer, mesh))
+    except BaseException:  # the replicas made so far are released
+        for engine in engines:
+            engine.close()
+        raise
+    return engines
 
 
 class DataParallelEngine:
@@ -148,6 +154,7 @@ class DataParallelEngine:
         self._lock = threading.Lock()  # routing may come from several event loops
         self._owner: dict[str, int] = {}  # request id -> its replica, while it runs
         self._loop: _LoopThread | None = None  # synchronous callers' (`run_sync`)
+        self._closed = False
         info = self.replicas[0].model_info
         self.model_info: ModelInfo = dataclasses.replace(
             info,
@@ -234,13 +241,26 @@ class DataParallelEngine:
     async def import_pages(self, pages: list[bytes]) -> int:
         raise NotImplementedError(cannot_transfer_kv(self))
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Closes every replica (each waits at most about `timeout` seconds), then the
+        event loop thread of synchronous callers. Idempotent."""
         for r in self.replicas:
-            r.shutdown(timeout)
+            r.close(timeout)
         with self._lock:
             loop, self._loop = self._loop, None
+            self._closed = True
         if loop is not None:
             loop.close()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """`close` (the servers' name for it)."""
+        self.close(timeout)
+
+    def __enter__(self) -> DataParallelEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs `coro` to its end on this front's own event loop thread, for synchronous
@@ -251,6 +271,9 @@ class DataParallelEngine:
             coro.close()
             raise self.error
         with self._lock:
+            if self._closed:  # (closed meanwhile)
+                coro.close()
+                raise EngineDeadError("the data-parallel engine was closed")
             if self._loop is None:
                 self._loop = _LoopThread()
             loop = self._loop

@@ -11,7 +11,7 @@ server refuses at start-up a role it could not serve (`server.disagg.check_role`
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.generate_request import GenerateRequest
@@ -95,8 +95,22 @@ class EngineFront(Protocol):
         how many. Raises ValueError (none kept) for a bad page or no tier."""
         ...
 
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the engine (every replica), waiting at most about `timeout` seconds, and
+        releases what it holds: threads, executors, JAX monitoring listeners, device
+        buffers, Ray actors (a disk KV tier is saved first). Idempotent."""
+        ...
+
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stops the engine (every replica); waits at most about `timeout` seconds."""
+        """The same as `close` (the servers' name for it): one way to stop."""
+        ...
+
+    def __enter__(self) -> Self:
+        """The front itself (`with front:` closes it at the end)."""
+        ...
+
+    def __exit__(self, *exc: object) -> None:
+        """`close()`."""
         ...
 
 

@@ -14,6 +14,7 @@ from jaxserve.assets import DEFAULT_MODEL, EMBEDDED_MODELS
 from jaxserve.config import ModelConfig, engine_config
 from jaxserve.data_parallel import DataParallelEngine, data_parallel_engine, stream_all
 from jaxserve.engine import LLMEngine
+from jaxserve.engine.startup import use_compilation_cache
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.inputs import PromptType, parse_prompt
 from jaxserve.outputs import RequestOutput
@@ -21,7 +22,8 @@ from jaxserve.sampling_params import ParamError, SamplingParams
 from jaxserve.tokenizer import Tokenizer
 from pallas_kernels.cpu import cache as kernel_cache
 
-# JAX's persistent compilation cache: a restart reuses compiled step programs.
+# The command line's JAX persistent compilation cache (a restart reuses compiled step
+# programs); `LLM` uses one only where `compilation_cache_dir` names it.
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
 
 
@@ -61,8 +63,17 @@ class LLM:
     A bundle made for another target, jax version, code or configuration is refused
     with a ValueError naming each difference.
 
-    >>> llm = LLM(model="path/to/model", dtype="float32")
-    >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
+    `compilation_cache_dir` opts in to JAX's persistent compilation cache there (the
+    command line's is DEFAULT_COMPILATION_CACHE): a later start loads the programs
+    instead of compiling them. The setting is JAX's, process-wide, for the rest of
+    the process; without it (the default) constructing an LLM changes no JAX setting.
+
+    `close()` (or `with LLM(...) as llm:`) releases the engine: its threads, JAX
+    monitoring listeners, KV tier and device buffers (weights, KV caches), and
+    data-parallel replicas (their threads, or their Ray actors).
+
+    >>> with LLM(model="path/to/model", dtype="float32") as llm:
+    ...     out = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
     >>> out[0].outputs[0].text
     """
 
@@ -84,7 +95,7 @@ class LLM:
         attention_backend: str = "auto",
         seed: int = 0,
         warmup: bool = True,
-        compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
+        compilation_cache_dir: str | os.PathLike | None = None,
         compiled: str | os.PathLike | None = None,
         mesh: Mesh | None = None,
         **engine_args,
@@ -92,6 +103,8 @@ class LLM:
         """Arguments as vLLM's; `engine_args` are further `jaxserve.config.ENGINE_ARGS`
         (num_kv_pages, kv_cache_memory_fraction, tensor_parallel_size, ...)."""
         model_dir = resolve_model_dir(model)
+        if compilation_cache_dir is not None:
+            compilation_cache_dir = os.path.expanduser(os.fspath(compilation_cache_dir))
         # The CPU kernels' per-user build cache, unless given (None: private, rebuilt).
         engine_args.setdefault("native_kernels_dir", kernel_cache.default_dir(os.environ))
         spec = engine_args.get("speculative_config")
@@ -116,6 +129,10 @@ class LLM:
             compiled_dir=None if compiled is None else os.fspath(compiled),
             **engine_args,
         )
+        self.closed = False
+        # Opted in: JAX's cache, process-wide. (A bundle's programs never touch it.)
+        if compilation_cache_dir and compiled is None:
+            use_compilation_cache(compilation_cache_dir)
         parallel = self.config.parallel
         multihost.initialize(parallel)  # before anything touches a device
         self.follower = None
@@ -142,6 +159,26 @@ class LLM:
             else None
         )
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Releases the engine (`LLMEngine.close`, or the data-parallel replicas' with
+        their threads or Ray actors), a multi-host leader's plan thread or a follower's
+        runner. Idempotent; `generate` raises after it."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.engine is not None:
+            self.engine.close()
+        if self.leader is not None:
+            self.leader.close()
+        if self.follower is not None:
+            self.follower.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def save_compiled(self, directory: str | os.PathLike) -> int:
         """Writes this engine's compiled programs (warm-up's) with their manifest into
@@ -183,6 +220,8 @@ class LLM:
         validated before any is queued, so a bad one changes nothing.
         If interrupted, the requests still running are aborted and their pages freed.
         """
+        if self.closed:
+            raise RuntimeError("this LLM is closed")
         if self.engine is None:
             raise ValueError("this is a multi-host follower (process_id > 0): call follow()")
         if isinstance(prompts, str | Mapping):

@@ -124,6 +124,11 @@ class Leader:
         if self.lost is None:
             self._send(_STOP)
 
+    def close(self) -> None:
+        """Stops the plan thread (`LLM.close`); a broadcast a lost follower never
+        joined is not waited for."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
 
 def run_follower(runner) -> int:
     """A follower's loop: receive each plan from the leader and run its step, until

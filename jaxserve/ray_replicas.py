@@ -47,6 +47,7 @@ from collections.abc import AsyncIterator, Sequence
 from jaxserve.async_engine import AsyncLLMEngine, OutputStream
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine, validate_request
+from jaxserve.engine.startup import use_compilation_cache
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.front import EngineDeadError, RequestFailedError, cannot_transfer_kv
 from jaxserve.generate_request import GenerateRequest
@@ -75,6 +76,9 @@ class ReplicaActor:
     def __init__(self, config: EngineConfig, tokenizer_dir: str | None):
         import ray
 
+        if config.compilation_cache_dir and not config.compiled_dir:
+            # This process's edge: the front's cache (an engine never sets it).
+            use_compilation_cache(config.compilation_cache_dir)
         tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
         self.engine = AsyncLLMEngine(LLMEngine(config, tokenizer))
         self.step_timeout_s = config.parallel.step_timeout_s
@@ -159,7 +163,7 @@ class ReplicaActor:
             )
 
     def shutdown(self, timeout: float) -> None:
-        self.engine.shutdown(timeout)
+        self.engine.close(timeout)
 
 
 class RayReplica:
@@ -269,16 +273,35 @@ class RayReplica:
     async def import_pages(self, pages: list[bytes]) -> int:
         raise NotImplementedError(cannot_transfer_kv(self))
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Closes the actor's engine (at most about `timeout` seconds), kills the actor,
+        ends the streams still open and stops this handle's threads. Idempotent."""
         import ray
 
+        if self._stop.is_set():
+            return
         self._stop.set()
-        try:
-            ray.get(self.actor.shutdown.remote(timeout), timeout=timeout + 5)
-        except Exception as e:
-            logger.warning("replica %d (%s): shutdown: %r", self.index, self.where, e)
+        if self.error is None:  # (a failed replica's actor is killed already)
+            try:
+                ray.get(self.actor.shutdown.remote(timeout), timeout=timeout + 5)
+            except Exception as e:
+                logger.warning("replica %d (%s): shutdown: %r", self.index, self.where, e)
         ray.kill(self.actor)
         self._end_streams(self._dead())  # "was shut down"
+        # The receiver ends with the killed actor's stream, the watcher at its next tick.
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """`close` (the servers' name for it)."""
+        self.close(timeout)
+
+    def __enter__(self) -> RayReplica:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _dead(self) -> EngineDeadError:
         if self.error is None:

@@ -57,21 +57,23 @@ def tiny_model_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True, scope="module")
 def _no_persistent_compilation_cache():
-    """In-process tests do not use JAX's persistent compilation cache: they would
-    write thousands of test-shaped programs into the user's cache directory.
-    (The crashes once blamed on it, in XLA serializing an executable, were the
-    process running out of memory mappings: see `_release_compiled_programs`.)
-    `test_compilation_cache.py` tests the cache in subprocesses.
+    """In-process tests never use JAX's persistent compilation cache: they would write
+    thousands of test-shaped programs into its directory. Nothing sets it unless asked
+    (`LLM(compilation_cache_dir=...)`, the command line; an engine never does), and
+    `test_compilation_cache.py` asks only in subprocesses: this checks that no test
+    module's code set it. (The crashes once blamed on the cache, in XLA serializing an
+    executable, were the process running out of memory mappings: see
+    `_release_compiled_programs`.)
     """
-    from jaxserve.llm import LLM
-
-    defaults = LLM.__init__.__kwdefaults__
-    saved = defaults["compilation_cache_dir"]
-    defaults["compilation_cache_dir"] = None
     yield
-    defaults["compilation_cache_dir"] = saved
+    jax = sys.modules.get("jax")  # (not imported: nothing set it)
+    if jax is not None:
+        assert jax.config.jax_compilation_cache_dir is None, (
+            "a test set JAX's process-wide persistent compilation cache: "
+            f"{jax.config.jax_compilation_cache_dir!r}"
+        )
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -47,6 +47,7 @@ class MockRunner:
         # What each page slot holds: (page, offset) -> token id; checks the KV bookkeeping.
         self.slots: dict[int, int] = {}
         self.steps = 0
+        self.closed = False
 
     def row_bucket(self, num_rows):
         return pick_bucket(num_rows, self.shapes.row_buckets, what="sampling rows")
@@ -77,6 +78,9 @@ class MockRunner:
 
     def warmup(self):
         pass
+
+    def close(self):
+        self.closed = True
 
     # KV pages that travel (the host/disk tier): a page is the tokens its slots hold.
 

@@ -26,7 +26,7 @@ from jaxserve.engine import disagg_io
 from jaxserve.engine.emission import Emitter
 from jaxserve.engine.grammars import GrammarAdmission
 from jaxserve.engine.pipeline import StepPipeline
-from jaxserve.engine.startup import load_or_warm_up, make_proposer, use_compilation_cache
+from jaxserve.engine.startup import load_or_warm_up, make_proposer
 from jaxserve.engine.validation import validate_request
 from jaxserve.engine_stats import EngineStats, StatsSnapshot
 from jaxserve.generate_request import GenerateRequest
@@ -66,9 +66,9 @@ class LLMEngine:
             )
         self.config = config
         self.tokenizer = tokenizer
-        # (A compiled bundle compiles nothing: its programs never touch the cache.)
-        if config.compilation_cache_dir and not config.compiled_dir:
-            use_compilation_cache(config.compilation_cache_dir)
+        self.closed = False
+        # (JAX's persistent compilation cache is process-wide: the edges set it, the
+        # command line and `LLM(compilation_cache_dir=...)`, never an engine.)
         self.runner = runner if runner is not None else ModelRunner(config, mesh, target=target)
         config = self.config = self.runner.config  # (the target's attention backend)
         spec = config.speculative
@@ -102,8 +102,12 @@ class LLMEngine:
             self.runner.kv_tokens / config.max_model_len,
             "on" if config.scheduler.enable_prefix_caching else "off",
         )
-        # warm-up's programs by name
-        self.compiled = load_or_warm_up(config, self.runner, self.tier is not None, target)
+        try:  # warm-up's programs by name
+            self.compiled = load_or_warm_up(config, self.runner, self.tier is not None, target)
+        except BaseException:  # (a bundle refused, a failed compile): nothing stays behind
+            self.closed = True
+            self._release()
+            raise
 
     def _wire_kv(self, config: EngineConfig) -> None:
         """The KV pages' keepers: the tier and its connector (with offload), the pool
@@ -180,6 +184,49 @@ class LLMEngine:
         returns the bytes written."""
         described = self.runner.manifest(kv_transfer=self.tier is not None)
         return bundle.save(directory, self.compiled, described)
+
+    # ------------------------------------------------------------- its lifetime
+
+    def close(self) -> None:
+        """Releases the engine: aborts its unfinished requests; saves the cached pages
+        a disk KV tier lacks (`kv_offload_dir`: a restart finds them); stops the KV
+        offload thread and the grammar compiler's; drops the tier's host pages; and
+        closes the runner (its JAX monitoring listeners removed, its weights and KV
+        caches dropped, so their memory returns). Idempotent; the engine runs nothing
+        after it. Call it from the thread that steps the engine, or once that thread
+        has stopped (`AsyncLLMEngine.close` does)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.abort_all()
+            if self.tier is not None and self.tier.disk is not None:
+                try:
+                    self.save_kv_tier()
+                except Exception:  # a cache: the pages are recomputed after a restart
+                    logger.exception("saving the KV tier at close failed")
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """The threads, listeners and buffers of `close`."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+        if self.tier is not None:
+            self.tier.close()
+        self.grammars.close()
+        self.runner.close()
+        self.compiled = {}  # warm-up's programs
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine is closed: it runs no request")
 
     # ------------------------------------------------------- what front ends read
 
@@ -282,6 +329,7 @@ class LLMEngine:
         tokens another instance sampled for them (after it pushed the prompt's KV pages
         here): only they run, and their first output carries those tokens too.
         """
+        self._check_open()
         if self.runner.compile_device is not None:
             raise RuntimeError(
                 "this engine was built to compile for a target that is not here "
@@ -442,6 +490,7 @@ class LLMEngine:
         With asynchronous scheduling, the step is dispatched before the previous one's
         tokens are back, and the outputs returned are the previous step's.
         """
+        self._check_open()
         t0 = time.perf_counter()
         failed = self.grammars.admit_compiled() if self.grammars.waiting else []
         pipeline = self.pipeline

@@ -45,6 +45,13 @@ class GrammarAdmission:
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammars
 
+    def close(self) -> None:
+        """Stops the compiler's thread, if one was started, and drops the compiler (its
+        tokenizer trie and compiled grammars)."""
+        if self._grammars is not None:
+            self._grammars.close()
+            self._grammars = None
+
     def admit_compiled(self) -> list[RequestOutput]:
         """Schedules the requests whose grammar has compiled (a matcher per sample);
         finishes those whose compile failed ("abort"), returning their outputs."""

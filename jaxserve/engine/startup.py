@@ -1,5 +1,7 @@
-"""What an engine sets up once: JAX's persistent compilation cache, the speculative
-proposer, and the compiled programs (warmed up, or loaded from a bundle).
+"""What an engine sets up once: the speculative proposer and the compiled programs
+(warmed up, or loaded from a bundle); and, for the edges that opt in (the command
+line, `LLM(compilation_cache_dir=...)`, a Ray replica's process), JAX's persistent
+compilation cache, which is process-wide: an engine never sets it.
 
 Device side: it sets JAX's config and drives the runner's warm-up.
 """
@@ -19,7 +21,8 @@ COMPILATION_CACHE_BYTES = 4 << 30  # the persistent compilation cache's bound
 
 
 def use_compilation_cache(directory: str) -> None:
-    """Points JAX's persistent compilation cache (process-wide) at `directory`."""
+    """Points JAX's persistent compilation cache (process-wide, for the rest of the
+    process: JAX opens it at the first compilation and keeps it) at `directory`."""
     import jax
 
     jax.config.update("jax_compilation_cache_dir", directory)

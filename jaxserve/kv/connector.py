@@ -65,6 +65,11 @@ class KVConnector:
             f.result()
         self._pending = []
 
+    def close(self) -> None:
+        """Waits for the offloads in flight and stops their thread (idempotent)."""
+        self.flush()
+        self._offload.shutdown(wait=True)
+
 
 NamedPage = tuple[int, bytes, bytes, tuple[int, ...]]  # (device page, digest, parent, tokens)
 

@@ -94,6 +94,13 @@ class KVTier:
             self._host_used -= len(evicted)
             self.stats.host_evictions += 1
 
+    def close(self) -> None:
+        """Drops the pages held in host memory (the disk's stay, for a restart). The
+        disk store keeps no file open between its reads and writes."""
+        with self._lock:
+            self._host.clear()
+            self._host_used = 0
+
     # ------------------------------------------------------------------ reading
 
     def load(self, digests: Sequence[bytes], salt: Hashable = None) -> list[Page]:

@@ -245,6 +245,12 @@ class DraftRunner:
                 )
             todo = [seq for seq in todo if seq.draft_computed < seq.num_tokens - 1]
 
+    def close(self) -> None:
+        """Drops the draft model's device buffers and programs (the target's runner
+        closes the shared compile counter); it proposes nothing after it."""
+        self.weights = self.kv_caches = None
+        self.programs = self.propose_step = None
+
     def _check_compiles(self, before: int) -> None:
         if self.warmed_up and self.config.compile_guard and self.compiles.count != before:
             raise RuntimeError("a draft-model step compiled after warm-up")

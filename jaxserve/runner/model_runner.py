@@ -48,13 +48,18 @@ _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 class CompileCounter:
     """Counts the XLA executables this process builds (compiled, or loaded from the
-    persistent compilation cache: `cache_hits` of them), with JAX monitoring listeners."""
+    persistent compilation cache: `cache_hits` of them), with JAX monitoring listeners.
+
+    The listeners are process-wide (JAX keeps them in global lists, and calls each on
+    every compilation) until `close` removes them: the runner that made the counter
+    closes it."""
 
     def __init__(self):
         self.count = 0
         self.cache_hits = 0
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
         jax.monitoring.register_event_listener(self._on_event)
+        self._listening = True
 
     def _on_duration(self, event: str, duration: float, **kwargs) -> None:
         if event == _BACKEND_COMPILE_EVENT:
@@ -65,8 +70,11 @@ class CompileCounter:
             self.cache_hits += 1
 
     def close(self) -> None:
-        jax.monitoring.unregister_event_duration_listener(self._on_duration)
-        jax.monitoring.unregister_event_listener(self._on_event)
+        """Removes the listeners (idempotent): the counts stop there."""
+        if self._listening:
+            self._listening = False
+            jax.monitoring.unregister_event_duration_listener(self._on_duration)
+            jax.monitoring.unregister_event_listener(self._on_event)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +194,8 @@ class ModelRunner:
         self.history_len = config.pages_per_seq * config.cache.page_size
         # A step's `prev_tokens` when no step before it is in flight.
         self._no_prev_tokens = np.zeros(self.shapes.max_rows, np.int32)
-        self.compiles = CompileCounter()
+        self.compiles = CompileCounter()  # its listeners removed by `close`
+        self.closed = False
         # The draft model's KV arrays share the target's page tables (and pool).
         self.drafter = None
         if draft is not None:
@@ -227,6 +236,18 @@ class ModelRunner:
             config.max_model_len,
             self.kv_tokens / config.max_model_len,
         )
+
+    def close(self) -> None:
+        """Releases what the runner owns: its JAX monitoring listeners (`compiles`), and
+        its device buffers -- the weights, the KV caches, the programs placed on them,
+        the draft model's -- so that their memory returns once nothing else holds them.
+        Idempotent; the runner runs no step after it."""
+        self.compiles.close()
+        self.closed = True
+        self.weights = self.kv_caches = None
+        self.programs = self.kv_programs = None
+        if self.drafter is not None:
+            self.drafter.close()
 
     # ------------------------------------------------------- KV pages that travel
 

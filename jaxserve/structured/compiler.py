@@ -144,4 +144,6 @@ class GrammarCompiler:
         return GrammarMatcher(compiled.deep_copy(), self.vocab_size, self._num_tokens)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stops the compile thread: queued compiles are cancelled, a running one is
+        waited for (its thread ends with it)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)

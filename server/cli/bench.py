@@ -389,7 +389,8 @@ def main(argv) -> None:
     }
     runs = {}
     if FLAGS.roofline:
-        result["roofline"] = _roofline(LLM(model_dir, **{**kwargs, "warmup": False}))
+        with LLM(model_dir, **{**kwargs, "warmup": False}) as llm:
+            result["roofline"] = _roofline(llm)
     variants = [("", {})]
     if FLAGS.compare_prefix_caching:
         variants = [
@@ -416,10 +417,10 @@ def main(argv) -> None:
             llm = LLM(model_dir, **run_kwargs)
             reqs = _workload(llm.config.model.vocab_size, llm.config.max_model_len)
             runs[label or "run"] = _run_offline(llm, reqs)
-            # Replicas (local threads, Ray actors) stop here, not in the interpreter's
-            # exit, where Ray's worker may already be gone (the run then exited 1).
-            if isinstance(llm.engine, DataParallelEngine):
-                llm.engine.shutdown()
+            # Released before the next variant's engine; replicas (local threads, Ray
+            # actors) stop here, not in the interpreter's exit, where Ray's worker may
+            # already be gone (the run then exited 1).
+            llm.close()
         else:
             server = loop = None
             target = FLAGS.target

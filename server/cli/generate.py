@@ -117,7 +117,11 @@ def main(argv) -> None:
 
 def _generate() -> None:
     records = _read_inputs()
-    llm = LLM(FLAGS.model, **engine_kwargs())
+    with LLM(FLAGS.model, **engine_kwargs()) as llm:  # closed: a disk KV tier is saved
+        _generate_all(llm, records)
+
+
+def _generate_all(llm: LLM, records: list[dict]) -> None:
     engine, base = llm.engine, sampling_kwargs()
     # Validate every input before running any, so a bad line costs no work.
     requests = []
