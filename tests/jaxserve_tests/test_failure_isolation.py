@@ -132,13 +132,14 @@ def test_a_request_whose_sampler_rows_raise_fails_before_its_step(monkeypatch):
 
 
 def test_a_value_the_sampler_arrays_cannot_hold_fails_only_its_request():
-    """A value that slipped past validation (here top_k beyond int32, set after the
-    request was admitted) makes packing its sampler row raise (OverflowError): that
+    """A value that slipped past validation (here a logit_bias token id beyond int32,
+    set after the request was admitted) makes packing its sampler row raise
+    (OverflowError): that
     row is sampled with neutral settings and its request fails; the step of the other
     rows runs as usual."""
     engine = make_engine(num_pages=64, max_num_seqs=8, budget=32)
     bad = GenerateRequest("bad", [2, 4, 6], params(8))
-    object.__setattr__(bad.params, "top_k", 2**40)  # (validated: as if it slipped through)
+    bad.params.logit_bias = {2**40: 1.0}  # (validated: as if it slipped through)
     done = {}
     for rid, (prompt, n) in JOBS.items():
         engine.add_request(GenerateRequest(rid, prompt, params(n)))
