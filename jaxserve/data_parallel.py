@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Sequence
@@ -294,11 +296,24 @@ class _LoopThread:
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result()
+        except concurrent.futures.CancelledError:
+            raise EngineDeadError("the data-parallel engine was closed") from None
         except BaseException:  # KeyboardInterrupt included: stop the coroutine too
             future.cancel()
             raise
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancels what still runs on the loop (its callers get EngineDeadError, rather
+        than waiting forever on a stopped loop), then stops it."""
+
+        async def cancel_the_rest() -> None:
+            tasks = asyncio.all_tasks() - {asyncio.current_task()}
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(concurrent.futures.TimeoutError):
+            asyncio.run_coroutine_threadsafe(cancel_the_rest(), self.loop).result(timeout)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
         self.loop.close()

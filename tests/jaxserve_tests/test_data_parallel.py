@@ -147,3 +147,29 @@ def test_stream_all_returns_a_request_the_engine_failed_with_the_others(monkeypa
             assert finals[i].outputs[0].token_ids == want and finals[i].error is None
     assert front.healthy
     front.shutdown()
+
+
+def test_closing_the_loop_ends_a_synchronous_call_still_running_on_it():
+    """`close` stopped the loop under a coroutine still running for a synchronous
+    caller (`run_sync`), whose wait then never ended."""
+    import asyncio
+    import threading
+    import time
+
+    from jaxserve import data_parallel
+    from jaxserve.front import EngineDeadError
+
+    loop, ended = data_parallel._LoopThread(), []
+
+    def caller():
+        try:
+            loop.run(asyncio.sleep(3600))
+        except EngineDeadError as e:
+            ended.append(e)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    time.sleep(0.2)
+    loop.close(timeout=5)
+    thread.join(5)
+    assert not thread.is_alive() and "closed" in str(ended[0])
