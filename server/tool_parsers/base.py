@@ -138,28 +138,19 @@ class ToolParser(abc.ABC):
         return "call_" + secrets.token_hex(12)
 
     def special_markers(self) -> bool:
-        """Whether this tokenizer holds one of the format's markers as a special token."""
-        return any(self._special_id(m) is not None for m in self.markers)
+        """Whether the tokenizer holds one of the format's markers as a special token
+        (which decoding skips unless told otherwise)."""
+        return special_markers(self.tokenizer, self.markers)
 
     # ---------------------------------------------------------- grammar pieces
 
-    def _special_id(self, text: str) -> int | None:
-        tok = self.tokenizer
-        if tok is None:
-            return None
-        i = tok.token_id(text)
-        return i if i is not None and i in tok.all_special_ids else None
-
     def literal(self, text: str) -> str:
-        """`text` in a grammar rule: the special token, if the tokenizer has it as
-        one (a plain string would be written as ordinary tokens), else a string."""
-        i = self._special_id(text)
-        return json.dumps(text) if i is None else f"<[{i}]>"
+        return literal(self.tokenizer, text)
 
     def free_text_then(self, marker: str, rest: str) -> str:
         """`start:` any text without `marker`, or such text then `marker` then `rest`."""
         lit = self.literal(marker)
-        if lit.startswith("<["):  # a special token: free text cannot write it
+        if lit.startswith("<["):  # one token: free text cannot write it
             return f"start: FREE | FREE? {lit} {rest}\nFREE: /(.|\\n)+/\n"
         pattern = _lark_regex(re.escape(marker))
         return (
@@ -167,6 +158,31 @@ class ToolParser(abc.ABC):
             f"FREE: /(.|\\n)*/ & ~/(?s:.*){pattern}(?s:.*)/\n"
             f"lead[lazy]: /(.|\\n)*{pattern}/\n"
         )
+
+
+def marker_token(tokenizer: Tokenizer | None, text: str) -> int | None:
+    """The token that is all of `text`, if the tokenizer has one (an added token, as
+    chat formats' markers like `<tool_call>` or `</think>` often are)."""
+    if tokenizer is None:
+        return None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 and len(text) > 1 else None
+
+
+def literal(tokenizer: Tokenizer | None, text: str) -> str:
+    """`text` in a grammar rule: its token by id if it is one token, else a string.
+    llguidance takes every added token for a special one, which text never
+    matches: a marker spelled as a string would have to be written in pieces."""
+    i = marker_token(tokenizer, text)
+    return json.dumps(text) if i is None else f"<[{i}]>"
+
+
+def special_markers(tokenizer: Tokenizer | None, markers: Iterable[str]) -> bool:
+    """Whether one of `markers` is a special token (decoding skips it by default)."""
+    if tokenizer is None:
+        return False
+    special = set(tokenizer.all_special_ids)
+    return any(marker_token(tokenizer, m) in special for m in markers)
 
 
 # JSON in calls is written as json.dumps and Hugging Face's `tojson` write it (the
@@ -292,13 +308,17 @@ class CallStream:
 
     def _expect(self, literal: str, final: bool) -> bool | None:
         """After whitespace: `literal` (consumed: True), not it (False), or too early
-        to say (None)."""
+        to say (None). At the end, the beginning of `literal` counts as it (a reply
+        cut off there)."""
         p = self._pending.lstrip(_WS)
         if p.startswith(literal):
             self._pending = p[len(literal) :]
             return True
-        if literal.startswith(p) and not final:
-            return None
+        if literal.startswith(p):
+            if not final:
+                return None
+            self._pending = ""
+            return True
         return False
 
     def _start_call(self, name: str) -> int | None:

@@ -26,6 +26,7 @@ from server.tool_parsers.base import (
     ToolParser,
     alternatives,
     arguments_schema,
+    marker_token,
     object_call,
     repeated,
 )
@@ -44,7 +45,7 @@ class MistralParser(ToolParser):
 
     def _v11(self) -> bool:
         """The tokenizer writes calls as name[ARGS]{...} (v11 and later)."""
-        return self._special_id(ARGS) is not None
+        return marker_token(self.tokenizer, ARGS) is not None
 
     def stream(self, tool_names: Sequence[str]) -> CallStream:
         return _MistralStream(self, tool_names)

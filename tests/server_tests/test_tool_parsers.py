@@ -297,3 +297,38 @@ def test_grammars_accept_the_format_and_the_schemas_only(demo_tokenizer, fmt):
         assert not accepts(demo_tokenizer, grammar(required, True), BAD_ARGS[fmt])
     assert not accepts(demo_tokenizer, grammar(True, True), "Just text.")  # required: a call
     assert accepts(demo_tokenizer, grammar(False, True), "Just text.")  # auto: text is fine
+
+
+@pytest.fixture(scope="module")
+def marker_tokenizer(tmp_path_factory):
+    """A tokenizer with the formats' markers as added tokens: Mistral's (v11) special,
+    Qwen's plain, as their tokenizers have them."""
+    from hf_models import save_tokenizer
+
+    path = tmp_path_factory.mktemp("marker_tokens")
+    added = {"[TOOL_CALLS]": True, "[ARGS]": True, "<tool_call>": False, "</tool_call>": False}
+    save_tokenizer(path, vocab_size=300, added=added)
+    tok = Tokenizer(path)
+    return tok, llg_tokenizer(tok, tok.vocab_size, [tok.eos_token_id])
+
+
+def test_markers_that_are_tokens_are_written_as_those_tokens(marker_tokenizer):
+    """A grammar names a one-token marker by its id (llguidance takes every added token
+    for a special one: written as text, the marker would come out in pieces); special
+    markers are decoded for the parser (skip_special_tokens off)."""
+    tok, _ = marker_tokenizer
+    mistral, hermes = PARSERS["mistral"](tok), PARSERS["hermes"](tok)
+    assert mistral.special_markers() and not hermes.special_markers()
+    v11 = "[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_current_weather[ARGS]" + WEATHER
+    tagged = GOOD["hermes"][1]
+    for parser, text in ((mistral, v11), (hermes, tagged)):
+        for required in (True, False):
+            lark = parser.grammar(FUNCTIONS, required=required, parallel=True)
+            assert f"<[{tok.token_id(parser.markers[0])}]>" in lark
+            assert accepts(marker_tokenizer, lark, text)
+            assert accepts(marker_tokenizer, lark, "Text.") is not required
+        # The text the engine decodes (special tokens kept) parses to the calls.
+        decoded = tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=False)
+        assert len(calls_of(events_of(parser.name, decoded)[0])[1]) == (
+            2 if parser is mistral else 1
+        )
