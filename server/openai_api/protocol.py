@@ -363,7 +363,7 @@ class ChatCompletionRequest(_Request):
                 parameters = {"type": "object", "properties": {}}
             functions.append(Function(name, parameters))
         choice = self.tool_choice
-        if choice is None:
+        if choice is None or (choice == "auto" and not functions):
             choice = "auto" if functions else "none"
         if isinstance(choice, NamedToolChoice):
             named = [f for f in functions if f.name == choice.function.name]

@@ -208,7 +208,7 @@ def test_required_and_named_calls_always_parse_and_validate(client, temperature)
                 tools=TOOLS,
                 tool_choice=tool_choice,
                 parallel_tool_calls=parallel,
-                max_completion_tokens=200,
+                max_completion_tokens=300,
                 temperature=temperature,
                 seed=seed,
                 n=n,
@@ -443,10 +443,15 @@ def test_tools_without_a_parser_are_refused_unless_none(served):
         with pytest.raises(openai.BadRequestError) as e:
             plain.chat.completions.create(model="tiny", messages=HI, tools=TOOLS)
         assert e.value.body["param"] == "tools" and "--tool_call_parser" in str(e.value)
-        out = plain.chat.completions.create(
-            model="tiny", messages=HI, tools=TOOLS, tool_choice="none", max_completion_tokens=4
-        )
-        assert out.choices[0].message.tool_calls is None
+        for tools, tool_choice in ((TOOLS, "none"), ([], "auto")):
+            out = plain.chat.completions.create(
+                model="tiny",
+                messages=HI,
+                tools=tools,
+                tool_choice=tool_choice,
+                max_completion_tokens=4,
+            )
+            assert out.choices[0].message.tool_calls is None
 
 
 # ------------------------------------------------------------------ reasoning
