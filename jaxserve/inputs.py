@@ -5,7 +5,8 @@ A prompt is one of (vLLM's shapes):
 - text: `"Once upon a time"` or `{"prompt": "Once upon a time"}`
 - token ids: `{"prompt_token_ids": [1, 2, 3]}`, optionally with `"prompt"` as its text
 - chat messages: `{"messages": [{"role": "user", "content": "Hi"}, ...]}`, rendered
-  with the model's chat template (generation prompt appended)
+  with the model's chat template (generation prompt appended); a message may also
+  carry `name`, `tool_calls`, `tool_call_id` and `reasoning_content`
 
 `LLM.generate`, the gRPC servicer and `jaxserve generate`'s JSONL records turn
 their input into this shape and call `parse_prompt` (as any new front end must),
@@ -114,7 +115,12 @@ def _token_ids(ids: Any) -> list[int]:
     return out
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+# What a message may carry besides its role and content (OpenAI's and Hugging Face's
+# names, as chat templates read them), and the type of each.
+_MESSAGE_FIELDS = {"name": str, "tool_calls": list, "tool_call_id": str, "reasoning_content": str}
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
     if isinstance(messages, str | bytes | Mapping) or not hasattr(messages, "__iter__"):
         raise ParamError("messages", "messages must be a list of {role, content} objects")
     out = []
@@ -130,7 +136,17 @@ def _messages(messages: Any) -> list[dict[str, str]]:
             raise ParamError(
                 "messages", f"messages[{i}].content must be a string, got {content!r:.40}"
             )
-        out.append({"role": role, "content": content})
+        entry: dict[str, Any] = {"role": role, "content": content}
+        for key, kind in _MESSAGE_FIELDS.items():
+            value = m.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, kind):
+                raise ParamError(
+                    "messages", f"messages[{i}].{key} must be a {kind.__name__}, got {value!r:.40}"
+                )
+            entry[key] = value
+        out.append(entry)
     if not out:
         raise ParamError("messages", "messages must not be empty")
     return out

@@ -54,14 +54,24 @@ class ServerOptions:
     # Disaggregated serving: "prefill" and "decode" need a front that transfers KV
     # pages (refused at start-up otherwise); "both" serves everything it can.
     role: str = "both"
+    # Reading chat replies (the HTTP API): server/tool_parsers, server/reasoning_parsers.
+    tool_call_parser: str | None = None  # "hermes", "llama3_json", "mistral"
+    tool_call_constrained: bool = False  # tool_choice "auto" constrained to valid calls too
+    reasoning_parser: str | None = None  # "deepseek_r1", "qwen3"
 
     def __post_init__(self):
+        self.chat_parsers()  # refuses an unknown parser
         if self.role not in disagg.ROLES:
             raise ValueError(f"role must be one of {sorted(disagg.ROLES)}, got {self.role!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.max_pending <= 0:
             raise ValueError(f"max_pending must be positive, got {self.max_pending}")
+
+    def chat_parsers(self):
+        from server.openai_api.chat_output import ChatParsers
+
+        return ChatParsers(self.tool_call_parser, self.tool_call_constrained, self.reasoning_parser)
 
 
 class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -242,7 +252,7 @@ class JaxServeServer:
         if o.http_port is not None:
             from server.openai_api.api import HttpServer, build_app
 
-            app = build_app(self.state, self.metrics, o.api_key)
+            app = build_app(self.state, self.metrics, o.api_key, o.chat_parsers())
             self._http = HttpServer(
                 app, o.host, o.http_port, tls_cert=o.tls_cert, tls_key=o.tls_key
             )

@@ -270,9 +270,18 @@ CORPUS = [
 ] * 20
 
 
-def save_tokenizer(path, *, vocab_size: int) -> None:
-    """Trains a byte-level BPE with special tokens and saves it HF-style with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def save_tokenizer(path, *, vocab_size: int, added: dict[str, bool] | None = None) -> None:
+    """Trains a byte-level BPE with special tokens and saves it HF-style with a chat
+    template; `added` are more added tokens (text -> whether it is special)."""
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -285,6 +294,8 @@ def save_tokenizer(path, *, vocab_size: int) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
+    for text, special in (added or {}).items():
+        tok.add_tokens([AddedToken(text, special=special, normalized=False)])
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
     )

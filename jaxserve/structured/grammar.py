@@ -3,7 +3,9 @@ engine's tokenizer to llguidance's (no JAX, no torch).
 
 Grammars are llguidance's: a JSON schema, a regex, a choice (a Lark grammar of
 the literal strings) or a context-free grammar in Lark syntax (llguidance's
-dialect); a GBNF grammar (llama.cpp's, recognised by `::=`) is translated to Lark.
+dialect); a GBNF grammar (llama.cpp's, recognised by `::=`) is translated to Lark,
+and llguidance's own JSON form (`{"grammars": [...]}`, as `then` composes) is
+taken as it is.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def to_grammar(spec: StructuredOutputsParams) -> str:
             # JSON string literals are Lark string literals (escapes included).
             lark = "start: " + " | ".join(json.dumps(c) for c in spec.choice)
             grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        elif spec.grammar.lstrip().startswith("{"):  # llguidance's own JSON form
+            grammar = _llguidance_json(spec.grammar, field)
         else:
             lark = spec.grammar
             if "::=" in lark:  # GBNF
@@ -75,6 +79,34 @@ def to_grammar(spec: StructuredOutputsParams) -> str:
     if error:
         raise ValueError(f"{field} is invalid: {error.strip()}")
     return grammar
+
+
+def _llguidance_json(text: str, field: str) -> str:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{field} is neither Lark nor llguidance JSON: {e}") from None
+    if not isinstance(value, dict) or not isinstance(value.get("grammars"), list):
+        raise ValueError(f'{field} in JSON must be llguidance\'s {{"grammars": [...]}}')
+    return text
+
+
+# The name `then` gives the grammar it appends (llguidance grammars reference each
+# other by name).
+_THEN = "jaxserve_then"
+
+
+def then(prefix: str, grammar: str, rules: str = "") -> str:
+    """llguidance's grammar of the Lark rule items `prefix` (with the Lark `rules` it
+    names) followed by `grammar` (any grammar `to_grammar` returns): for example
+    free text up to a marker, then a JSON schema."""
+    if grammar.lstrip().startswith("{"):
+        grammars = json.loads(grammar)["grammars"]
+    else:
+        grammars = [{"lark_grammar": grammar}]
+    first = {**grammars[0], "name": _THEN}
+    lark = f"start: {prefix} @{_THEN}\n{rules}"
+    return json.dumps({"grammars": [{"name": "start", "lark_grammar": lark}, first, *grammars[1:]]})
 
 
 def llg_tokenizer(

@@ -39,6 +39,7 @@ import signal
 from absl import flags
 
 from jaxserve.llm import LLM, resolve_model_dir
+from server import reasoning_parsers, tool_parsers
 from server.cli.engine_flags import engine_kwargs
 
 FLAGS = flags.FLAGS
@@ -72,6 +73,27 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_list("prefill_targets", [], "--role=router: prefill instances (host:port).")
 flags.DEFINE_list("decode_targets", [], "--role=router: decode instances (host:port).")
+flags.DEFINE_enum(
+    "tool_call_parser",
+    None,
+    sorted(tool_parsers.PARSERS),
+    "HTTP chat completions: parse the model's tool calls in this format (Hermes "
+    "<tool_call> tags: Qwen 2.5/3; Llama 3.x JSON; Mistral [TOOL_CALLS]); unset: "
+    "requests with tools are refused unless tool_choice is 'none'.",
+)
+flags.DEFINE_bool(
+    "tool_call_constrained",
+    False,
+    "With --tool_call_parser: constrain tool_choice 'auto' replies too, so that a call "
+    "the model begins always parses ('required' and named functions always are).",
+)
+flags.DEFINE_enum(
+    "reasoning_parser",
+    None,
+    sorted(reasoning_parsers.PARSERS),
+    "HTTP chat completions: return the text between <think> and </think> as "
+    "reasoning_content; output constraints apply to the answer after it.",
+)
 DECODE_TIER_BYTES = 1 << 30  # --role=decode without --kv_offload_bytes
 flags.DEFINE_string(
     "served_model_name",
@@ -106,6 +128,9 @@ def _options(role: str = "both"):
         tls_cert=FLAGS.tls_cert,
         tls_key=FLAGS.tls_key,
         drain_grace_s=FLAGS.drain_grace_s,
+        tool_call_parser=FLAGS.tool_call_parser,
+        tool_call_constrained=FLAGS.tool_call_constrained,
+        reasoning_parser=FLAGS.reasoning_parser,
     )
 
 

@@ -30,12 +30,15 @@ from starlette.exceptions import HTTPException
 
 from jaxserve.inputs import parse_prompt
 from server import auth, serving
+from server.openai_api.chat_output import ChatParsers
 from server.openai_api.completions import OpenAIServing, error_body, status_of
 from server.openai_api.protocol import (
     BadField,
     ChatCompletionRequest,
     ChatMessage,
+    ChatTool,
     CompletionRequest,
+    chat_messages,
 )
 from server.prometheus import ServerMetrics
 from server.serving import Refused, ServingState
@@ -51,6 +54,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -61,9 +65,14 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def build_app(state: ServingState, metrics: ServerMetrics, api_key: str | None = None) -> FastAPI:
+def build_app(
+    state: ServingState,
+    metrics: ServerMetrics,
+    api_key: str | None = None,
+    parsers: ChatParsers | None = None,
+) -> FastAPI:
     app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None)
-    openai = OpenAIServing(state, metrics)
+    openai = OpenAIServing(state, metrics, parsers)
     key = auth.key_bytes(api_key) if api_key else b""
     bearer = b"Bearer " + key
 
@@ -177,8 +186,10 @@ def build_app(state: ServingState, metrics: ServerMetrics, api_key: str | None =
             if body.prompt is not None:
                 ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             else:
-                messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
+                messages = chat_messages(body.messages)
                 kwargs = {"add_generation_prompt": body.add_generation_prompt}
+                if body.tools:
+                    kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
                 ids = parse_prompt({"messages": messages}, tok, chat_template_kwargs=kwargs)
                 ids = ids.token_ids
         except ValueError as e:

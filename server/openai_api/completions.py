@@ -24,6 +24,8 @@ from jaxserve.inputs import ParsedPrompt, parse_prompt
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from server import serving
+from server.openai_api import chat_output
+from server.openai_api.chat_output import ChatParsers, ChatReading
 from server.openai_api.protocol import BadField, ChatCompletionRequest, CompletionRequest
 from server.prometheus import ServerMetrics
 from server.serving import Reason, Refused, ServingState
@@ -42,18 +44,22 @@ class _Job:
     requests: list[GenerateRequest]  # one per prompt
     params: SamplingParams
     body: CompletionRequest | ChatCompletionRequest
+    reading: ChatReading | None = None  # chat: how its replies are read
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
 class OpenAIServing:
-    def __init__(self, state: ServingState, metrics: ServerMetrics):
+    def __init__(
+        self, state: ServingState, metrics: ServerMetrics, parsers: ChatParsers | None = None
+    ):
         self.state = state
         self.metrics = metrics
+        self.parsers = parsers or ChatParsers()
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ admission
 
-    def _job(self, prefix: str, body, prompts: list, chat_kwargs=None) -> _Job:
+    def _job(self, prefix: str, body, prompts: list, chat_kwargs=None, reading=None) -> _Job:
         """Validates everything a request can get wrong before anything is queued."""
         body.check_unsupported()
         engine = serving.admit(self.state, self.metrics, extra=len(prompts) - 1)
@@ -74,6 +80,10 @@ class OpenAIServing:
                     )
                 except TypeError as e:  # a chat_template_kwargs key the template owns
                     raise BadField("chat_template_kwargs", f"chat_template_kwargs: {e}") from None
+            if reading is not None:
+                params = reading.sampling_params(
+                    params, parsed[0].text, names["structured_outputs"]
+                )
             requests = [
                 GenerateRequest(
                     rid if len(parsed) == 1 else f"{rid}-{i}",
@@ -92,7 +102,7 @@ class OpenAIServing:
         except ValueError as e:
             field = getattr(e, "field", None)
             raise serving.invalid(self.metrics, str(e), names.get(field, field)) from None
-        return _Job(rid, engine, parsed, requests, params, body)
+        return _Job(rid, engine, parsed, requests, params, body, reading)
 
     def _streams(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         return _merge([serving.stream(job.engine, self.metrics, r) for r in job.requests])
@@ -186,7 +196,8 @@ class OpenAIServing:
 
     def chat_job(self, body: ChatCompletionRequest) -> _Job:
         prompt, kwargs = body.prompt()
-        return self._job("chatcmpl", body, [prompt], chat_kwargs=kwargs)
+        reading = ChatReading(self.parsers, self.state.tokenizer, body)
+        return self._job("chatcmpl", body, [prompt], chat_kwargs=kwargs, reading=reading)
 
     def _chat_echo(self, body: ChatCompletionRequest) -> str:
         last = body.messages[-1]
@@ -200,11 +211,19 @@ class OpenAIServing:
         echo = self._chat_echo(body)
         choices = []
         for c in out.outputs:
+            reader = job.reading.choice()
+            if reader is None:
+                message = {"role": "assistant", "content": echo + c.text}
+            else:
+                events = reader.feed(c.text) + reader.finish()
+                message = chat_output.message(events, reasoning=reader.reasoning is not None)
+                if echo:
+                    message["content"] = echo + (message["content"] or "")
             choice = {
                 "index": c.index,
-                "message": {"role": "assistant", "content": echo + c.text},
+                "message": message,
                 "logprobs": None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": chat_output.finish_reason(c.finish_reason, reader),
                 "stop_reason": c.stop_reason,
             }
             if c.logprobs is not None:
@@ -226,6 +245,7 @@ class OpenAIServing:
 
     async def chat_stream(self, job: _Job) -> AsyncIterator[str]:
         body = job.body
+        readers = {j: job.reading.choice() for j in range(job.params.n)}
 
         def wrap(choice: dict) -> dict:
             return {
@@ -237,11 +257,19 @@ class OpenAIServing:
             }
 
         def chunk(i: int, c: CompletionOutput, out: RequestOutput, first: bool) -> dict:
+            reader = readers[c.index]
+            if reader is None:
+                delta = {"content": c.delta_text} if c.delta_text else {}
+            else:
+                events = reader.feed(c.delta_text)
+                if c.finish_reason is not None:
+                    events += reader.finish()
+                delta = chat_output.delta(events)
             choice = {
                 "index": c.index,
-                "delta": {"content": c.delta_text} if c.delta_text else {},
+                "delta": delta,
                 "logprobs": None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": chat_output.finish_reason(c.finish_reason, reader),
                 "stop_reason": c.stop_reason,
             }
             if c.logprobs is not None and c.delta_token_ids:

@@ -8,11 +8,14 @@ refused when set, not silently ignored. Unknown fields are ignored, as OpenAI do
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.sampling_params import FIELDS, SamplingParams, StructuredOutputsParams
+from server.tool_parsers import Function
 
 # SamplingParams fields the OpenAI API names or shapes otherwise (`sampling_params`).
 _CONVERTED = frozenset({"max_tokens", "logprobs", "logit_bias", "structured_outputs"})
@@ -218,12 +221,100 @@ class CompletionRequest(_Request):
 
 # The roles of OpenAI's chat messages ("function": its deprecated tool role).
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# OpenAI's rule for a function's name.
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class MessageFunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text (OpenAI), or already an object
+
+
+class MessageToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
 
 
 class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning
+
+
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as chat templates read them (Hugging Face's convention): text
+    content, and each earlier call's arguments as an object, not JSON text."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise BadField(
+                f"messages[{i}].role", f"role must be one of {CHAT_ROLES}, got {m.role!r}"
+            )
+        content = m.content
+        if isinstance(content, list):  # content parts: only text is supported
+            texts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise BadField(
+                        f"messages[{i}].content[{j}]",
+                        f"only text content parts are supported, got {part.get('type')!r}",
+                    )
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        entry: dict[str, Any] = {"role": m.role, "content": content or ""}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(m, key) is not None:
+                entry[key] = getattr(m, key)
+        if m.tool_calls:
+            entry["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _object(c.function.arguments),
+                    },
+                }
+                for c in m.tool_calls
+            ]
+        out.append(entry)
+    return out
+
+
+def _object(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
+    """JSON text of an object as the object (what templates expect); else as it is."""
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+        return value if isinstance(value, dict) else arguments
+    return arguments
 
 
 class ChatCompletionRequest(_Request):
@@ -235,8 +326,9 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False  # vLLM: the last message's content leads the reply
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def _max_tokens(self):
         if self.max_completion_tokens is not None:
@@ -251,31 +343,48 @@ class ChatCompletionRequest(_Request):
         return self.top_logprobs or 0, "top_logprobs"
 
     def check_unsupported(self) -> None:
-        if self.tools and self.tool_choice != "none":
-            raise BadField("tools", "tool calling is not supported")
+        """Everything a chat completion carries is supported."""
+
+    def tool_choice_mode(self) -> tuple[str, list[Function]]:
+        """How the reply may call tools: "none", "auto", "required" or "named" (that
+        one function, once), and the functions it may call."""
+        functions: list[Function] = []
+        for i, tool in enumerate(self.tools or ()):
+            name = tool.function.name
+            if not FUNCTION_NAME.fullmatch(name):
+                raise BadField(
+                    f"tools[{i}].function.name",
+                    f"a function name is 1 to 64 letters, digits, _ or -; got {name!r}",
+                )
+            if any(f.name == name for f in functions):
+                raise BadField(f"tools[{i}].function.name", f"two tools are named {name!r}")
+            parameters = tool.function.parameters
+            if parameters is None:
+                parameters = {"type": "object", "properties": {}}
+            functions.append(Function(name, parameters))
+        choice = self.tool_choice
+        if choice is None or (choice == "auto" and not functions):
+            choice = "auto" if functions else "none"
+        if isinstance(choice, NamedToolChoice):
+            named = [f for f in functions if f.name == choice.function.name]
+            if not named:
+                raise BadField(
+                    "tool_choice",
+                    f"tool_choice names the function {choice.function.name!r}, which is not "
+                    f"one of the tools {[f.name for f in functions]}",
+                )
+            return "named", named
+        if choice == "required" and not functions:
+            raise BadField("tool_choice", "tool_choice 'required' needs tools")
+        return choice, functions
 
     def prompt(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The messages in `parse_prompt`'s shape, and the chat template's arguments."""
-        messages = []
-        for i, m in enumerate(self.messages):
-            if m.role not in CHAT_ROLES:
-                raise BadField(
-                    f"messages[{i}].role", f"role must be one of {CHAT_ROLES}, got {m.role!r}"
-                )
-            content = m.content
-            if isinstance(content, list):  # content parts: only text is supported
-                texts = []
-                for j, part in enumerate(content):
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise BadField(
-                            f"messages[{i}].content[{j}]",
-                            f"only text content parts are supported, got {part.get('type')!r}",
-                        )
-                    texts.append(part["text"])
-                content = "\n".join(texts)
-            messages.append({"role": m.role, "content": content or ""})
+        """The messages in `parse_prompt`'s shape, and the chat template's arguments
+        (the tools among them, as Hugging Face's templates take them)."""
         kwargs = {
             **(self.chat_template_kwargs or {}),
             "add_generation_prompt": self.add_generation_prompt,
         }
-        return {"messages": messages}, kwargs
+        if self.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+        return {"messages": chat_messages(self.messages)}, kwargs

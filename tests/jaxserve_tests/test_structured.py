@@ -14,7 +14,7 @@ from test_tokenizer_sentencepiece import model_dir  # noqa: F401 (a fixture: Sen
 from jaxserve import LLM, SamplingParams
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.sampling_params import StructuredOutputsParams as SO
-from jaxserve.structured import GrammarCompiler, to_grammar
+from jaxserve.structured import GrammarCompiler, then, to_grammar
 from jaxserve.tokenizer import Tokenizer
 
 SCHEMAS = {
@@ -92,11 +92,40 @@ PROMPTS = ["def parse(data):\n    return", "The answer is", "x = "]
         (SO(regex="a(b"), "structured_outputs.regex"),
         (SO(grammar="start: undefined_rule"), "structured_outputs.grammar"),
         (SO(grammar='root ::= "a" (('), "structured_outputs.grammar"),
+        (
+            SO(grammar='{"grammars": [{"lark_grammar": "start: nope"}]}'),
+            "structured_outputs.grammar",
+        ),
+        (SO(grammar='{"grammar": []}'), "structured_outputs.grammar"),
+        (SO(grammar="{not json"), "structured_outputs.grammar"),
     ],
 )
 def test_invalid_specs_name_the_field(spec, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         to_grammar(spec)
+
+
+def test_then_prefixes_any_grammar(demo_tokenizer):
+    """`then`: Lark rule items (free text to a marker, say), then any grammar; what
+    it returns, llguidance's JSON form, is itself a grammar a request may carry."""
+    tok = demo_tokenizer
+    compiler = GrammarCompiler(tok, 4096, [tok.eos_token_id])
+    try:
+        for spec, good, bad in [
+            (SO(json=SCHEMAS["flat_required"]), '{"name":"a","age":3}', '{"age":3}'),
+            (SO(regex="[0-9]+"), "42", "x"),
+            (SO(choice=["yes", "no"]), "no", "maybe"),
+            (SO(grammar=LARK), "1+2", "1+"),
+        ]:
+            grammar = then("notes", to_grammar(spec), "notes[lazy]: /(.|\\n)*END/\n")
+            template = compiler.compile(SO(grammar=grammar)).result(timeout=60)
+            for answer, ok in ((good, True), (bad, False)):
+                m = compiler.matcher(template)
+                ids = tok.encode("free text END" + answer, add_special_tokens=False)
+                ids.append(tok.eos_token_id)  # the end: allowed only after a whole answer
+                assert all(m.accept(t) for t in ids) is ok, (spec, answer)
+    finally:
+        compiler.close()
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ class ServerThread:
             max_num_seqs=32,
             max_num_batched_tokens=256,
             warmup=False,
-            **(llm_kwargs or {}),
         )
+        kw.update(llm_kwargs or {})
 
         def make_engine():
             llm = LLM(model_dir, **kw)

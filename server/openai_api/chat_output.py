@@ -1,0 +1,199 @@
+"""Reading chat replies: reasoning apart from the answer (`--reasoning_parser`), tool
+calls out of the answer (`--tool_call_parser`), and the grammars that make calls
+parse.
+
+`ChatReading` is one request's plan: which functions it may call and how
+(`tool_choice`), the constraint its sampling gets (a tool-call grammar in the
+model's own format for `required`, a named function, or `auto` with
+`--tool_call_constrained`; any constraint held off until the reasoning ends), and
+a `ChoiceReader` per choice, which turns text into events: `Reasoning`,
+`Content`, and the tool parsers' call events. `message` and `delta` write those
+events as OpenAI's message and streamed delta; both come from the same events, so
+a streamed reply reassembles to the non-streamed one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxserve.structured import GrammarCompiler, to_grammar
+from jaxserve.tokenizer import Tokenizer
+from server import reasoning_parsers, tool_parsers
+from server.openai_api.protocol import BadField, ChatCompletionRequest
+from server.reasoning_parsers import Reasoning, ReasoningStream
+from server.tool_parsers import CallArgs, CallFailed, CallStart, CallStream, Content, assemble
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatParsers:
+    """The server's choice of parsers (`--tool_call_parser`, `--tool_call_constrained`,
+    `--reasoning_parser`); None: not parsed."""
+
+    tool_call_parser: str | None = None
+    tool_call_constrained: bool = False
+    reasoning_parser: str | None = None
+
+    def __post_init__(self):
+        for name, known in (
+            (self.tool_call_parser, tool_parsers.PARSERS),
+            (self.reasoning_parser, reasoning_parsers.PARSERS),
+        ):
+            if name is not None and name not in known:
+                raise ValueError(f"unknown parser {name!r}; known: {sorted(known)}")
+        if self.tool_call_constrained and self.tool_call_parser is None:
+            raise ValueError("tool_call_constrained needs a tool_call_parser")
+
+
+class ChatReading:
+    """How one chat completion's replies are constrained and read."""
+
+    def __init__(
+        self, parsers: ChatParsers, tokenizer: Tokenizer | None, body: ChatCompletionRequest
+    ):
+        self.mode, self.functions = body.tool_choice_mode()
+        self.parallel = body.parallel_tool_calls and self.mode != "named"
+        self.tools = None
+        if self.mode != "none":
+            if parsers.tool_call_parser is None:
+                raise BadField(
+                    "tools",
+                    "this server does not parse tool calls: start it with --tool_call_parser "
+                    f"({', '.join(sorted(tool_parsers.PARSERS))}), or send tool_choice 'none'",
+                )
+            self.tools = tool_parsers.PARSERS[parsers.tool_call_parser](tokenizer)
+        self.reasoning = None
+        if parsers.reasoning_parser is not None:
+            self.reasoning = reasoning_parsers.PARSERS[parsers.reasoning_parser](tokenizer)
+        self.constrain_calls = self.mode in ("required", "named") or (
+            self.mode == "auto" and parsers.tool_call_constrained
+        )
+        self.prompt: str | None = None
+
+    def sampling_params(
+        self, params: SamplingParams, prompt: str | None, constraint_name: str
+    ) -> SamplingParams:
+        """`params` as this reading needs them: the call grammar, or the request's own
+        constraint, applied after the reasoning; special tokens decoded where the
+        parsers' markers are special tokens. `prompt` is the rendered chat."""
+        self.prompt = prompt
+        spec = params.structured_outputs
+        grammar = None
+        if self.constrain_calls:
+            if spec is not None:
+                raise BadField(
+                    constraint_name,
+                    f"{constraint_name} cannot be combined with tool_choice {self.mode!r}, "
+                    "which constrains the reply to tool calls",
+                )
+            lark = self.tools.grammar(
+                self.functions, required=self.mode != "auto", parallel=self.parallel
+            )
+            try:
+                grammar = to_grammar(StructuredOutputsParams(grammar=lark))
+            except ValueError as e:
+                raise BadField(
+                    "tools", f"tools: a function's parameters cannot be followed: {e}"
+                ) from None
+        elif spec is not None and self.reasoning is not None:
+            try:
+                GrammarCompiler.check(spec)
+            except ValueError as e:
+                raise BadField(constraint_name, str(e)) from None
+            grammar = to_grammar(spec)
+        if grammar is not None and self.reasoning is not None:
+            grammar = self.reasoning.then(grammar, prompt)
+        if grammar is not None:
+            spec = StructuredOutputsParams(grammar=grammar)
+        special = any(p is not None and p.special_markers() for p in (self.tools, self.reasoning))
+        return dataclasses.replace(
+            params,
+            structured_outputs=spec,
+            skip_special_tokens=params.skip_special_tokens and not special,
+        )
+
+    def choice(self) -> ChoiceReader | None:
+        """A reader for one choice's text; None if the text is all content."""
+        if self.tools is None and self.reasoning is None:
+            return None
+        return ChoiceReader(
+            None if self.reasoning is None else self.reasoning.stream(self.prompt),
+            None if self.tools is None else self.tools.stream([f.name for f in self.functions]),
+        )
+
+
+class ChoiceReader:
+    """One choice's text through the reasoning parser, then its answer through the
+    tool-call parser."""
+
+    def __init__(self, reasoning: ReasoningStream | None, calls: CallStream | None):
+        self.reasoning = reasoning
+        self.calls = calls
+
+    def feed(self, text: str) -> list:
+        if not text:
+            return []
+        return self._answer(self.reasoning.feed(text) if self.reasoning else [Content(text)])
+
+    def finish(self) -> list:
+        events = self._answer(self.reasoning.finish()) if self.reasoning else []
+        return events + (self.calls.finish() if self.calls else [])
+
+    def _answer(self, events: Sequence) -> list:
+        if self.calls is None:
+            return list(events)
+        out = []
+        for e in events:
+            out += self.calls.feed(e.text) if isinstance(e, Content) else [e]
+        return out
+
+    @property
+    def called(self) -> bool:
+        """Whether a call completed."""
+        return self.calls is not None and self.calls.completed > 0
+
+
+def finish_reason(reason: str | None, reader: ChoiceReader | None) -> str | None:
+    """ "tool_calls" for a reply that stopped after calling; else the engine's reason."""
+    if reason == "stop" and reader is not None and reader.called:
+        return "tool_calls"
+    return reason
+
+
+def message(events: Sequence, *, reasoning: bool) -> dict[str, Any]:
+    """OpenAI's assistant message of a whole reply's events."""
+    thought = "".join(e.text for e in events if isinstance(e, Reasoning))
+    content, calls = assemble(e for e in events if not isinstance(e, Reasoning))
+    out: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning:
+        out["reasoning_content"] = thought or None
+    if calls:
+        out["content"] = content or None
+        out["tool_calls"] = [c.to_openai() for c in calls]
+    return out
+
+
+def delta(events: Sequence) -> dict[str, Any]:
+    """OpenAI's streamed delta of some events: a call's first entry carries its index,
+    id and name; later ones, fragments of its arguments. A failed call's text comes
+    as content (the stream cannot take back what it sent of the call)."""
+    out: dict[str, Any] = {}
+    calls: list[dict[str, Any]] = []
+    for e in events:
+        if isinstance(e, Reasoning):
+            out["reasoning_content"] = out.get("reasoning_content", "") + e.text
+        elif isinstance(e, Content | CallFailed):
+            out["content"] = out.get("content", "") + e.text
+        elif isinstance(e, CallStart):
+            function = {"name": e.name, "arguments": ""}
+            calls.append({"index": e.index, "id": e.id, "type": "function", "function": function})
+        elif isinstance(e, CallArgs):
+            if calls and calls[-1]["index"] == e.index:
+                calls[-1]["function"]["arguments"] += e.text
+            else:
+                calls.append({"index": e.index, "function": {"arguments": e.text}})
+    if calls:
+        out["tool_calls"] = calls
+    return out
