@@ -82,7 +82,7 @@ class ReplicaActor:
         tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
         self.engine = AsyncLLMEngine(LLMEngine(config, tokenizer))
         self.step_timeout_s = config.parallel.step_timeout_s
-        self._progress = ProgressWatch()
+        self._progress = ProgressWatch(window_s=self.step_timeout_s)
         node = ray.get_runtime_context().get_node_id()
         self.where = f"{socket.gethostname()} pid {os.getpid()} node {node[:12]}"
         self.node_id = node
