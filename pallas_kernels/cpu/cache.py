@@ -71,10 +71,34 @@ def _refusal(st: os.stat_result, *, directory: bool) -> str | None:
 
 def check_dir(path: str) -> None:
     """Raises UnsafeCacheError unless `path` is this user's private directory (a
-    symlink is refused too: its target is not what was checked)."""
+    symlink is refused too: its target is not what was checked) under ancestors that
+    no other user can rename it in (`_ancestor_refusal`)."""
     reason = _refusal(os.lstat(path), directory=True)
     if reason:
         raise UnsafeCacheError(f"{path}: {reason}")
+    reason = _ancestor_refusal(os.path.dirname(os.path.abspath(path)))
+    if reason:
+        raise UnsafeCacheError(f"{path}: {reason}")
+
+
+def _ancestor_refusal(folder: str) -> str | None:
+    """Why another user could swap a directory under `folder` after it was checked
+    (and so the library loaded from it), or None: every ancestor must be root's or
+    this user's, and writable by no one else unless sticky (as /tmp is: only an
+    entry's owner may rename it there)."""
+    while True:
+        st = os.stat(folder)
+        if st.st_uid not in (0, _euid()):
+            return f"its ancestor {folder} is owned by uid {st.st_uid}"
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return (
+                f"its ancestor {folder} (mode {stat.S_IMODE(st.st_mode):04o}) is writable "
+                "by other users, who could put another directory in its place"
+            )
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
 
 
 def ensure_dir(path: str) -> None:

@@ -125,6 +125,18 @@ def test_a_directory_of_another_uid_is_refused_through_the_owner_seam(
         library.build(d)
 
 
+def test_a_private_directory_under_a_group_writable_one_is_refused(tmp_path):
+    """Another member of the group could rename the checked directory away and put
+    their own in its place before the library is loaded from it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o775)
+    with pytest.raises(cache.UnsafeCacheError, match=r"ancestor .*shared \(mode 0775\)"):
+        cache.ensure_dir(str(shared / "kernels"))
+    os.chmod(shared, 0o1777)  # sticky, as /tmp: only an entry's owner may rename it
+    cache.ensure_dir(str(shared / "kernels2"))
+
+
 def test_a_symlinked_directory_is_refused(tmp_path):
     real = _private_dir(tmp_path, "real")
     link = tmp_path / "link"
