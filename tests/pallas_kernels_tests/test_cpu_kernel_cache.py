@@ -194,6 +194,27 @@ def test_a_trusted_library_is_loaded_without_building(tmp_path, compiles):
     assert compiles == [first]  # built once, loaded twice
 
 
+def test_a_library_swapped_in_after_the_check_is_not_the_one_loaded(
+    tmp_path, real_build, monkeypatch
+):
+    """Between the check and the load, the name is given to another library: what is
+    loaded is still the checked file (loading by the name would run the other)."""
+    path = str(tmp_path / "checked.so")
+    shutil.copyfile(real_build, path)
+    marker, evil = str(tmp_path / "their-code-ran"), str(tmp_path / "evil.so")
+    _plant(evil, marker)
+    open_checked = cache.open_checked
+
+    def check_then_swap(p):
+        fd = open_checked(p)
+        os.replace(evil, p)  # (the open descriptor keeps the checked file)
+        return fd
+
+    monkeypatch.setattr(cache, "open_checked", check_then_swap)
+    lib = library.dlopen_checked(path)
+    assert not os.path.exists(marker) and hasattr(lib, "JaxserveMatmulS8")
+
+
 def test_loads_the_checked_file_itself(tmp_path, real_build):
     """The library is loaded through the descriptor that was checked (Linux), so it
     cannot be swapped between the check and the load."""
