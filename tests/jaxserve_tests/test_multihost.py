@@ -1,15 +1,27 @@
-"""Multi-host serving with two local processes (4 fake CPU devices each, gloo
-collectives): outputs equal one device's, and a killed follower fails requests
-cleanly within the step timeout (`multihost_check.py`)."""
+"""Multi-host serving.
+
+In one process, over an in-memory key-value store: a plan's round trip, plans in
+order and the stop, and a silent peer taken for lost. With two local processes (4
+fake CPU devices each, gloo collectives): outputs equal one device's, and a
+killed follower fails requests cleanly within the step timeout
+(`multihost_check.py`).
+"""
 
 import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 
+import jax
+import numpy as np
 import pytest
 
+from jaxserve import multihost
 from jaxserve.config import ParallelConfig
+from jaxserve.runner.input_batch import SampleRow, SeqWork, build_batch, build_sampling
+from jaxserve.sampling_params import SamplingParams
 
 HERE = os.path.dirname(os.path.dirname(__file__))
 
@@ -68,3 +80,118 @@ def test_two_processes_serve_one_model_and_a_lost_follower_fails_cleanly(hf_mode
 def test_multihost_config_errors_name_the_field(kw, error):
     with pytest.raises(ValueError, match=error):
         ParallelConfig(**kw)
+
+
+class FakeStore:
+    """The coordination service's key-value store in memory: what `Heartbeat`,
+    `Leader` and `Follower` call, with its deadlines."""
+
+    def __init__(self):
+        self.values = {}
+        self.changed = threading.Condition()
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        with self.changed:
+            assert allow_overwrite or key not in self.values, key
+            self.values[key] = value
+            self.changed.notify_all()
+
+    key_value_set_bytes = key_value_set
+
+    def blocking_key_value_get(self, key, timeout_in_ms):
+        with self.changed:
+            if not self.changed.wait_for(lambda: key in self.values, timeout_in_ms / 1000):
+                raise jax.errors.JaxRuntimeError(f"DEADLINE_EXCEEDED: {key}")
+            return self.values[key]
+
+    blocking_key_value_get_bytes = blocking_key_value_get
+
+    def key_value_delete(self, key):
+        with self.changed:
+            del self.values[key]
+
+
+def _plan(vocab_size=5000, penalty=0.5):
+    """A step's plan with one row that blocks tokens and has a penalty (so `allowed`
+    and `history` each hold one row that differs from their fill)."""
+    work = [SeqWork(token_ids=[5, 6, 7], start=0, pages=[1])]
+    batch = build_batch(work, page_size=8, pages_per_seq=64, token_bucket=8, seq_bucket=4)
+    rows = [
+        SampleRow(SamplingParams(temperature=0.0), [1, 2], num_prompt=2, seed=0),
+        SampleRow(
+            SamplingParams(frequency_penalty=penalty, seed=3),
+            [4, 5, 6],
+            num_prompt=2,
+            seed=3,
+            blocked_ids=(2, 4999),
+        ),
+    ]
+    sampling = build_sampling(
+        rows, seq_bucket=4, history_len=512, max_bias=4, vocab_size=vocab_size
+    )
+    return batch, sampling
+
+
+def _arrays(*objs):
+    return [a for obj in objs for a in multihost._fields(obj).values()]
+
+
+def test_a_plan_round_trips_sending_only_what_differs_from_the_fill():
+    batch, sampling = _plan()
+    plan = multihost._encode(batch, sampling)
+    got = multihost._decode(plan)
+    for want, have in zip(_arrays(batch, sampling), _arrays(*got), strict=True):
+        assert want.dtype == have.dtype and np.array_equal(want, have)
+    full = sum(a.nbytes for a in _arrays(batch, sampling))
+    # `allowed` [4, 157] words and `history` [4, 512] ids: one row of each is sent.
+    assert len(plan) < full / 3, (len(plan), full)
+    # Without penalties the history is a [B, 1] placeholder.
+    assert multihost._decode(multihost._encode(*_plan(penalty=0.0)))[1].history.shape == (4, 1)
+
+
+def _pair(timeout):
+    store = FakeStore()
+    leader = multihost.Leader(multihost.Heartbeat(store, 0, 2, timeout))
+    follower = multihost.Follower(multihost.Heartbeat(store, 1, 2, timeout))
+    return store, leader, follower
+
+
+def test_a_follower_receives_the_plans_in_order_then_the_stop():
+    store, leader, follower = _pair(timeout=5.0)
+    first, second = _plan(), _plan(vocab_size=64)
+    leader.send(*first)
+    leader.send(*second)
+    leader.stop_followers()
+    leader.stop_followers()  # (once only: also at exit)
+    for want in (first, second):
+        assert all(map(np.array_equal, _arrays(*want), _arrays(*follower.receive())))
+    assert follower.receive() is None
+    assert not [k for k in store.values if "/plan/" in k]  # each read plan deleted
+    assert leader.lost is None
+    for side in (leader, follower):
+        side.heartbeat.stop()
+
+
+def test_a_silent_leader_is_lost_within_the_timeout():
+    _, leader, follower = _pair(timeout=0.4)
+    leader.heartbeat.stop()  # as a stopped (SIGSTOP) or dead leader: its counter stops
+    t0 = time.monotonic()
+    with pytest.raises(multihost.LeaderLostError, match=r"leader \(process 0\) sent no heartbeat"):
+        follower.receive()
+    assert time.monotonic() - t0 < 3.0
+    follower.heartbeat.stop()
+
+
+def test_a_silent_follower_is_lost_and_named_and_no_plan_goes_out():
+    store, leader, follower = _pair(timeout=0.4)
+    time.sleep(0.3)
+    assert leader.lost is None  # both beat
+    follower.heartbeat.stop()
+    deadline = time.monotonic() + 3.0
+    while leader.lost is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "follower process 1 sent no heartbeat" in str(leader.lost)
+    with pytest.raises(multihost.FollowerLostError, match="follower process 1"):
+        leader.send(*_plan())
+    assert not [k for k in store.values if "/plan/" in k]
+    leader.heartbeat.stop()
