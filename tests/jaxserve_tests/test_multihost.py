@@ -2,12 +2,14 @@
 
 In one process, over an in-memory key-value store: a plan's round trip, plans in
 order and the stop, and a silent peer taken for lost. With two local processes (4
-fake CPU devices each, gloo collectives): outputs equal one device's, and a
-killed follower fails requests cleanly within the step timeout
-(`multihost_check.py`).
+fake CPU devices each, gloo collectives): outputs equal one device's, a killed
+follower fails requests cleanly within the step timeout (`multihost_check.py`);
+and `jaxserve serve`'s lifecycle: the leader stops its followers, and either side
+exits with a message naming a peer that is stopped (SIGSTOP) or killed.
 """
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -62,6 +64,125 @@ def test_two_processes_serve_one_model_and_a_lost_follower_fails_cleanly(hf_mode
     assert leader.returncode == 0, out + "\nfollower:\n" + follower_out
     assert "TP 8: 6 outputs equal to one device" in leader.stdout, out
     assert "follower killed: request failed after" in leader.stdout, out
+
+
+STEP_TIMEOUT_S = 3.0  # `jaxserve serve`'s pairs below: a peer silent this long is lost
+EXIT_S = STEP_TIMEOUT_S + 20  # (+ detection, exit, busy cores)
+
+
+class Served:
+    """A `jaxserve serve` process of a two-process mesh, its output in a file."""
+
+    def __init__(self, args: list[str], log, env: dict):
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "server.cli.main", "serve", *args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=os.path.dirname(HERE),
+            )
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def exit_status(self, timeout: float) -> tuple[int, float]:
+        """Waits for the process to end: its status, and the seconds waited."""
+        t0 = time.monotonic()
+        try:
+            status = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout}s:\n{self.output()}") from None
+        return status, time.monotonic() - t0
+
+
+@pytest.fixture
+def served_pair(hf_model_dir, tmp_path):
+    """`jaxserve serve` as leader and follower of one mesh (TP 8 over 2 processes x 4
+    devices), the leader SERVING and the follower waiting for its steps; both are
+    killed at the end. No warm-up: nothing is compiled until a step runs."""
+    path, _ = hf_model_dir("llama2_mha")
+    common = [
+        f"--model={path}",
+        "--skip_tokenizer_init",
+        "--tensor_parallel_size=8",
+        "--num_processes=2",
+        f"--coordinator_address=127.0.0.1:{_free_port()}",
+        f"--step_timeout_s={STEP_TIMEOUT_S}",
+        "--warmup=false",
+        "--compilation_cache_dir=",
+        "--max_model_len=64",
+        "--max_num_seqs=4",
+        "--max_num_batched_tokens=32",
+        "--block_size=8",
+    ]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env["JAX_PLATFORMS"] = "cpu"
+    follower = Served([*common, "--process_id=1"], tmp_path / "follower.log", env)
+    leader_args = [*common, "--process_id=0", f"--port={_free_port()}"]
+    leader = Served(leader_args, tmp_path / "leader.log", env)
+    try:
+        deadline = time.monotonic() + 180
+        while not (
+            "SERVING" in leader.output() and "ready to run the leader's steps" in follower.output()
+        ):
+            for side in (leader, follower):
+                assert side.proc.poll() is None, side.output()
+            assert time.monotonic() < deadline, leader.output() + follower.output()
+            time.sleep(0.2)
+        yield leader, follower
+    finally:
+        for side in (leader, follower):
+            if side.proc.poll() is None:
+                side.proc.send_signal(signal.SIGCONT)
+                side.proc.kill()
+                side.proc.wait()
+
+
+@pytest.mark.sharded
+@pytest.mark.slow
+def test_serve_stops_its_followers_when_it_stops(served_pair):
+    leader, follower = served_pair
+    leader.proc.send_signal(signal.SIGTERM)
+    assert leader.exit_status(EXIT_S)[0] == 0, leader.output()
+    assert follower.exit_status(EXIT_S)[0] == 0, follower.output()
+    assert "the leader stopped; ran 0 steps" in follower.output()
+
+
+@pytest.mark.sharded
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
+def test_serve_leader_exits_naming_a_stopped_or_killed_follower(served_pair, stop):
+    leader, follower = served_pair
+    follower.proc.send_signal(stop)
+    status, waited = leader.exit_status(EXIT_S)
+    assert status == 1, leader.output()
+    assert "follower process 1 sent no heartbeat" in leader.output()
+    assert waited >= STEP_TIMEOUT_S - 1.0  # (its last beat may be up to a quarter old)
+
+
+@pytest.mark.sharded
+@pytest.mark.slow
+def test_serve_follower_exits_naming_a_stopped_leader(served_pair):
+    leader, follower = served_pair
+    leader.proc.send_signal(signal.SIGSTOP)
+    status, waited = follower.exit_status(EXIT_S)
+    assert status == 1, follower.output()
+    assert "the leader (process 0) sent no heartbeat" in follower.output()
+    assert waited >= STEP_TIMEOUT_S - 1.0
+
+
+@pytest.mark.sharded
+@pytest.mark.slow
+def test_serve_follower_ends_at_once_when_the_leader_is_killed(served_pair):
+    """JAX's coordination service, which the leader runs, ends the follower itself
+    (SIGABRT) the moment the leader dies; jaxlib has no hook to exit cleanly instead."""
+    leader, follower = served_pair
+    leader.proc.kill()
+    status, _ = follower.exit_status(EXIT_S)
+    assert status != 0, follower.output()
+    assert "another task died" in follower.output()
 
 
 @pytest.mark.parametrize(
