@@ -16,9 +16,11 @@ import sys
 import threading
 import time
 
+import grpc
 import jax
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve import multihost
 from jaxserve.config import ParallelConfig
@@ -120,13 +122,20 @@ def served_pair(hf_model_dir, tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     env["JAX_PLATFORMS"] = "cpu"
     follower = Served([*common, "--process_id=1"], tmp_path / "follower.log", env)
-    leader_args = [*common, "--process_id=0", f"--port={_free_port()}"]
-    leader = Served(leader_args, tmp_path / "leader.log", env)
+    port = _free_port()
+    leader = Served([*common, "--process_id=0", f"--port={port}"], tmp_path / "leader.log", env)
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+    def serving() -> bool:
+        try:
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+        except grpc.RpcError:  # not listening yet
+            return False
+        return status == health_pb2.HealthCheckResponse.SERVING
+
     try:
         deadline = time.monotonic() + 180
-        while not (
-            "SERVING" in leader.output() and "ready to run the leader's steps" in follower.output()
-        ):
+        while not ("ready to run the leader's steps" in follower.output() and serving()):
             for side in (leader, follower):
                 assert side.proc.poll() is None, side.output()
             assert time.monotonic() < deadline, leader.output() + follower.output()
