@@ -120,8 +120,10 @@ class Heartbeat:
         self.timeout = timeout
         self.interval = timeout / 4
         now = time.monotonic()
-        # peer -> (its counter as last read, when it last moved)
-        self._seen = {p: (None, now) for p in range(num_processes) if p != process_id}
+        # peer -> (its counter as last read, when it last moved, when last asked). A
+        # peer's silence runs between reads: a process that was itself not running
+        # (starved, stopped) does not take its peers for silent.
+        self._seen = {p: (None, now, now) for p in range(num_processes) if p != process_id}
         self.peers = list(self._seen)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -154,17 +156,19 @@ class Heartbeat:
             )
         except jax.errors.JaxRuntimeError:  # not written yet, or no answer in time
             value = None
+        now = time.monotonic()
         with self._lock:
-            last, since = self._seen[peer]
+            last, moved, _ = self._seen[peer]
             if value is not None and value != last:
-                since = time.monotonic()
-                self._seen[peer] = (value, since)
-        return time.monotonic() - since
+                last, moved = value, now
+            self._seen[peer] = (last, moved, now)
+        return now - moved
 
     def silent_for(self, peer: int) -> float:
-        """How long `peer`'s counter has not moved, as last observed."""
+        """How long `peer`'s counter had not moved when last read."""
         with self._lock:
-            return time.monotonic() - self._seen[peer][1]
+            _, moved, asked = self._seen[peer]
+            return asked - moved
 
 
 class Leader:

@@ -312,6 +312,17 @@ def test_a_silent_leader_is_lost_within_the_timeout():
     follower.heartbeat.stop()
 
 
+def test_silence_runs_between_reads_so_a_starved_reader_takes_no_peer_for_lost():
+    store = FakeStore()
+    heartbeat = multihost.Heartbeat(store, 1, 2, timeout=0.2)  # (a follower's: reads on demand)
+    store.key_value_set("jaxserve/beat/0", "1", True)
+    assert heartbeat.observe(0, wait_s=0.01) < 0.1
+    time.sleep(0.5)  # this process does not run (starved, or stopped itself)
+    assert heartbeat.silent_for(0) < 0.1
+    assert heartbeat.observe(0, wait_s=0.01) >= 0.5  # asked now: the counter has not moved
+    heartbeat.stop()
+
+
 def test_a_silent_follower_is_lost_and_named_and_no_plan_goes_out():
     store, leader, follower = _pair(timeout=0.4)
     time.sleep(0.3)
