@@ -192,7 +192,8 @@ class ParallelConfig:
     coordinator_address: str | None = None  # host:port of process 0's coordinator
     num_processes: int = 1
     process_id: int = 0
-    step_timeout_s: float = 60.0  # a step the followers do not join in time: fail
+    # A peer process silent this long (no heartbeat), or a step not completed in it: lost
+    step_timeout_s: float = 60.0
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "data_parallel_size", "num_processes"):

@@ -134,12 +134,16 @@ class LLM:
         if compilation_cache_dir and compiled is None:
             use_compilation_cache(compilation_cache_dir)
         parallel = self.config.parallel
-        multihost.initialize(parallel)  # before anything touches a device
-        self.follower = None
+        heartbeat = multihost.initialize(parallel)  # before anything touches a device
+        self.follower = self.leader = None
         if parallel.process_id != 0:  # a follower: its shards and programs, no engine
-            self.tokenizer = self.engine = self.leader = None
-            self.follower = multihost.follower_runner(self.config)
+            self.tokenizer = self.engine = None
+            self.follower = multihost.Follower(heartbeat)
+            self._follower_runner = multihost.follower_runner(self.config, self.follower)
             return
+        # Multi-host: each step's plan goes to the followers first.
+        if heartbeat is not None:
+            self.leader = multihost.Leader(heartbeat)
         tokenizer_dir = None if skip_tokenizer_init else resolve_model_dir(tokenizer or model_dir)
         self.tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
         if self.config.parallel.data_parallel_size > 1:
@@ -150,14 +154,16 @@ class LLM:
                 )
             # Replicas behind a router, each with its engine thread (jaxserve.data_parallel).
             self.engine = data_parallel_engine(self.config, self.tokenizer, tokenizer_dir)
+        elif self.leader is not None:
+            self.engine = LLMEngine(
+                self.config,
+                self.tokenizer,
+                mesh,
+                plan_sink=self.leader.send,
+                step_wait=self.leader.wait,
+            )
         else:
             self.engine = LLMEngine(self.config, self.tokenizer, mesh)
-        # Multi-host: each step's plan goes to the followers first.
-        self.leader = (
-            multihost.Leader(self.engine.runner, self.config)
-            if parallel.num_processes > 1
-            else None
-        )
         self._ids = itertools.count()
 
     def close(self) -> None:
@@ -194,13 +200,16 @@ class LLM:
 
     def follow(self) -> int:
         """A follower process (process_id > 0): runs the leader's steps until the
-        leader stops (`LLM.stop_followers` there); returns the steps run."""
+        leader stops (`LLM.stop_followers` there, or its interpreter exits); returns
+        the steps run. Raises `multihost.LeaderLostError` if the leader is dead or
+        stalled for `step_timeout_s`."""
         if self.follower is None:
             raise ValueError("follow() is for followers (process_id > 0)")
-        return multihost.run_follower(self.follower)
+        return self.follower.run(self._follower_runner)
 
     def stop_followers(self) -> None:
-        """The leader of a multi-host engine: let the followers' `follow()` return."""
+        """The leader of a multi-host engine: let the followers' `follow()` return
+        once they have run the steps sent before (done at exit if not called)."""
         if self.leader is not None:
             self.leader.stop_followers()
 

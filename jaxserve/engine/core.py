@@ -37,6 +37,7 @@ from jaxserve.kv.transfer import KVLayout
 from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.request_state import RequestState
 from jaxserve.runner import bundle
+from jaxserve.runner.input_batch import HostBatch, SamplingMetadata
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.scheduler import Scheduler
 from jaxserve.sequence import SequenceState, Status
@@ -54,11 +55,14 @@ class LLMEngine:
         mesh: Mesh | None = None,
         runner: ModelRunner | None = None,
         target: Target | None = None,
+        plan_sink: Callable[[HostBatch, SamplingMetadata], None] | None = None,
+        step_wait: Callable[[object], None] | None = None,
     ):
         """`runner` replaces the model runner (tests drive the engine with a mock).
         `target`: build for a TPU or GPU that is not here (`jaxserve.targets`): warm-up
         compiles every step program for its compile-only devices (`compiled`), and
-        the engine runs nothing (`jaxserve preflight`)."""
+        the engine runs nothing (`jaxserve preflight`). `plan_sink` and `step_wait`:
+        the multi-host leader's (`jaxserve.multihost.Leader`), for the runner."""
         if target is not None and config.compiled_dir:
             raise ValueError(
                 f"compiled={config.compiled_dir!r}: a bundle is loaded onto this machine's "
@@ -69,7 +73,11 @@ class LLMEngine:
         self.closed = False
         # (JAX's persistent compilation cache is process-wide: the edges set it, the
         # command line and `LLM(compilation_cache_dir=...)`, never an engine.)
-        self.runner = runner if runner is not None else ModelRunner(config, mesh, target=target)
+        if runner is None:
+            runner = ModelRunner(
+                config, mesh, target=target, plan_sink=plan_sink, step_wait=step_wait
+            )
+        self.runner = runner
         config = self.config = self.runner.config  # (the target's attention backend)
         spec = config.speculative
         self._wire_kv(config)

@@ -90,10 +90,21 @@ class ModelRunner:
     """Runs steps of ragged batches against one pre-allocated paged KV cache."""
 
     def __init__(
-        self, config: EngineConfig, mesh: Mesh | None = None, *, target: Target | None = None
+        self,
+        config: EngineConfig,
+        mesh: Mesh | None = None,
+        *,
+        target: Target | None = None,
+        plan_sink: Callable[[HostBatch, SamplingMetadata], None] | None = None,
+        step_wait: Callable[[object], None] | None = None,
     ):
         """`mesh`: the devices to serve on (a data-parallel replica's slice); by default
         `config.parallel.tensor_parallel_size` devices, the first ones.
+
+        Multi-host (`jaxserve.multihost`): `plan_sink(batch, sampling)` (the leader's)
+        gets each step's plan before the step runs, so that the followers run it too;
+        `step_wait(arrays)` waits until a step's results are computed, within a bound,
+        and raises if a peer process is lost (a step it never joins never completes).
 
         `target`: compile for a target that is not here (`jaxserve.targets`: a TPU or
         GPU from this CPU host) on its compile-only devices. The weights and KV caches
@@ -208,10 +219,8 @@ class ModelRunner:
                 mesh=mesh,
                 compile_only=self.compile_device,
             )
-        # Multi-host (`jaxserve.multihost.Leader`): each plan goes to the followers
-        # before its step, and a step must complete within `fetch_timeout` seconds.
-        self.plan_sink: Callable[[HostBatch, SamplingMetadata], None] | None = None
-        self.fetch_timeout: float | None = None
+        self._plan_sink = plan_sink
+        self._step_wait = step_wait
         self.warmed_up = False
         self.warmup_seconds = 0.0
         m, page = config.model, config.cache.page_size
@@ -349,9 +358,9 @@ class ModelRunner:
         dispatched, so that the host fills grammar bitmasks while the device runs.
         """
         before = self.compiles.count
-        if self.plan_sink is not None:  # multi-host leader: the followers run it too
+        if self._plan_sink is not None:  # multi-host leader: the followers run it too
             sampling = sampling() if callable(sampling) else sampling
-            self.plan_sink(batch, sampling)
+            self._plan_sink(batch, sampling)
         prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
         selected, hidden = self._forward(batch, prev_tokens)
         if callable(sampling):
@@ -377,12 +386,10 @@ class ModelRunner:
 
         Only the sampled ids and logprobs cross back to the host (they are replicated:
         on a mesh over several processes, each reads its own copy). With a
-        `fetch_timeout` (multi-host), a step that does not complete in time raises.
+        `step_wait` (multi-host), a step that does not complete in time raises.
         """
-        if self.fetch_timeout is not None:
-            from jaxserve.multihost import wait_ready
-
-            wait_ready((pending.out, pending.prompt_lp), self.fetch_timeout)
+        if self._step_wait is not None:
+            self._step_wait((pending.out, pending.prompt_lp))
         return jax.tree.map(_to_host, (pending.out, pending.prompt_lp))
 
     def execute_and_sample(self, batch: HostBatch, sampling: SamplingMetadata):

@@ -86,7 +86,8 @@ flags.DEFINE_integer(
 flags.DEFINE_float(
     "step_timeout_s",
     60.0,
-    "Multi-host: a step the followers do not join in time fails; Ray replicas: one that "
+    "Multi-host: a peer process that sends no heartbeat, or a step not completed, for "
+    "this long is lost (the processes exit naming it); Ray replicas: one that "
     "does not answer a health check in time, or whose engine shows no progress that long "
     "(its loop does not come round and its process does not compute), fails.",
 )

@@ -19,14 +19,17 @@ loads no model. Data-parallel replicas do not transfer KV pages: `prefill` and
 `decode` over them are refused at start-up.
 
 Multi-host (`--num_processes=N --process_id=I --coordinator_address=HOST:PORT`, the
-same command on every host): process 0 serves; the others only run its steps.
+same command on every host): process 0 serves; the others only run its steps. When
+process 0 stops it stops the others (they exit with status 0); a process that finds
+a peer dead or stalled for --step_timeout_s exits at once with status 1, naming it
+(`jaxserve.multihost`). A follower ends at once on SIGTERM.
 
 SIGTERM (or Ctrl-C) drains: the server reports NOT_SERVING (HTTP /health: 503),
 refuses new calls (HTTP: 503) and lets running ones finish for --drain_grace_s
-seconds before it exits. If the model
-fails to load (bad directory or config, out of memory at warm-up), the error is
-logged with its cause and the process exits with status 1, so a supervisor sees it
-and restarts it.
+seconds before it exits; while the model is still loading, it exits at once. If the
+model fails to load (bad directory or config, out of memory at warm-up), the error
+is logged with its cause and the process exits with status 1, so a supervisor sees
+it and restarts it.
 """
 
 from __future__ import annotations
@@ -35,10 +38,13 @@ import asyncio
 import logging
 import os
 import signal
+import sys
+from typing import NoReturn
 
 from absl import flags
 
 from jaxserve.llm import LLM, resolve_model_dir
+from jaxserve.multihost import FollowerLostError, Leader, LeaderLostError
 from server import reasoning_parsers, tool_parsers
 from server.cli.engine_flags import engine_kwargs
 
@@ -108,9 +114,23 @@ def main(argv) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
     try:
-        asyncio.run(_serve())
+        if FLAGS.process_id > 0 and FLAGS.role != "router":
+            _follow()
+        else:
+            asyncio.run(_serve())
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"jaxserve serve: {e}") from None
+
+
+def _exit_now(status: int, message: str) -> NoReturn:
+    """Logs `message` and ends the process at once. A normal exit would wait: for
+    a model load, which cannot be interrupted, to finish in its thread; with a lost
+    multi-host peer, at the distributed runtime's shutdown barrier for that peer."""
+    logging.log(logging.ERROR if status else logging.INFO, "%s", message)
+    logging.shutdown()  # flushes the handlers
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _options(role: str = "both"):
@@ -164,17 +184,11 @@ async def _serve() -> None:
         raise ValueError(
             f"--prefill_targets/--decode_targets are for --role=router, not {FLAGS.role}"
         )
-    model_dir = resolve_model_dir(FLAGS.model)
-    kwargs = engine_kwargs()
-    if FLAGS.role == "decode" and not kwargs["kv_offload_bytes"]:
-        kwargs["kv_offload_bytes"] = DECODE_TIER_BYTES  # where pushed pages land
-    if kwargs["process_id"] > 0:  # a multi-host follower: runs the leader's steps, no server
-        llm = await asyncio.to_thread(LLM, model_dir, **kwargs)
-        steps = await asyncio.to_thread(llm.follow)
-        logging.info("the leader stopped; ran %d steps", steps)
-        return
+    model_dir, kwargs = _engine_args()
+    llm = None
 
     def make_engine():
+        nonlocal llm
         llm = LLM(model_dir, **kwargs)
         return llm.engine, llm.tokenizer
 
@@ -190,15 +204,57 @@ async def _serve() -> None:
     load = asyncio.create_task(server.load())
     stop = asyncio.create_task(stopping.wait())
     await asyncio.wait({load, stop}, return_when=asyncio.FIRST_COMPLETED)
-    if load.done() and not load.cancelled() and load.exception() is not None:
+    if not load.done():  # a signal while the model loads
+        await server.stop(grace=0)
+        _exit_now(0, "stopped before the model finished loading")
+    if load.exception() is not None:
         error = load.exception()
         logging.error("loading the model failed", exc_info=error)
         stop.cancel()
         await server.stop(grace=0)
         raise SystemExit(f"jaxserve serve: loading the model failed: {error!r}")
+    leader = llm.leader  # multi-host: the followers' side of every step
+    if leader is not None:
+        lost = asyncio.create_task(_until_lost(leader))
+        await asyncio.wait({stop, lost}, return_when=asyncio.FIRST_COMPLETED)
+        if lost.done():
+            await server.stop(grace=0)
+            _exit_now(1, f"jaxserve serve: {lost.result()}")
+        lost.cancel()
     await stop
     logging.info("draining for up to %.0fs", options.drain_grace_s)
-    if not load.done():
-        load.cancel()
     await server.stop()
+    if leader is not None:
+        if leader.lost is not None:
+            _exit_now(1, f"jaxserve serve: {leader.lost}")
+        leader.stop_followers()  # they exit once they have run the steps sent
     logging.info("stopped")
+
+
+def _engine_args() -> tuple[str, dict]:
+    """The model directory and the `LLM` arguments, from the flags."""
+    model_dir = resolve_model_dir(FLAGS.model)
+    kwargs = engine_kwargs()
+    if FLAGS.role == "decode" and not kwargs["kv_offload_bytes"]:
+        kwargs["kv_offload_bytes"] = DECODE_TIER_BYTES  # where pushed pages land
+    return model_dir, kwargs
+
+
+def _follow() -> None:
+    """A multi-host follower: loads its shards, then runs the leader's steps until the
+    leader stops them (exit 0) or is lost (exit 1, naming it). No server, nothing to
+    drain: SIGTERM keeps its default action and ends the process."""
+    model_dir, kwargs = _engine_args()
+    llm = LLM(model_dir, **kwargs)
+    try:
+        steps = llm.follow()
+    except LeaderLostError as e:
+        _exit_now(1, f"jaxserve serve: {e}")
+    logging.info("the leader stopped; ran %d steps", steps)
+
+
+async def _until_lost(leader: Leader) -> FollowerLostError:
+    """Returns once the multi-host leader has lost a follower."""
+    while leader.lost is None:
+        await asyncio.sleep(0.5)
+    return leader.lost

@@ -56,8 +56,6 @@ DEFERRED = {
     # does too, and closes no cycle while jaxserve's is deferred.)
     ("jaxserve", "jaxserve.llm"): "jaxserve.LLM",
     ("models", "models.registry"): "models.get_model_class and the registry",
-    # The multi-host fetch timeout; issue 29 breaks this cycle by passing it in.
-    ("jaxserve.runner.model_runner", "jaxserve.multihost"): "ModelRunner.fetch: wait_ready",
 }
 JAXSERVE_MODULES = sorted(m.name for m in pkgutil.walk_packages(jaxserve.__path__, "jaxserve."))
 HOST_MODULES = [m for m in JAXSERVE_MODULES if m not in DEVICE_SIDE] + ["models.config"]

@@ -130,3 +130,40 @@ def test_a_model_that_fails_to_load_exits_with_its_cause(tmp_path):
     assert proc.returncode == 1
     assert "loading the model failed" in proc.stderr
     assert "num_attention_heads" in proc.stderr  # the cause: config.json lacks it
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_model_loads_ends_the_server_at_once(tiny_model_dir):
+    """Loading used to run to its end first. Here it cannot end: a multi-host leader
+    waits in jax.distributed.initialize for a follower that never comes (for 5
+    minutes)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli.main", "serve", f"--model={tiny_model_dir}"]
+        + [f"--port={port}", "--compilation_cache_dir=", "--num_processes=2"]
+        + [f"--coordinator_address=127.0.0.1:{free_port()}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        deadline = time.monotonic() + 120
+        while True:  # the port answers NOT_SERVING while the model loads
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                break
+            except grpc.RpcError:
+                time.sleep(0.2)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        time.sleep(1.0)  # (well into the load)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(20) == 0
+        except subprocess.TimeoutExpired:
+            raise AssertionError("still loading 20s after SIGTERM") from None
+        assert "stopped before the model finished loading" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
