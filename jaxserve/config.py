@@ -176,13 +176,13 @@ class ParallelConfig:
     """How many devices one engine spans (`tensor_parallel_size`, over the mesh's
     'model' axis) and how many engine replicas serve side by side, each on its own
     `tensor_parallel_size` devices (`data_parallel_size`, routed by
-    `jaxserve.data_parallel`)."""
+    `jaxserve.distributed.data_parallel`)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     # Where the replicas run: "local" (this process, each on its slice of this host's
     # devices) or "ray" (each in its own Ray actor, on the machines of a Ray cluster:
-    # `jaxserve.ray_replicas`), joining the cluster at `ray_address` ("auto": the one
+    # `jaxserve.distributed.ray_replicas`), joining the cluster at `ray_address` ("auto": the one
     # running on this machine or named by RAY_ADDRESS; None: a new cluster of this
     # machine alone).
     data_parallel_backend: str = "local"
@@ -459,7 +459,7 @@ class EngineConfig:
         `per_device`: the share of one device of the tensor-parallel group. A model's
         KV heads split over the group where its size divides them; fewer heads (or
         a count it does not divide) are replicated on every device
-        (`jaxserve.parallel.kv_cache_sharding`)."""
+        (`jaxserve.distributed.meshes.kv_cache_sharding`)."""
         models = [self.model]
         if self.speculative is not None and self.speculative.draft is not None:
             models.append(self.speculative.draft)

@@ -9,10 +9,10 @@ from collections.abc import Mapping, Sequence
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from jaxserve import multihost
 from jaxserve.assets import DEFAULT_MODEL, EMBEDDED_MODELS
 from jaxserve.config import ModelConfig, engine_config
-from jaxserve.data_parallel import DataParallelEngine, data_parallel_engine, stream_all
+from jaxserve.distributed import multihost
+from jaxserve.distributed.data_parallel import DataParallelEngine, data_parallel_engine, stream_all
 from jaxserve.engine import LLMEngine
 from jaxserve.engine.startup import use_compilation_cache
 from jaxserve.generate_request import GenerateRequest
@@ -152,7 +152,7 @@ class LLM:
                     "mesh= is one engine's devices; with data_parallel_size="
                     f"{self.config.parallel.data_parallel_size} each replica takes its own slice"
                 )
-            # Replicas behind a router, each with its engine thread (jaxserve.data_parallel).
+            # Replicas behind a router, each with its engine thread (distributed/data_parallel.py).
             self.engine = data_parallel_engine(self.config, self.tokenizer, tokenizer_dir)
         elif self.leader is not None:
             self.engine = LLMEngine(

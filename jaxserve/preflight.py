@@ -268,12 +268,12 @@ def min_decode_bytes(runner, batch: int, drafts: int = 0) -> float:
 def _weights_read(state, m, rows: int) -> float:
     """Bytes per device of the weights a step over `rows` token rows reads: all but
     an untied embedding table's other rows and the experts no row can reach."""
-    from jaxserve import parallel
+    from jaxserve.distributed import meshes
 
     read = 0.0
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
         name = jax.tree_util.keystr(path)
-        size = parallel.total_bytes(leaf, per_device=True)
+        size = meshes.total_bytes(leaf, per_device=True)
         if "embed_tokens" in name and not m.tie_word_embeddings:
             size *= min(rows, m.vocab_size) / m.vocab_size
         elif "experts" in name and m.moe is not None:
@@ -304,13 +304,13 @@ def kernel_cost(runner, token_bucket: int) -> tuple[float, float]:
     program for `token_bucket` declare (`pl.CostEstimate`), summed over the traced
     step: the figures XLA:GPU's analysis cannot see (JAX's Triton lowering drops them;
     Mosaic's custom calls carry them into XLA:TPU's)."""
-    from jaxserve import parallel
+    from jaxserve.distributed import meshes
     from jaxserve.runner.model_runner import abstract_tree
     from jaxserve.runner.step import StepInput
     from jaxserve.targets import compiling_for
 
     batch = abstract_tree(StepInput.from_host(runner.build([], token_bucket=token_bucket)))
-    with parallel.on_mesh(runner.mesh), compiling_for(runner.compile_device):
+    with meshes.on_mesh(runner.mesh), compiling_for(runner.compile_device):
         traced = runner.programs.forward.trace(
             runner.model_def, runner.weights, runner.kv_caches, batch
         )
@@ -319,12 +319,12 @@ def kernel_cost(runner, token_bucket: int) -> tuple[float, float]:
 
 def propose_kernel_cost(runner) -> tuple[float, float]:
     """`kernel_cost` of the draft model's proposer: its k steps' kernels."""
-    from jaxserve import parallel
+    from jaxserve.distributed import meshes
     from jaxserve.runner.model_runner import abstract_tree
     from jaxserve.targets import compiling_for
 
     drafter = runner.drafter
-    with parallel.on_mesh(drafter.mesh), compiling_for(runner.compile_device):
+    with meshes.on_mesh(drafter.mesh), compiling_for(runner.compile_device):
         traced = drafter.propose_step.trace(*drafter.propose_args(abstract_tree))
     return _traced_kernel_cost(traced)
 

@@ -3,7 +3,7 @@ rotary embeddings, linears and their int8 variants, soft-capping (the MoE MLP is
 in `models.moe`).
 
 Parameters carry logical axis names (the `out_sharding` metadata; eager
-sharding off); the engine maps them to mesh axes (`jaxserve.parallel`), so a
+sharding off); the engine maps them to mesh axes (`jaxserve.distributed.meshes`), so a
 model never names a mesh:
   vocab, embed (model dim D), q_heads (N * H), kv_heads (K * H), mlp, norm,
   expert (E, the stacked experts of an MoE layer).

@@ -23,7 +23,7 @@ per token with the router's weights. Two grouped matmuls, the same contract:
 hold both to, and the benchmark's baseline. "auto" picks "tiles" on the CPU and
 "ragged_dot" elsewhere, when the layer is traced.
 
-Expert parallelism: `jaxserve.parallel` shards the stacked experts over the
+Expert parallelism: `jaxserve.distributed.meshes` shards the stacked experts over the
 mesh's 'model' axis (E / n experts a device). When the step is traced under that
 mesh (`jax.set_mesh`), the grouped computation runs in a `shard_map` over
 'model': every device routes and sorts all tokens (they are replicated there, as
@@ -204,7 +204,7 @@ def moe_dense(
     return jnp.einsum("ted,te->td", y, combine).astype(x.dtype)
 
 
-# The mesh axis `jaxserve.parallel` shards the experts over (its rule for "expert").
+# The mesh axis `jaxserve.distributed.meshes` shards the experts over (its rule for "expert").
 EXPERT_AXIS = "model"
 
 MOE_IMPLS = {

@@ -36,7 +36,7 @@ from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.quantization import QuantizedKV, quantize_kv
 from pallas_kernels.tpu_block_sizes import TpuBlockSizes
 
-# The mesh axis attention heads are sharded over: `jaxserve.parallel` maps the
+# The mesh axis attention heads are sharded over: `jaxserve.distributed.meshes` maps the
 # models' q_heads / kv_heads logical axes to it.
 HEAD_AXIS = "model"
 
@@ -76,7 +76,7 @@ class AttentionBackend:
         kernel, so each device calls it on its own heads, the KV cache sharded by KV
         head like the k/v projections. Where the axis does not divide the KV heads
         (e.g. 2 KV heads on 4 devices), the cache is replicated
-        (`jaxserve.parallel.kv_cache_sharding`) and every device writes and attends
+        (`jaxserve.distributed.meshes.kv_cache_sharding`) and every device writes and attends
         all heads: replicated attention, no collective inside.
         """
         kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)

@@ -268,7 +268,7 @@ class JaxServeServer:
         """Builds (and warms up) the engine off the event loop, then serves. Raises
         ValueError (the front shut down again) if the front cannot serve the role."""
         engine, tokenizer = await asyncio.to_thread(self._make_engine)
-        # Data-parallel replicas come with their own front (jaxserve.data_parallel).
+        # Data-parallel replicas come with their own front (jaxserve.distributed.data_parallel).
         front = AsyncLLMEngine(engine) if isinstance(engine, LLMEngine) else engine
         try:
             disagg.check_role(front, self.options.role)

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from engine_utils import SMALL_LLM_IDS
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.distributed.data_parallel import DataParallelEngine
 from jaxserve.generate_request import GenerateRequest
 from server.prometheus import ServerMetrics
 from server.serving import stream

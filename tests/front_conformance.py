@@ -3,9 +3,9 @@ the config in pyproject.toml; CI runs `mypy`). A front that drops or changes a
 method of the protocol fails the check here, before a server meets it."""
 
 from jaxserve.async_engine import AsyncLLMEngine
-from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.distributed.data_parallel import DataParallelEngine
+from jaxserve.distributed.ray_replicas import RayReplica
 from jaxserve.front import EngineFront
-from jaxserve.ray_replicas import RayReplica
 
 
 def fronts(

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve import parallel
+from jaxserve.distributed import meshes
 from pallas_kernels import AttentionMetadata, get_backend
 from pallas_kernels.quantization import QuantizedKV, zeros_kv
 
@@ -26,7 +26,7 @@ md = AttentionMetadata(
     cu_q_lens=np.array([0, 4, 5, 5], np.int32),
     num_seqs=np.array([2], np.int32),
 )
-mesh = parallel.make_mesh(data=1, model=2, devices=jax.devices()[:2])
+mesh = meshes.make_mesh(data=1, model=2, devices=jax.devices()[:2])
 outs = []
 for name, shards in (("reference", 1), ("pallas_tpu_interpret", 2)):
     backend = get_backend(name)
@@ -37,7 +37,7 @@ for name, shards in (("reference", 1), ("pallas_tpu_interpret", 2)):
     if shards == 1:
         out, cache = fn(queries, keys, values, cache, md)
     else:
-        sh = parallel.kv_cache_shardings(mesh, k, kv_dtype, len(layout.scales_shape(1)))
+        sh = meshes.kv_cache_shardings(mesh, k, kv_dtype, len(layout.scales_shape(1)))
         cache = jax.device_put(cache, sh)
         assert jax.tree.leaves(cache)[0].sharding.spec == P(None, None, "model")
         with jax.set_mesh(mesh):

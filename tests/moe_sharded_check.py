@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax
 from engine_utils import engine_config
 
-from jaxserve import parallel
-from jaxserve.parallel import make_mesh
+from jaxserve.distributed import meshes
+from jaxserve.distributed.meshes import make_mesh
 from jaxserve.runner.input_batch import SeqWork
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.step import StepInput, forward
@@ -44,7 +44,7 @@ def check_layer(mesh, num_experts: int, impl: str) -> None:
 
     want = np.asarray(jax.jit(layer)(x, ids, w, state))
     # By expert where 'model' divides E; else by the experts' hidden dimension.
-    sharded = jax.device_put(state, parallel.state_shardings(state, mesh))
+    sharded = jax.device_put(state, meshes.state_shardings(state, mesh))
     divisible = num_experts % mesh.shape["model"] == 0
     with jax.set_mesh(mesh):
         jaxpr = str(jax.make_jaxpr(layer)(x, ids, w, sharded))
@@ -75,7 +75,7 @@ def check_model(model_dir: str, mesh) -> None:
     spec = next(iter(experts.values()))[...].sharding.spec
     print("experts sharded as", spec)
     assert spec[0] == "model", spec
-    # The runner traces its steps under its mesh: the experts run expert-parallel.
+    # The runner traces its steps under its mesh: the experts run expert-meshes.
     batch = runner.build(work, all_logits=True)
     with runner._on_mesh():  # the context every step of the runner is traced in
         text = forward.lower(

@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from engine_utils import engine_config, prompt_logits
 
-from jaxserve import parallel
 from jaxserve.checkpoint import load_model
+from jaxserve.distributed import meshes
 from jaxserve.runner.model_runner import ModelRunner
 
 
@@ -45,7 +45,7 @@ def main(hf_dir: str, orbax_dir: str) -> None:
     config = engine_config(orbax_dir).model
     read = {}
     for tp in (1, 4, 8):
-        mesh = parallel.engine_mesh(tp)
+        mesh = meshes.engine_mesh(tp)
         before = bytes_read()
         model = load_model(orbax_dir, config, mesh=mesh)
         jax.block_until_ready(jax.tree.leaves(model))

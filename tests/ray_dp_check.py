@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from dp_check import BASE, outputs, workload
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.distributed.data_parallel import DataParallelEngine
+from jaxserve.distributed.ray_replicas import HEALTH_INTERVAL_S
 from jaxserve.front import EngineDeadError
 from jaxserve.generate_request import GenerateRequest
-from jaxserve.ray_replicas import HEALTH_INTERVAL_S
 
 # Long enough that a healthy replica's loop comes round on a loaded 2-core machine (4 s
 # failed twice there, with the test run and a compile beside it); short enough to wait.

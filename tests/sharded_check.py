@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from engine_utils import engine_config
 
-from jaxserve.parallel import make_mesh
+from jaxserve.distributed.meshes import make_mesh
 from jaxserve.runner.input_batch import SeqWork
 from jaxserve.runner.model_runner import ModelRunner
 

@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 
 from jaxserve.checkpoint.hf import abstract_model, load_hf_model, save_weights
 from jaxserve.checkpoint.orbax_io import convert, is_orbax_dir, restore
-from jaxserve.parallel import abstract_state, state_shardings
+from jaxserve.distributed.meshes import abstract_state, state_shardings
 from models.config import ModelConfig
 from models.layers import quantize_weights
 

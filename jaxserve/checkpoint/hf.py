@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from jaxserve import parallel
+from jaxserve.distributed import meshes
 from models import get_model_class
 from models.config import ModelConfig
 from models.layers import quantize_weights
@@ -115,7 +115,7 @@ def load_hf_model(
     graphdef, abstract = nnx.split(
         abstract_model(config, dtype=dtype, attention_backend=attention_backend)
     )
-    shardings = parallel.state_shardings(abstract, mesh) if mesh is not None else None
+    shardings = meshes.state_shardings(abstract, mesh) if mesh is not None else None
     files = _tensor_files(model_dir)
     used: set[str] = set()
 

@@ -29,8 +29,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve import parallel
 from jaxserve.checkpoint.hf import _path_of, abstract_model, load_hf_model
+from jaxserve.distributed import meshes
 from models.config import STORED_QUANTIZATIONS, ModelConfig, normalize_dtype
 from models.layers import quantize_weights
 
@@ -183,7 +183,7 @@ def restore(
         targets = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             abstract,
-            parallel.state_shardings(abstract, mesh),
+            meshes.state_shardings(abstract, mesh),
         )
     flat = _flat_params(targets)
     path = os.path.abspath(os.path.join(model_dir, ARRAYS_DIR))

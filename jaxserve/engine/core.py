@@ -62,7 +62,7 @@ class LLMEngine:
         `target`: build for a TPU or GPU that is not here (`jaxserve.targets`): warm-up
         compiles every step program for its compile-only devices (`compiled`), and
         the engine runs nothing (`jaxserve preflight`). `plan_sink` and `step_wait`:
-        the multi-host leader's (`jaxserve.multihost.Leader`), for the runner."""
+        the multi-host leader's (`jaxserve.distributed.multihost.Leader`), for the runner."""
         if target is not None and config.compiled_dir:
             raise ValueError(
                 f"compiled={config.compiled_dir!r}: a bundle is loaded onto this machine's "

@@ -35,9 +35,9 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve import parallel
 from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
+from jaxserve.distributed import meshes
 from jaxserve.runner import bundle
 from jaxserve.runner.input_batch import SeqWork, StepShapes, build_batch, pick_bucket
 from jaxserve.runner.sampler import argmax
@@ -168,9 +168,9 @@ class DraftRunner:
         self.mesh = mesh
         self.model_def, self.weights = ModelDef.split(model)
         layout = config.cache_layout(
-            draft_config, parallel.kv_shards(mesh, draft_config.num_kv_heads)
+            draft_config, meshes.kv_shards(mesh, draft_config.num_kv_heads)
         )
-        make_kv = parallel.zeros_kv if compile_only is None else parallel.abstract_kv
+        make_kv = meshes.zeros_kv if compile_only is None else meshes.abstract_kv
         where = (mesh,) if compile_only is None else (mesh, compile_only)
         self.kv_caches = make_kv(
             *where, draft_config.num_layers, layout, num_pages, config.kv_dtype
@@ -183,8 +183,8 @@ class DraftRunner:
             spec.model,
             draft_config.architecture,
             draft_config.num_layers,
-            parallel.total_bytes(self.weights) / 2**20,
-            parallel.total_bytes(self.kv_caches) / 2**20,
+            meshes.total_bytes(self.weights) / 2**20,
+            meshes.total_bytes(self.kv_caches) / 2**20,
         )
         self.warmed_up = False
 
@@ -206,7 +206,7 @@ class DraftRunner:
             last[i], position[i], steps[i] = seq.token_ids[-1], seq.num_tokens - 1, n
             page_indices[i, : len(seq.pages)] = seq.pages
         inp = ProposeInput(last, position, steps, page_indices, np.array([len(wanted)], np.int32))
-        with parallel.on_mesh(self.mesh):
+        with meshes.on_mesh(self.mesh):
             out, self.kv_caches = self.propose_step(
                 self.model_def, self.weights, self.kv_caches, inp, self.k
             )
@@ -239,7 +239,7 @@ class DraftRunner:
                 seq_bucket=self.shapes.max_seqs,
                 num_rows=self.shapes.max_rows,
             )
-            with parallel.on_mesh(self.mesh):
+            with meshes.on_mesh(self.mesh):
                 _, _, self.kv_caches = self.programs.forward(
                     self.model_def, self.weights, self.kv_caches, StepInput.from_host(batch)
                 )
@@ -266,7 +266,7 @@ class DraftRunner:
     def lower_all(self, abstract) -> list[tuple[str, jax.stages.Lowered]]:
         """The draft's programs, lowered from abstract shapes (`abstract(tree)` turns
         numpy arrays into ShapeDtypeStructs): a forward per token bucket, the proposer."""
-        with parallel.on_mesh(self.mesh):
+        with meshes.on_mesh(self.mesh):
             return self._lower_all(abstract)
 
     def _lower_all(self, abstract) -> list[tuple[str, jax.stages.Lowered]]:

@@ -16,9 +16,9 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from jaxserve import parallel
 from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
+from jaxserve.distributed import meshes
 from jaxserve.kv.transfer import KVLayout
 from jaxserve.runner import bundle, kv_io
 from jaxserve.runner.draft import DraftRunner, load_draft
@@ -101,7 +101,7 @@ class ModelRunner:
         """`mesh`: the devices to serve on (a data-parallel replica's slice); by default
         `config.parallel.tensor_parallel_size` devices, the first ones.
 
-        Multi-host (`jaxserve.multihost`): `plan_sink(batch, sampling)` (the leader's)
+        Multi-host (`jaxserve.distributed.multihost`): `plan_sink(batch, sampling)` (the leader's)
         gets each step's plan before the step runs, so that the followers run it too;
         `step_wait(arrays)` waits until a step's results are computed, within a bound,
         and raises if a peer process is lost (a step it never joins never completes).
@@ -117,10 +117,10 @@ class ModelRunner:
             backend = resolve_backend_name(config.attention_backend, target.platform)
             config = dataclasses.replace(config, attention_backend=backend)
             devices = target.devices()
-            mesh = parallel.engine_mesh(config.parallel.tensor_parallel_size, devices)
+            mesh = meshes.engine_mesh(config.parallel.tensor_parallel_size, devices)
             self.compile_device = devices[0]
         elif mesh is None:
-            mesh = parallel.engine_mesh(config.parallel.tensor_parallel_size)
+            mesh = meshes.engine_mesh(config.parallel.tensor_parallel_size)
         self.config = config
         self.mesh = mesh
         check_kv_dtype(config.attention_backend, config.kv_dtype, self.compile_device)
@@ -162,13 +162,13 @@ class ModelRunner:
         spec = config.speculative
         draft = load_draft(config, mesh, self.compile_device) if spec and spec.draft else None
         self.load_seconds = time.perf_counter() - t0
-        self.weight_bytes = parallel.total_bytes(self.weights)
-        self.weight_bytes_per_device = parallel.total_bytes(self.weights, per_device=True)
+        self.weight_bytes = meshes.total_bytes(self.weights)
+        self.weight_bytes_per_device = meshes.total_bytes(self.weights, per_device=True)
         self.draft_weight_bytes_per_device = (
-            parallel.total_bytes(nnx.state(draft), per_device=True) if draft else 0
+            meshes.total_bytes(nnx.state(draft), per_device=True) if draft else 0
         )
         if target is None:
-            memory = parallel.smallest_device_memory(parallel.mesh_devices(mesh))
+            memory = meshes.smallest_device_memory(meshes.mesh_devices(mesh))
         else:  # a device there, with these weights loaded
             in_use = self.weight_bytes_per_device + self.draft_weight_bytes_per_device
             memory = (target.device_bytes_limit, in_use)
@@ -184,13 +184,13 @@ class ModelRunner:
             self.num_pages = _bundle_pages(config.compiled_dir, self.num_pages)
         m = config.model
         # The attention backend decides how the cache is stored (`kv_layout`).
-        self.cache_layout = config.cache_layout(m, parallel.kv_shards(mesh, m.num_kv_heads))
+        self.cache_layout = config.cache_layout(m, meshes.kv_shards(mesh, m.num_kv_heads))
         if target is None:
-            self.kv_caches = parallel.zeros_kv(
+            self.kv_caches = meshes.zeros_kv(
                 mesh, m.num_layers, self.cache_layout, self.num_pages, config.kv_dtype
             )
         else:
-            self.kv_caches = parallel.abstract_kv(
+            self.kv_caches = meshes.abstract_kv(
                 mesh,
                 self.compile_device,
                 m.num_layers,
@@ -226,7 +226,7 @@ class ModelRunner:
         m, page = config.model, config.cache.page_size
         self.kv_tokens = (self.num_pages - 1) * page
         self.kv_bytes_per_device = self.num_pages * config.kv_bytes_per_page(per_device=True)
-        self.layout = parallel.describe(mesh)
+        self.layout = meshes.describe(mesh)
         logger.info(
             "loaded %s (%s, weights %.1f MiB%s) in %.1fs on %s; KV cache: %d pages x %d "
             "tokens = %d tokens (%.1f MiB per device, %s), maximum concurrency at "
@@ -321,7 +321,7 @@ class ModelRunner:
     def _on_mesh(self):
         """The mesh as the tracing context of the steps, so layers that schedule their
         own collectives (expert parallelism's shard_map) see it; no mesh: nothing."""
-        return parallel.on_mesh(self.mesh)
+        return meshes.on_mesh(self.mesh)
 
     def _forward(self, batch: HostBatch, prev_tokens: jax.Array | None = None):
         with self._on_mesh():
@@ -493,7 +493,7 @@ class ModelRunner:
     def manifest(self, *, kv_transfer: bool) -> dict:
         """What this runner's programs depend on (`bundle.manifest`); `kv_transfer`:
         the KV pages' programs are among them."""
-        devices = parallel.mesh_devices(self.mesh)
+        devices = meshes.mesh_devices(self.mesh)
         if self.mesh is None and self.compile_device is not None:
             devices = [self.compile_device]
         config = dataclasses.replace(
@@ -518,7 +518,7 @@ class ModelRunner:
         naming each field where the bundle was made for something else."""
         t0 = time.perf_counter()
         compiled = bundle.load(
-            directory, self.manifest(kv_transfer=kv_transfer), parallel.mesh_devices(self.mesh)
+            directory, self.manifest(kv_transfer=kv_transfer), meshes.mesh_devices(self.mesh)
         )
         self.programs = bundle.step_programs(compiled, self.programs)
         if kv_transfer:

@@ -185,7 +185,7 @@ class StepPrograms:
     """The step functions jitted for one placement of the weights and KV caches.
 
     On a mesh every program states its shardings: weights and KV caches as placed
-    (`jaxserve.parallel`), the KV caches out exactly as in (so donation updates them
+    (`jaxserve.distributed.meshes`), the KV caches out exactly as in (so donation updates them
     in place, step after step), and everything else replicated: the host's batch
     arrays in (page tables and metadata are small), the hidden rows, logits and
     sampled tokens out (sampling runs on the devices; only ids cross to the host).

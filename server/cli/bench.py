@@ -31,7 +31,7 @@ from absl import flags
 from tqdm import tqdm
 
 from jaxserve.bench import report, workloads
-from jaxserve.data_parallel import DataParallelEngine, stream_all
+from jaxserve.distributed.data_parallel import DataParallelEngine, stream_all
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.llm import LLM, resolve_model_dir
 from jaxserve.sampling_params import SamplingParams

@@ -22,7 +22,7 @@ Multi-host (`--num_processes=N --process_id=I --coordinator_address=HOST:PORT`, 
 same command on every host): process 0 serves; the others only run its steps. When
 process 0 stops it stops the others (they exit with status 0); a process that finds
 a peer dead or stalled for --step_timeout_s exits at once with status 1, naming it
-(`jaxserve.multihost`). A follower ends at once on SIGTERM.
+(`jaxserve.distributed.multihost`). A follower ends at once on SIGTERM.
 
 SIGTERM (or Ctrl-C) drains: the server reports NOT_SERVING (HTTP /health: 503),
 refuses new calls (HTTP: 503) and lets running ones finish for --drain_grace_s
@@ -43,8 +43,8 @@ from typing import NoReturn
 
 from absl import flags
 
+from jaxserve.distributed.multihost import FollowerLostError, Leader, LeaderLostError
 from jaxserve.llm import LLM, resolve_model_dir
-from jaxserve.multihost import FollowerLostError, Leader, LeaderLostError
 from server import reasoning_parsers, tool_parsers
 from server.cli.engine_flags import engine_kwargs
 

@@ -1,9 +1,9 @@
-"""Data parallelism: replicas behind one front (`jaxserve.data_parallel`)."""
+"""Data parallelism: replicas behind one front (`jaxserve.distributed.data_parallel`)."""
 
 import pytest
 from fake_devices import run_on_8_devices
 
-from jaxserve.data_parallel import PrefixRouter
+from jaxserve.distributed.data_parallel import PrefixRouter
 
 
 def test_router_sends_a_prefix_where_it_went_and_others_to_the_least_loaded():
@@ -62,7 +62,7 @@ def _mock_replicas(n=2):
     from test_scheduler import make_engine
 
     from jaxserve.async_engine import AsyncLLMEngine
-    from jaxserve.data_parallel import DataParallelEngine
+    from jaxserve.distributed.data_parallel import DataParallelEngine
 
     engines = [make_engine(num_pages=64, max_num_seqs=8, budget=32) for _ in range(n)]
     return DataParallelEngine([AsyncLLMEngine(e) for e in engines], engines[0].config), engines
@@ -86,7 +86,7 @@ def test_stream_all_works_inside_a_running_event_loop():
     from mock_runner import expected_tokens
     from test_scheduler import VOCAB
 
-    from jaxserve.data_parallel import stream_all
+    from jaxserve.distributed.data_parallel import stream_all
     from jaxserve.front import EngineDeadError
 
     front, engines = _mock_replicas()
@@ -121,7 +121,7 @@ def test_stream_all_returns_a_request_the_engine_failed_with_the_others(monkeypa
     from mock_runner import expected_tokens
     from test_scheduler import VOCAB
 
-    from jaxserve.data_parallel import stream_all
+    from jaxserve.distributed.data_parallel import stream_all
     from jaxserve.request_state import RequestState
 
     check_stop = RequestState.check_stop
@@ -156,7 +156,7 @@ def test_closing_the_loop_ends_a_synchronous_call_still_running_on_it():
     import threading
     import time
 
-    from jaxserve import data_parallel
+    from jaxserve.distributed import data_parallel
     from jaxserve.front import EngineDeadError
 
     loop, ended = data_parallel._LoopThread(), []

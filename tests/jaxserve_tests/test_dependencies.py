@@ -32,14 +32,14 @@ DEVICE_SIDE = {
     "jaxserve.checkpoint",
     "jaxserve.checkpoint.hf",
     "jaxserve.checkpoint.orbax_io",
-    "jaxserve.data_parallel",
+    "jaxserve.distributed.data_parallel",
     "jaxserve.engine.core",  # LLMEngine builds the model runner
     "jaxserve.engine.startup",  # sets JAX's compilation cache; warms up
     "jaxserve.llm",
-    "jaxserve.multihost",
-    "jaxserve.parallel",
+    "jaxserve.distributed.multihost",
+    "jaxserve.distributed.meshes",
     "jaxserve.preflight",  # builds the engine for a compile-only target
-    "jaxserve.ray_replicas",  # its actors build and drive an LLMEngine
+    "jaxserve.distributed.ray_replicas",  # its actors build and drive an LLMEngine
     "jaxserve.runner.bundle",  # serializes and loads compiled programs
     "jaxserve.runner.draft",
     "jaxserve.runner.kv_io",

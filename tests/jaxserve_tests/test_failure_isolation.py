@@ -295,7 +295,7 @@ def test_a_ray_replica_drops_outputs_for_a_closed_loop_and_serves_on(monkeypatch
     killing its actor). Now that request is aborted on the actor and the others'
     outputs still arrive."""
     ray = pytest.importorskip("ray")
-    from jaxserve.ray_replicas import RayReplica
+    from jaxserve.distributed.ray_replicas import RayReplica
 
     aborted, killed = [], []
 

@@ -11,10 +11,10 @@ import pytest
 from test_scheduler import make_engine, params
 
 from jaxserve.async_engine import AsyncLLMEngine
-from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.distributed.data_parallel import DataParallelEngine
+from jaxserve.distributed.ray_replicas import ReplicaActor
 from jaxserve.front import EngineFront
 from jaxserve.generate_request import GenerateRequest, ResumedSample
-from jaxserve.ray_replicas import ReplicaActor
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ from jax._src import monitoring
 from jaxserve import LLM, SamplingParams
 from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.config import EngineConfig, ModelConfig, engine_config
-from jaxserve.data_parallel import DataParallelEngine, replica_engines, stream_all
+from jaxserve.distributed.data_parallel import DataParallelEngine, replica_engines, stream_all
 from jaxserve.engine import LLMEngine
 from jaxserve.front import EngineDeadError
 from jaxserve.generate_request import GenerateRequest

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxserve import multihost
 from jaxserve.config import ParallelConfig
+from jaxserve.distributed import multihost
 from jaxserve.runner.input_batch import SampleRow, SeqWork, build_batch, build_sampling
 from jaxserve.sampling_params import SamplingParams
 

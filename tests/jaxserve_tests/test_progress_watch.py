@@ -15,10 +15,10 @@ import types
 from mock_runner import expected_tokens
 from test_scheduler import VOCAB, make_engine, params
 
-from jaxserve import progress_watch, ray_replicas
+from jaxserve.distributed import progress_watch, ray_replicas
+from jaxserve.distributed.progress_watch import ProgressWatch
 from jaxserve.front import EngineDeadError
 from jaxserve.generate_request import GenerateRequest
-from jaxserve.progress_watch import ProgressWatch
 
 STEP_TIMEOUT_S = 1.0
 

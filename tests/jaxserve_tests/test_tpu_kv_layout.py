@@ -15,8 +15,8 @@ import json
 import jax
 import pytest
 
-from jaxserve import parallel
 from jaxserve.config import ModelConfig, engine_config
+from jaxserve.distributed import meshes
 from jaxserve.engine import LLMEngine
 from jaxserve.preflight import kv_sized_copies
 from jaxserve.targets import Target
@@ -72,7 +72,7 @@ def test_tpu_step_programs_do_not_copy_the_kv_cache(model_dirs, target, head_dim
     for name, compiled in engine.compiled.items():
         assert kv_sized_copies(compiled.as_text(), shards) == [], name
     # The page budget counts exactly what the arrays hold (padding included).
-    held = parallel.total_bytes(runner.kv_caches, per_device=True)
+    held = meshes.total_bytes(runner.kv_caches, per_device=True)
     # (runner.config: 'auto' resolved for the target, pallas_tpu.)
     assert held == runner.num_pages * runner.config.kv_bytes_per_page(per_device=True)
 

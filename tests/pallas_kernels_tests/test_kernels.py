@@ -237,10 +237,10 @@ def lower_engine_step(
     `quantization`; a prefill and a decode in one batch; a `kv_dtype` cache) lowered
     for `platform`; asserts the Pallas kernel is in it and returns the MLIR text. With
     tp > 1 the weights and KV caches are sharded as the engine shards them
-    (`jaxserve.parallel`) over an abstract mesh of tp devices, and the kernels must
+    (`jaxserve.distributed.meshes`) over an abstract mesh of tp devices, and the kernels must
     run inside a shard_map (XLA cannot partition them)."""
-    from jaxserve import parallel
     from jaxserve.checkpoint import abstract_model
+    from jaxserve.distributed import meshes
     from jaxserve.runner.input_batch import SeqWork, build_batch
     from jaxserve.runner.step import ModelDef, StepInput, forward
     from pallas_kernels import get_backend
@@ -269,12 +269,12 @@ def lower_engine_step(
     if tp > 1:
         mesh = abstract_mesh(platform, tp=tp)
         state = model_def.state(weights)
-        shardings = jax.tree.leaves(parallel.state_shardings(state, mesh))
+        shardings = jax.tree.leaves(meshes.state_shardings(state, mesh))
         weights = [
             jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=s)
             for w, s in zip(weights, shardings, strict=True)
         ]
-        shardings = parallel.kv_cache_shardings(mesh, config.num_kv_heads, kv_dtype, len(shapes[1]))
+        shardings = meshes.kv_cache_shardings(mesh, config.num_kv_heads, kv_dtype, len(shapes[1]))
         kv = [
             jax.tree.map(
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), kv[0], shardings

@@ -14,7 +14,7 @@ from test_server import request, stub, wait_idle
 
 from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.config import ModelConfig, engine_config
-from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.distributed.data_parallel import DataParallelEngine
 from jaxserve.engine import LLMEngine
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc

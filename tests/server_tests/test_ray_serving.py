@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_server import _scrape, request, stub
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.data_parallel import DataParallelEngine
+from jaxserve.distributed.data_parallel import DataParallelEngine
 from jaxserve.front import EngineFront
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "A B C D E F G H I J K L", "Hello"]

@@ -21,7 +21,7 @@ CPUs) on whichever machine has them, sets the actor's visible devices, restarts
 nothing behind our back, tells the caller at once when an actor's process or node
 dies, and carries Python objects (the requests' parameters, the streamed outputs)
 without a protocol of ours. JAX's own distributed runtime is for one program over
-one mesh (multi-host TP, `jaxserve.multihost`), not for independent replicas that
+one mesh (multi-host TP, `jaxserve.distributed.multihost`), not for independent replicas that
 come and go.
 
 Each replica takes `tensor_parallel_size` GPUs (`num_gpus`) or TPU chips (resource
@@ -46,13 +46,13 @@ from collections.abc import AsyncIterator, Sequence
 
 from jaxserve.async_engine import AsyncLLMEngine, OutputStream
 from jaxserve.config import EngineConfig
+from jaxserve.distributed.progress_watch import ProgressWatch
 from jaxserve.engine import LLMEngine, validate_request
 from jaxserve.engine.startup import use_compilation_cache
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.front import EngineDeadError, RequestFailedError, cannot_transfer_kv
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.outputs import ModelInfo, RequestOutput
-from jaxserve.progress_watch import ProgressWatch
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

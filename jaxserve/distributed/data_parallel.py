@@ -4,7 +4,7 @@ one front that the servers use like an `AsyncLLMEngine`.
 Locally (`data_parallel_backend="local"`) replica i serves on devices
 [i * tp, (i + 1) * tp) (tp = tensor_parallel_size), with its own scheduler, page
 pool and engine thread; with "ray" each replica is an engine in a Ray actor on a
-machine of a Ray cluster (`jaxserve.ray_replicas`). The scheduler never knows it
+machine of a Ray cluster (`jaxserve.distributed.ray_replicas`). The scheduler never knows it
 has siblings. `DataParallelEngine` routes each request to a replica:
 
 - prefix affinity: `PrefixRouter` remembers, per replica, the chained keys of the
@@ -30,9 +30,9 @@ from typing import Any, TypeVar
 
 import jax
 
-from jaxserve import parallel
 from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.config import EngineConfig
+from jaxserve.distributed import meshes
 from jaxserve.engine import LLMEngine
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.front import EngineDeadError, EngineFront, RequestFailedError, cannot_transfer_kv
@@ -96,10 +96,10 @@ def data_parallel_engine(
 ) -> DataParallelEngine:
     """`config.parallel.data_parallel_size` replicas behind one front: in this process
     on this host's devices (`data_parallel_backend="local"`), or each in a Ray actor
-    on a machine of a Ray cluster ("ray": `jaxserve.ray_replicas`, where each replica
+    on a machine of a Ray cluster ("ray": `jaxserve.distributed.ray_replicas`, where each replica
     loads its own tokenizer from `tokenizer_dir`)."""
     if config.parallel.data_parallel_backend == "ray":
-        from jaxserve.ray_replicas import ray_replicas
+        from jaxserve.distributed.ray_replicas import ray_replicas
 
         return DataParallelEngine(ray_replicas(config, tokenizer_dir), config)
     engines = replica_engines(config, tokenizer)
@@ -123,7 +123,7 @@ def replica_engines(
     engines: list[LLMEngine] = []
     try:
         for i in range(p.data_parallel_size):
-            mesh = parallel.make_mesh(1, tp, devices[i * tp : (i + 1) * tp])
+            mesh = meshes.make_mesh(1, tp, devices[i * tp : (i + 1) * tp])
             engines.append(LLMEngine(config, tokenizer, mesh))
     except BaseException:  # the replicas made so far are released
         for engine in engines:
@@ -134,7 +134,7 @@ def replica_engines(
 
 class DataParallelEngine:
     """M replicas behind one `EngineFront`. A replica is an `EngineFront` itself: an
-    `AsyncLLMEngine` (local) or a `jaxserve.ray_replicas.RayReplica`.
+    `AsyncLLMEngine` (local) or a `jaxserve.distributed.ray_replicas.RayReplica`.
 
     It does not transfer KV pages (`can_transfer_kv` is False): which replica holds a
     prefix, or should receive pushed pages, is not routed yet, so a server refuses the
