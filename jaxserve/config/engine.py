@@ -1,0 +1,263 @@
+"""`EngineConfig`, the whole configuration an engine is built from, and
+`engine_config`, which builds it from vLLM's flat engine arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from jaxserve.config.sections import (
+    QUANTIZATION_METHODS,
+    CacheConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from models.config import ModelConfig, normalize_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, built once at the edge (CLI or `LLM(...)`)."""
+
+    model_dir: str
+    model: ModelConfig
+    dtype: str = "float32"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings.
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    speculative: SpeculativeConfig | None = None
+    quantization: str | None = None  # vLLM's `quantization`: "int8" weights, or None
+    attention_backend: str = "auto"  # pallas_tpu on TPU, pallas_gpu on GPU, else reference
+    seed: int = 0
+    min_token_bucket: int = 1  # 1: a lone decode computes one row, not a padded 16
+    max_logit_bias: int = 300  # logit_bias entries per request (OpenAI's limit)
+    warmup: bool = True  # compile every bucket before serving
+    compile_guard: bool = False  # after warm-up, any compilation raises (tests)
+    compilation_cache_dir: str | None = None  # JAX's persistent compilation cache
+    # The C++ CPU kernels (`pallas_kernels.cpu`; off: XLA's formulations) and their
+    # per-user build cache (the edges resolve the default, `cache.default_dir`; None:
+    # a private directory, built again by each process).
+    native_cpu_kernels: bool = True
+    native_kernels_dir: str | None = None
+    # A bundle of compiled programs to load at start-up instead of compiling any
+    # (`jaxserve.runner.bundle`; made by `jaxserve preflight --output` or
+    # `LLM.save_compiled`); it must have been made for this target and configuration.
+    compiled_dir: str | None = None
+    stats_interval_s: float = 10.0  # the periodic stats log line; 0 disables it
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if self.max_model_len is None:
+            object.__setattr__(self, "max_model_len", self.model.max_position_embeddings)
+        if self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        budget = self.scheduler.max_num_batched_tokens
+        if self.min_token_bucket <= 0 or self.min_token_bucket > budget:
+            raise ValueError(
+                f"min_token_bucket must be in [1, max_num_batched_tokens], "
+                f"got {self.min_token_bucket}"
+            )
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_METHODS} or None, "
+                f"got {self.quantization!r}"
+            )
+        stored = self.model.quantization
+        if stored is not None:  # the checkpoint holds quantized weights: that is the model
+            if self.quantization not in (None, stored):
+                raise ValueError(
+                    f"quantization={self.quantization!r}, but {self.model_dir!r} stores its "
+                    f"weights quantized as {stored!r}"
+                )
+            object.__setattr__(self, "quantization", stored)
+        if not isinstance(self.native_cpu_kernels, bool):
+            raise ValueError(f"native_cpu_kernels must be a bool, got {self.native_cpu_kernels!r}")
+        if self.native_kernels_dir is not None and not (
+            isinstance(self.native_kernels_dir, str) and self.native_kernels_dir
+        ):
+            raise ValueError(
+                f"native_kernels_dir must be a directory or None, got {self.native_kernels_dir!r}"
+            )
+        if self.max_logit_bias <= 0:
+            raise ValueError(f"max_logit_bias must be positive, got {self.max_logit_bias}")
+        if self.cache.offload and not self.scheduler.enable_prefix_caching:
+            raise ValueError(
+                f"kv_offload_bytes={self.cache.offload_bytes}, kv_offload_dir="
+                f"{self.cache.offload_dir!r}: the KV tier extends the prefix cache, and "
+                "enable_prefix_caching is off"
+            )
+        if self.parallel.num_processes > 1 and self.cache.offload:
+            raise ValueError(
+                f"kv_offload_bytes={self.cache.offload_bytes}, kv_offload_dir="
+                f"{self.cache.offload_dir!r} with num_processes={self.parallel.num_processes}: "
+                "the KV tier's page copies are not sent to the followers yet"
+            )
+        if self.parallel.num_processes > 1 and self.speculative and self.speculative.model:
+            raise ValueError(
+                f"speculative_config.method 'draft_model' with num_processes="
+                f"{self.parallel.num_processes}: the draft model is not sent to the "
+                "followers yet; use 'ngram' across hosts"
+            )
+        self._check_compiled_dir()
+        draft = self.speculative.draft if self.speculative else None
+        if draft is not None and draft.vocab_size != self.model.vocab_size:
+            raise ValueError(
+                f"speculative_config.model {self.speculative.model!r} has a vocabulary of "
+                f"{draft.vocab_size} tokens, the target {self.model.vocab_size}: a draft "
+                "model must share the target's tokenizer"
+            )
+
+    def _check_compiled_dir(self) -> None:
+        value, p = self.compiled_dir, self.parallel
+        if value is None:
+            return
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"compiled must be a bundle's directory, got {value!r}")
+        # A loaded program runs on the devices it was made for (their ids): a
+        # replica's slice or another host's devices would need it re-targeted.
+        if p.data_parallel_size > 1 or p.num_processes > 1:
+            raise ValueError(
+                f"compiled={value!r} with data_parallel_size={p.data_parallel_size}, "
+                f"num_processes={p.num_processes}: compiled bundles serve one engine in one "
+                "process (data-parallel replicas and multi-host meshes compile at start-up)"
+            )
+
+    @property
+    def num_lookahead(self) -> int:
+        """The most proposed tokens a sequence verifies in one step (0: no speculation)."""
+        return self.speculative.num_speculative_tokens if self.speculative else 0
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's element type ("auto" resolved to the compute dtype)."""
+        return self.dtype if self.cache.dtype == "auto" else self.cache.dtype
+
+    @property
+    def pages_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.cache.page_size)
+
+    def cache_layout(self, model: ModelConfig, shards: int = 1):
+        """How the attention backend stores `model`'s cache, its KV heads split over
+        `shards` devices (`pallas_kernels.kv_layout`; lane-dense for the TPU
+        backends). 'auto' is resolved for JAX's default backend: the runner resolves
+        it for a compile target's platform first."""
+        from pallas_kernels.backends import get_backend  # (JAX: imported when used)
+
+        backend = get_backend(self.attention_backend)
+        return backend.cache_layout(
+            self.cache.page_size, model.num_kv_heads, model.head_dim, shards
+        )
+
+    def kv_bytes_per_page(self, per_device: bool = False) -> int:
+        """Bytes one page holds over every layer: the target's, and a draft model's
+        (its KV arrays share the target's page tables, so each page has both), in
+        the attention backend's layout, its padding included (`cache_layout`). A
+        quantized cache stores a byte a value plus a float32 scale per K or V row.
+
+        `per_device`: the share of one device of the tensor-parallel group. A model's
+        KV heads split over the group where its size divides them; fewer heads (or
+        a count it does not divide) are replicated on every device
+        (`jaxserve.distributed.meshes.kv_cache_sharding`)."""
+        models = [self.model]
+        if self.speculative is not None and self.speculative.draft is not None:
+            models.append(self.speculative.draft)
+        return sum(self.model_kv_bytes_per_page(m, per_device) for m in models)
+
+    def model_kv_bytes_per_page(self, m: ModelConfig, per_device: bool = False) -> int:
+        """One model's share of `kv_bytes_per_page` (the target's or the draft's)."""
+        tp = self.parallel.tensor_parallel_size
+        itemsize = 1 if self.cache.quantized else (4 if self.kv_dtype == "float32" else 2)
+        layout = self.cache_layout(m, tp if m.num_kv_heads % tp == 0 else 1)
+        if per_device:
+            layout = layout.local
+        return m.num_layers * layout.page_bytes(itemsize, self.cache.quantized)
+
+    def num_kv_pages(self, device_memory: tuple[int, int] | None = None) -> int:
+        """The pool size in pages, null page included.
+
+        `device_memory` is (bytes limit, bytes in use) of the tensor-parallel group's
+        device with the least room, where devices report them. Both budgets are per
+        device (as vLLM's): each device holds its share of every page.
+        """
+        if self.cache.num_pages is not None:
+            return self.cache.num_pages
+        useful = self.scheduler.max_num_seqs * self.pages_per_seq + 1
+        if self.cache.memory_fraction is not None and device_memory is not None:
+            limit, in_use = device_memory
+            budget_bytes = int(self.cache.memory_fraction * limit) - in_use
+            what = (
+                f"kv_cache_memory_fraction={self.cache.memory_fraction} of {limit} bytes, "
+                f"less {in_use} in use (the weights),"
+            )
+        else:
+            budget_bytes = self.cache.memory_bytes
+            what = f"kv_cache_memory_bytes={budget_bytes}"
+        page_bytes = self.kv_bytes_per_page(per_device=True)
+        budget = max(budget_bytes, 0) // page_bytes
+        if budget < 2:
+            raise ValueError(
+                f"{what} holds {budget} pages of {page_bytes} bytes (per device); "
+                "at least 2 are needed"
+            )
+        return min(useful, budget)
+
+
+# vLLM's flat engine-argument names -> (sub-config, field) of EngineConfig.
+_NESTED_ARGS: dict[str, tuple[str, str]] = {
+    "block_size": ("cache", "page_size"),
+    "num_kv_pages": ("cache", "num_pages"),
+    "kv_cache_memory_bytes": ("cache", "memory_bytes"),
+    "kv_cache_memory_fraction": ("cache", "memory_fraction"),
+    "kv_cache_dtype": ("cache", "dtype"),
+    "kv_offload_bytes": ("cache", "offload_bytes"),
+    "kv_offload_dir": ("cache", "offload_dir"),
+    "kv_tier_disk_max_bytes": ("cache", "disk_max_bytes"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "enable_prefix_caching": ("scheduler", "enable_prefix_caching"),
+    "debug_preemption_rate": ("scheduler", "debug_preemption_rate"),
+    "async_scheduling": ("scheduler", "async_scheduling"),
+    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+    "data_parallel_size": ("parallel", "data_parallel_size"),
+    "data_parallel_backend": ("parallel", "data_parallel_backend"),
+    "ray_address": ("parallel", "ray_address"),
+    "coordinator_address": ("parallel", "coordinator_address"),
+    "num_processes": ("parallel", "num_processes"),
+    "process_id": ("parallel", "process_id"),
+    "step_timeout_s": ("parallel", "step_timeout_s"),
+}
+_SUB_CONFIGS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+_TOP_LEVEL_ARGS = tuple(
+    f.name
+    for f in dataclasses.fields(EngineConfig)
+    if f.name not in (*_SUB_CONFIGS, "model_dir", "model", "speculative")
+)
+# every name `engine_config` accepts
+ENGINE_ARGS = (*_NESTED_ARGS, *_TOP_LEVEL_ARGS, "speculative_config")
+
+
+def engine_config(model_dir: str, model: ModelConfig, **args: Any) -> EngineConfig:
+    """Builds the nested EngineConfig from vLLM-style flat engine arguments.
+
+    >>> engine_config(d, ModelConfig.from_pretrained(d), max_num_seqs=16, block_size=32)
+
+    Raises TypeError naming any argument it does not know.
+    """
+    unknown = sorted(set(args) - set(ENGINE_ARGS))
+    if unknown:
+        raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(ENGINE_ARGS)}")
+    nested: dict[str, dict[str, Any]] = {name: {} for name in _SUB_CONFIGS}
+    top = {}
+    for name, value in args.items():
+        if name == "speculative_config":
+            top["speculative"] = SpeculativeConfig.make(value)
+        elif name in _NESTED_ARGS:
+            sub, field = _NESTED_ARGS[name]
+            nested[sub][field] = value
+        else:
+            top[name] = value
+    subs = {name: cls(**nested[name]) for name, cls in _SUB_CONFIGS.items()}
+    return EngineConfig(model_dir=model_dir, model=model, **subs, **top)
