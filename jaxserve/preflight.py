@@ -305,8 +305,8 @@ def kernel_cost(runner, token_bucket: int) -> tuple[float, float]:
     step: the figures XLA:GPU's analysis cannot see (JAX's Triton lowering drops them;
     Mosaic's custom calls carry them into XLA:TPU's)."""
     from jaxserve.distributed import meshes
-    from jaxserve.runner.model_runner import abstract_tree
     from jaxserve.runner.step import StepInput
+    from jaxserve.runner.warmup import abstract_tree
     from jaxserve.targets import compiling_for
 
     batch = abstract_tree(StepInput.from_host(runner.build([], token_bucket=token_bucket)))
@@ -320,7 +320,7 @@ def kernel_cost(runner, token_bucket: int) -> tuple[float, float]:
 def propose_kernel_cost(runner) -> tuple[float, float]:
     """`kernel_cost` of the draft model's proposer: its k steps' kernels."""
     from jaxserve.distributed import meshes
-    from jaxserve.runner.model_runner import abstract_tree
+    from jaxserve.runner.warmup import abstract_tree
     from jaxserve.targets import compiling_for
 
     drafter = runner.drafter

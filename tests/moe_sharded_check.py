@@ -77,7 +77,7 @@ def check_model(model_dir: str, mesh) -> None:
     assert spec[0] == "model", spec
     # The runner traces its steps under its mesh: the experts run expert-meshes.
     batch = runner.build(work, all_logits=True)
-    with runner._on_mesh():  # the context every step of the runner is traced in
+    with runner.on_mesh():  # the context every step of the runner is traced in
         text = forward.lower(
             runner.model_def, runner.weights, runner.kv_caches, StepInput.from_host(batch)
         ).as_text()

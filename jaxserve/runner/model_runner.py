@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
 
@@ -14,13 +12,13 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from tqdm import tqdm
 
 from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.distributed import meshes
 from jaxserve.kv.transfer import KVLayout
-from jaxserve.runner import bundle, kv_io
+from jaxserve.runner import bundle, kv_io, warmup
+from jaxserve.runner.compile_counter import CompileCounter
 from jaxserve.runner.draft import DraftRunner, load_draft
 from jaxserve.runner.input_batch import (
     HostBatch,
@@ -41,40 +39,6 @@ from pallas_kernels.cpu import features as cpu_features
 from pallas_kernels.cpu import library as cpu_library
 
 logger = logging.getLogger(__name__)
-
-_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-
-
-class CompileCounter:
-    """Counts the XLA executables this process builds (compiled, or loaded from the
-    persistent compilation cache: `cache_hits` of them), with JAX monitoring listeners.
-
-    The listeners are process-wide (JAX keeps them in global lists, and calls each on
-    every compilation) until `close` removes them: the runner that made the counter
-    closes it."""
-
-    def __init__(self):
-        self.count = 0
-        self.cache_hits = 0
-        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
-        jax.monitoring.register_event_listener(self._on_event)
-        self._listening = True
-
-    def _on_duration(self, event: str, duration: float, **kwargs) -> None:
-        if event == _BACKEND_COMPILE_EVENT:
-            self.count += 1
-
-    def _on_event(self, event: str, **kwargs) -> None:
-        if event == _CACHE_HIT_EVENT:
-            self.cache_hits += 1
-
-    def close(self) -> None:
-        """Removes the listeners (idempotent): the counts stop there."""
-        if self._listening:
-            self._listening = False
-            jax.monitoring.unregister_event_duration_listener(self._on_duration)
-            jax.monitoring.unregister_event_listener(self._on_event)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +168,7 @@ class ModelRunner:
         self.token_buckets, self.row_buckets = self.shapes.token_buckets, self.shapes.row_buckets
         self.history_len = config.pages_per_seq * config.cache.page_size
         # A step's `prev_tokens` when no step before it is in flight.
-        self._no_prev_tokens = np.zeros(self.shapes.max_rows, np.int32)
+        self.no_prev_tokens = np.zeros(self.shapes.max_rows, np.int32)
         self.compiles = CompileCounter()  # its listeners removed by `close`
         self.closed = False
         # The draft model's KV arrays share the target's page tables (and pool).
@@ -318,13 +282,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------- steps
 
-    def _on_mesh(self):
+    def on_mesh(self):
         """The mesh as the tracing context of the steps, so layers that schedule their
         own collectives (expert parallelism's shard_map) see it; no mesh: nothing."""
         return meshes.on_mesh(self.mesh)
 
     def _forward(self, batch: HostBatch, prev_tokens: jax.Array | None = None):
-        with self._on_mesh():
+        with self.on_mesh():
             selected, hidden, self.kv_caches = self.programs.forward(
                 self.model_def,
                 self.weights,
@@ -336,7 +300,7 @@ class ModelRunner:
     def execute(self, batch: HostBatch) -> jax.Array:
         """Runs one step; returns the selected rows' logits (float32, on device)."""
         selected = self._forward(batch)[0]
-        with self._on_mesh():
+        with self.on_mesh():
             return self.programs.logits_step(self.model_def, self.weights, selected)
 
     def dispatch(
@@ -361,12 +325,12 @@ class ModelRunner:
         if self._plan_sink is not None:  # multi-host leader: the followers run it too
             sampling = sampling() if callable(sampling) else sampling
             self._plan_sink(batch, sampling)
-        prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
+        prev_tokens = prev.tokens if prev is not None else self.no_prev_tokens
         selected, hidden = self._forward(batch, prev_tokens)
         if callable(sampling):
             sampling = sampling()
         prompt_lp = None
-        with self._on_mesh():
+        with self.on_mesh():
             out, tokens = self.programs.sample_step(
                 self.model_def, self.weights, selected, sampling, prev_tokens
             )
@@ -411,82 +375,7 @@ class ModelRunner:
         Returns the compiled programs by name ('forward T=64', 'sample B=8',
         'sample+history B=8', ...). For a compile-only target (`target=`), the same
         programs, traced and compiled for its devices."""
-        t0, before, hits = time.perf_counter(), self.compiles.count, self.compiles.cache_hits
-        num_sampling = 2 * len(self.row_buckets)
-        total = 2 * len(self.token_buckets) + num_sampling
-        bar = tqdm(total=2 * total, desc=f"warm-up: tracing, then compiling {total} programs")
-        lowered: list[tuple[str, jax.stages.Lowered]] = []
-        # Traced in the context the steps run in (the mesh), for the device compiled for.
-        with self._on_mesh(), self._compiling_for():
-            for t in self.token_buckets:
-                batch = abstract_tree(StepInput.from_host(self.build([], token_bucket=t)))
-                program = self.programs.forward.lower(
-                    self.model_def, self.weights, self.kv_caches, batch
-                )
-                lowered.append((f"forward T={t}", program))
-                bar.update(1)
-            # The LM head over each token bucket's rows, for prompt logprobs.
-            for (_, forward), t in zip(list(lowered), self.token_buckets, strict=True):
-                targets = abstract_tree(np.zeros(t, np.int32))
-                program = self.programs.prompt_logprobs.lower(
-                    self.model_def, self.weights, forward.out_info[1], targets
-                )
-                lowered.append((f"prompt logprobs T={t}", program))
-                bar.update(1)
-            selected = lowered[0][1].out_info[0]  # [R, D] whatever the token bucket
-            no_prev = abstract_tree(self._no_prev_tokens)
-            for b in self.row_buckets:
-                for history in (False, True):
-                    sampling = abstract_tree(self.build_sampling([], b, with_history=history))
-                    program = self.programs.sample_step.lower(
-                        self.model_def, self.weights, selected, sampling, no_prev
-                    )
-                    lowered.append((f"sample{'+history' if history else ''} B={b}", program))
-                    bar.update(1)
-            num_extra = 0
-            if extra is not None:
-                more = extra(abstract_tree)
-                num_extra, total = len(more), total + len(more)
-                lowered += more
-                bar.total = 2 * total
-                bar.update(num_extra)
-            threads = min(4, os.cpu_count() or 1)
-            if self.compile_device is not None and self.compile_device.platform == "tpu":
-                # libtpu's compile-only client crashed (a segfault) compiling two programs
-                # at once in 2 of ~10 warm-ups here; one at a time never did.
-                threads = 1
-            with bar, concurrent.futures.ThreadPoolExecutor(threads) as pool:
-
-                def compile_one(program: jax.stages.Lowered) -> jax.stages.Compiled:
-                    with self._compiling_for():  # (a thread's default device is its own)
-                        compiled = program.compile()
-                    bar.update(1)
-                    return compiled
-
-                compiled = dict(
-                    zip(
-                        [name for name, _ in lowered],
-                        pool.map(compile_one, [program for _, program in lowered]),
-                        strict=True,
-                    )
-                )
-        self.warmed_up = True
-        self.warmup_seconds = time.perf_counter() - t0
-        logger.info(
-            "warm-up: %d step programs (%d forward, %d prompt logprobs, %d sampling, %d "
-            "more) ready in %.1fs%s: %d built, %d of them loaded from the persistent "
-            "compilation cache",
-            total,
-            len(self.token_buckets),
-            len(self.token_buckets),
-            num_sampling,
-            num_extra,
-            self.warmup_seconds,
-            f" for {self.compile_device.device_kind}" if self.compile_device else "",
-            self.compiles.count - before,
-            self.compiles.cache_hits - hits,
-        )
-        return compiled
+        return warmup.warm_up(self, extra)
 
     # ------------------------------------------------------- compiled bundles
 
@@ -533,7 +422,7 @@ class ModelRunner:
         )
         return compiled
 
-    def _compiling_for(self):
+    def on_target_device(self):
         """The compile-only target's device as the default one (see `targets`)."""
         if self.compile_device is None:
             return contextlib.nullcontext()
@@ -552,7 +441,3 @@ def _to_host(x) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return np.asarray(x.addressable_data(0))
     return np.asarray(x)
-
-
-def abstract_tree(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)

@@ -41,11 +41,13 @@ DEVICE_SIDE = {
     "jaxserve.preflight",  # builds the engine for a compile-only target
     "jaxserve.distributed.ray_replicas",  # its actors build and drive an LLMEngine
     "jaxserve.runner.bundle",  # serializes and loads compiled programs
+    "jaxserve.runner.compile_counter",  # JAX's monitoring listeners
     "jaxserve.runner.draft",
     "jaxserve.runner.kv_io",
     "jaxserve.runner.model_runner",
     "jaxserve.runner.sampler",
     "jaxserve.runner.step",
+    "jaxserve.runner.warmup",
     "jaxserve.targets",  # compile-only devices of TPUs and GPUs
 }
 # Function-level imports that close a cycle, (importer, imported): each runs after

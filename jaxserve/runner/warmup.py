@@ -1,0 +1,105 @@
+"""Warm-up: every program a serving step can need, traced from abstract batches and
+compiled ahead of time (`ModelRunner.warmup`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from jaxserve.runner.step import StepInput
+
+logger = logging.getLogger("jaxserve.runner.model_runner")  # (where warm-up always logged)
+
+
+def warm_up(
+    runner, extra: Callable[[Callable], list[tuple[str, jax.stages.Lowered]]] | None
+) -> dict[str, jax.stages.Compiled]:
+    """`ModelRunner.warmup` for `runner`."""
+
+    t0, before, hits = time.perf_counter(), runner.compiles.count, runner.compiles.cache_hits
+    num_sampling = 2 * len(runner.row_buckets)
+    total = 2 * len(runner.token_buckets) + num_sampling
+    bar = tqdm(total=2 * total, desc=f"warm-up: tracing, then compiling {total} programs")
+    lowered: list[tuple[str, jax.stages.Lowered]] = []
+    # Traced in the context the steps run in (the mesh), for the device compiled for.
+    with runner.on_mesh(), runner.on_target_device():
+        for t in runner.token_buckets:
+            batch = abstract_tree(StepInput.from_host(runner.build([], token_bucket=t)))
+            program = runner.programs.forward.lower(
+                runner.model_def, runner.weights, runner.kv_caches, batch
+            )
+            lowered.append((f"forward T={t}", program))
+            bar.update(1)
+        # The LM head over each token bucket's rows, for prompt logprobs.
+        for (_, forward), t in zip(list(lowered), runner.token_buckets, strict=True):
+            targets = abstract_tree(np.zeros(t, np.int32))
+            program = runner.programs.prompt_logprobs.lower(
+                runner.model_def, runner.weights, forward.out_info[1], targets
+            )
+            lowered.append((f"prompt logprobs T={t}", program))
+            bar.update(1)
+        selected = lowered[0][1].out_info[0]  # [R, D] whatever the token bucket
+        no_prev = abstract_tree(runner.no_prev_tokens)
+        for b in runner.row_buckets:
+            for history in (False, True):
+                sampling = abstract_tree(runner.build_sampling([], b, with_history=history))
+                program = runner.programs.sample_step.lower(
+                    runner.model_def, runner.weights, selected, sampling, no_prev
+                )
+                lowered.append((f"sample{'+history' if history else ''} B={b}", program))
+                bar.update(1)
+        num_extra = 0
+        if extra is not None:
+            more = extra(abstract_tree)
+            num_extra, total = len(more), total + len(more)
+            lowered += more
+            bar.total = 2 * total
+            bar.update(num_extra)
+        threads = min(4, os.cpu_count() or 1)
+        if runner.compile_device is not None and runner.compile_device.platform == "tpu":
+            # libtpu's compile-only client crashed (a segfault) compiling two programs
+            # at once in 2 of ~10 warm-ups here; one at a time never did.
+            threads = 1
+        with bar, concurrent.futures.ThreadPoolExecutor(threads) as pool:
+
+            def compile_one(program: jax.stages.Lowered) -> jax.stages.Compiled:
+                with runner.on_target_device():  # (a thread's default device is its own)
+                    compiled = program.compile()
+                bar.update(1)
+                return compiled
+
+            compiled = dict(
+                zip(
+                    [name for name, _ in lowered],
+                    pool.map(compile_one, [program for _, program in lowered]),
+                    strict=True,
+                )
+            )
+    runner.warmed_up = True
+    runner.warmup_seconds = time.perf_counter() - t0
+    logger.info(
+        "warm-up: %d step programs (%d forward, %d prompt logprobs, %d sampling, %d "
+        "more) ready in %.1fs%s: %d built, %d of them loaded from the persistent "
+        "compilation cache",
+        total,
+        len(runner.token_buckets),
+        len(runner.token_buckets),
+        num_sampling,
+        num_extra,
+        runner.warmup_seconds,
+        f" for {runner.compile_device.device_kind}" if runner.compile_device else "",
+        runner.compiles.count - before,
+        runner.compiles.cache_hits - hits,
+    )
+    return compiled
+
+
+def abstract_tree(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
