@@ -19,6 +19,9 @@ from test_http_tools import LLM_KWARGS, SCHEMAS, TRIP, WEATHER, client_of, demo_
 from jaxserve.tokenizer import Tokenizer
 from server.openai_api.api import HttpServer, build_app
 from server.openai_api.chat_output import ChatParsers
+from server.openai_api.responses import OutputItems
+from server.reasoning_parsers import Reasoning
+from server.tool_parsers import CallArgs, CallEnd, CallFailed, CallStart, Content
 from server.tool_parsers.json_prefix import JsonObject
 
 TOOLS = [
@@ -380,3 +383,49 @@ def test_reasoning_item_then_the_answer(thinking):
             break
     assert kinds == ["reasoning", "function_call"], called.output
     jsonschema.validate(json.loads(called.output[1].arguments), TRIP)
+
+
+# ------------------------------------------------------------ the item builder
+
+
+def test_items_do_not_depend_on_how_events_arrive_and_a_broken_call_stays_incomplete():
+    """A call that breaks off was already streamed in part: its item ends incomplete
+    and its text follows as a message, in pieces or whole."""
+    events = [
+        Reasoning("let me "),
+        Reasoning("see"),
+        Content("Sure."),
+        CallStart(0, "call_a", "get_weather"),
+        CallArgs(0, '{"location": '),
+        CallArgs(0, '"Paris"}'),
+        CallEnd(0),
+        CallStart(1, "call_b", "book_trip"),
+        CallArgs(1, '{"traveler": '),
+        CallFailed(1, '<tool_call>{"name": "book_trip", "traveler": oops'),
+        Content(" and more"),
+    ]
+    whole = OutputItems()
+    sent = whole.feed(events) + whole.finish(incomplete=False)
+    pieces = OutputItems()
+    for e in events:
+        pieces.feed([e])
+    pieces.finish(incomplete=False)
+    strip = [{k: v for k, v in i.items() if k not in ("id", "_index")} for i in whole.output]
+    assert strip == [
+        {k: v for k, v in i.items() if k not in ("id", "_index")} for i in pieces.output
+    ]
+    assert [(i["type"], i["status"]) for i in whole.output] == [
+        ("reasoning", "completed"),
+        ("message", "completed"),
+        ("function_call", "completed"),
+        ("function_call", "incomplete"),
+        ("message", "completed"),
+    ]
+    assert whole.output[0]["content"][0]["text"] == "let me see"
+    assert whole.output[2]["arguments"] == '{"location": "Paris"}'
+    assert whole.output[3]["arguments"] == '{"traveler": '
+    assert whole.output[4]["content"][0]["text"].endswith("oops and more")
+    done = [e for e in sent if e["type"] == "response.function_call_arguments.done"]
+    assert [e["arguments"] for e in done] == ['{"location": "Paris"}']  # not the broken one
+    kinds = [e["type"] for e in sent]
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done")
