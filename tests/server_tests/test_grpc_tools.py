@@ -230,5 +230,12 @@ def test_reasoning_is_split_from_the_answer(tmp_path_factory):
             pb.GenerateRequest(prompt="Hello", sampling_params=pb.SamplingParams(max_tokens=4))
         ).completions[0]
         assert plain.text and not plain.reasoning and not plain.content
+        # This server reads no tool calls: tools are refused unless tool_choice is none.
+        with pytest.raises(grpc.RpcError) as e:
+            s.Complete(chat(max_tokens=4))
+        assert dict(e.value.trailing_metadata())[FIELD_METADATA] == "tools"
+        assert "--tool_call_parser" in e.value.details()
+        none = s.Complete(chat(tool_choice=pb.ToolChoice(mode="none"), max_tokens=4))
+        assert not none.completions[0].tool_calls
     finally:
         server.stop()
