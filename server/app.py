@@ -54,7 +54,8 @@ class ServerOptions:
     # Disaggregated serving: "prefill" and "decode" need a front that transfers KV
     # pages (refused at start-up otherwise); "both" serves everything it can.
     role: str = "both"
-    # Reading chat replies (the HTTP API): server/tool_parsers, server/reasoning_parsers.
+    # Reading chat replies (HTTP, and gRPC's messages input): server/tool_parsers,
+    # server/reasoning_parsers.
     tool_call_parser: str | None = None  # "hermes", "llama3_json", "mistral"
     tool_call_constrained: bool = False  # tool_choice "auto" constrained to valid calls too
     reasoning_parser: str | None = None  # "deepseek_r1", "qwen3"
@@ -228,7 +229,12 @@ class JaxServeServer:
             ],
         )
         pb_grpc.add_JaxServeServicer_to_server(
-            JaxServeServicer(self.state, self.metrics, max_message_bytes=o.max_message_bytes),
+            JaxServeServicer(
+                self.state,
+                self.metrics,
+                max_message_bytes=o.max_message_bytes,
+                parsers=o.chat_parsers(),
+            ),
             self._server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)

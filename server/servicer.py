@@ -19,9 +19,12 @@ from jaxserve.inputs import ParsedPrompt, parse_prompt
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import FIELDS, ParamError, SamplingParams, StructuredOutputsParams
 from jaxserve.tokenizer import Tokenizer
-from server import disagg, serving
+from server import disagg, servicer_chat, serving
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
+from server.openai_api import chat_output
+from server.openai_api.chat_output import ChatParsers, ChatReading
+from server.openai_api.protocol import BadField
 from server.prometheus import ServerMetrics
 from server.serving import Reason, Refused, ServingState
 
@@ -84,10 +87,6 @@ def _prompt_logprobs_proto(out: RequestOutput) -> list[pb.TokenLogprobs]:
     return [pb.TokenLogprobs()] + _logprobs_proto(out.prompt_logprobs[1:], ids[1:])
 
 
-def _messages(msg: pb.ChatMessages) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in msg.messages]
-
-
 def _usage(out: RequestOutput) -> pb.Usage:
     return pb.Usage(
         prompt_tokens=len(out.prompt_token_ids),
@@ -98,10 +97,16 @@ def _usage(out: RequestOutput) -> pb.Usage:
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
     def __init__(
-        self, state: ServingState, metrics: ServerMetrics, *, max_message_bytes: int = 4 << 20
+        self,
+        state: ServingState,
+        metrics: ServerMetrics,
+        *,
+        max_message_bytes: int = 4 << 20,
+        parsers: ChatParsers | None = None,
     ):
         self.state = state
         self.metrics = metrics
+        self.parsers = parsers or ChatParsers()
         self.max_message_bytes = max_message_bytes
         self._ids = itertools.count()
 
@@ -116,7 +121,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     async def _invalid(self, context, error: ValueError | str):
         """Aborts INVALID_ARGUMENT with `error`'s message, and its field (a request
         field's name, `ParamError.field`) as trailing metadata when it names one."""
-        field = getattr(error, "field", None)
+        field = getattr(error, "field", None) or getattr(error, "param", None)
         await self._abort(context, serving.invalid(self.metrics, str(error), field))
 
     @staticmethod
@@ -124,7 +129,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         metadata = ((FIELD_METADATA, refused.param),) if refused.param else ()
         await context.abort(_CODES[refused.reason], refused.message, trailing_metadata=metadata)
 
-    async def _prompt(self, request, context) -> ParsedPrompt:
+    async def _prompt(self, request, context, chat_kwargs=None) -> ParsedPrompt:
         """The request's prompt through the one parser all front ends share."""
         kind = request.WhichOneof("input")
         prompt = {}
@@ -133,25 +138,38 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         elif kind == "prompt_token_ids":
             prompt = {"prompt_token_ids": list(request.prompt_token_ids.ids)}
         elif kind == "messages":
-            prompt = {"messages": _messages(request.messages)}
+            prompt = {"messages": servicer_chat.messages(request.messages)}
         try:
-            return parse_prompt(prompt, self.state.tokenizer)
+            return parse_prompt(prompt, self.state.tokenizer, chat_template_kwargs=chat_kwargs)
         except ValueError as e:
             await self._invalid(context, e)
+        except TypeError as e:  # a chat_template_kwargs key the template owns
+            await self._invalid(context, BadField("chat_template_kwargs", str(e)))
 
     async def _request(
         self, request, context, params: SamplingParams | None = None
-    ) -> GenerateRequest:
+    ) -> tuple[GenerateRequest, ChatReading | None]:
         """The engine's request for a GenerateRequest message (with `params` if they
-        were parsed already); INVALID_ARGUMENT for a bad prompt or sampling field (the
-        engine checks the rest)."""
-        prompt = await self._prompt(request, context)
+        were parsed already), and how a chat's reply is read (tools, reasoning);
+        INVALID_ARGUMENT for a bad prompt, tool or sampling field (the engine checks
+        the rest)."""
+        try:
+            reading = servicer_chat.reading(self.parsers, self.state.tokenizer, request)
+            kwargs = None if reading is None else servicer_chat.template_kwargs(request)
+        except BadField as e:
+            await self._invalid(context, e)
+        prompt = await self._prompt(request, context, kwargs)
         if params is None:
             params = await self._params(request, context)
+        if reading is not None:
+            try:
+                params = reading.sampling_params(params, prompt.text, "structured_outputs")
+            except BadField as e:
+                await self._invalid(context, e)
         resume = None
         if request.HasField("resume"):
             resume = disagg.resume_from_proto(request.resume)
-        return GenerateRequest(
+        gen = GenerateRequest(
             request.request_id or f"req-{next(self._ids)}",
             prompt.token_ids,
             params,
@@ -160,19 +178,21 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             cache_salt=request.cache_salt or None,
             resume=resume,
         )
+        return gen, reading
 
     async def _stream(self, request, context, gen: GenerateRequest | None = None):
         """Validates a GenerateRequest message (or runs `gen`, built from one); yields
-        (request_id, RequestOutput)."""
+        (request_id, RequestOutput, how a chat's reply is read)."""
         try:
             engine = serving.admit(self.state, self.metrics)
         except Refused as e:
             await self._abort(context, e)
+        reading = None
         if gen is None:
-            gen = await self._request(request, context)
+            gen, reading = await self._request(request, context)
         try:
             async for out in serving.stream(engine, self.metrics, gen):
-                yield gen.request_id, out
+                yield gen.request_id, out, reading
         except Refused as e:
             await self._abort(context, e)
 
@@ -187,9 +207,22 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     async def Generate(self, request, context):
         sent_prompt_logprobs = False
         reported: set[int] = set()
-        async for rid, out in self._stream(request, context):
+        readers: dict[int, chat_output.ChoiceReader | None] = {}
+        async for rid, out, reading in self._stream(request, context):
             for c in serving.deltas(out, reported):
                 msg = self._delta(rid, c, out)
+                if reading is not None:
+                    if c.index not in readers:
+                        readers[c.index] = reading.choice()
+                    reader = readers[c.index]
+                    if reader is not None:
+                        events = reader.feed(c.delta_text)
+                        if c.finished:
+                            events += reader.finish()
+                            msg.finish_reason = (
+                                chat_output.finish_reason(c.finish_reason, reader) or ""
+                            )
+                        servicer_chat.set_delta(msg, events)
                 if not sent_prompt_logprobs:
                     msg.prompt_logprobs.extend(_prompt_logprobs_proto(out))
                     sent_prompt_logprobs = True
@@ -212,9 +245,9 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         return msg
 
     async def Complete(self, request, context):
-        final, rid = None, ""
-        async for request_id, out in self._stream(request, context):
-            final, rid = out, request_id
+        final, rid, reading = None, "", None
+        async for request_id, out, read in self._stream(request, context):
+            final, rid, reading = out, request_id, read
         completions = []
         for c in final.outputs:
             comp = pb.Completion(
@@ -227,6 +260,10 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             if c.logprobs is not None:
                 comp.logprobs.extend(_logprobs_proto(c.logprobs, c.token_ids))
                 comp.cumulative_logprob = c.cumulative_logprob
+            reader = None if reading is None else reading.choice()
+            if reader is not None:
+                servicer_chat.set_whole(comp, reader.feed(c.text) + reader.finish())
+                comp.finish_reason = chat_output.finish_reason(c.finish_reason, reader) or ""
             completions.append(comp)
         return pb.CompleteResponse(
             request_id=rid,
@@ -254,7 +291,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             )
         if kind == "messages":
             try:
-                parsed = parse_prompt({"messages": _messages(request.messages)}, tok)
+                parsed = parse_prompt({"messages": servicer_chat.messages(request.messages)}, tok)
             except ValueError as e:
                 await self._invalid(context, e)
             return pb.TokenizeResponse(token_ids=parsed.token_ids)
@@ -316,14 +353,18 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, f"{why}: run this request on one instance"
             )
         engine = await self._transferring(context)
-        gen = await self._request(msg, context, params)
+        if msg.tools:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "tools: run this request on one instance"
+            )
+        gen, _ = await self._request(msg, context, params)
         try:  # the whole request, before the one-token run that checks only its first token
             engine.validate(gen)
         except ValueError as e:
             await self._invalid(context, e)
         first = dataclasses.replace(gen, params=disagg.first_token_params(params))
         final, rid = None, ""
-        async for request_id, out in self._stream(msg, context, first):
+        async for request_id, out, _ in self._stream(msg, context, first):
             final, rid = out, request_id
         limit = engine.model_info.max_model_len
         max_tokens = params.max_tokens or limit - len(final.prompt_token_ids)

@@ -2,7 +2,8 @@
 process and event loop, over the same engine.
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
-(streamed as server-sent events with `stream`), `POST /tokenize`,
+(streamed as server-sent events with `stream`), `POST /v1/responses` (OpenAI's
+Responses API, stateless: `responses.py`), `POST /tokenize`,
 `POST /detokenize`, `GET /health`, `GET /metrics`. Errors are OpenAI's
 `{"error": {"message", "type", "param", "code"}}`: 400 for an invalid field
 (naming it in `param`), 401 without the API key, 404 for an unknown model or
@@ -40,6 +41,8 @@ from server.openai_api.protocol import (
     CompletionRequest,
     chat_messages,
 )
+from server.openai_api.responses import ResponsesServing, response_id
+from server.openai_api.responses_protocol import ResponsesRequest
 from server.prometheus import ServerMetrics
 from server.serving import Refused, ServingState
 
@@ -73,6 +76,7 @@ def build_app(
 ) -> FastAPI:
     app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None)
     openai = OpenAIServing(state, metrics, parsers)
+    responses = ResponsesServing(openai)
     key = auth.key_bytes(api_key) if api_key else b""
     bearer = b"Bearer " + key
 
@@ -174,6 +178,15 @@ def build_app(
         if body.stream:
             return _sse(openai.chat_stream(job))
         return await _unless_disconnected(request, openai.chat(job))
+
+    @api.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        check_model(body.model)
+        job = responses.job(body)
+        rid = response_id()
+        if body.stream:
+            return _sse(responses.stream(job, body, rid))
+        return await _unless_disconnected(request, responses.respond(job, body, rid))
 
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

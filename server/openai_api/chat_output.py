@@ -24,7 +24,15 @@ from jaxserve.tokenizer import Tokenizer
 from server import reasoning_parsers, tool_parsers
 from server.openai_api.protocol import BadField, ChatCompletionRequest
 from server.reasoning_parsers import Reasoning, ReasoningStream
-from server.tool_parsers import CallArgs, CallFailed, CallStart, CallStream, Content, assemble
+from server.tool_parsers import (
+    CallArgs,
+    CallFailed,
+    CallStart,
+    CallStream,
+    Content,
+    Function,
+    assemble,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +59,15 @@ class ChatReading:
     """How one chat completion's replies are constrained and read."""
 
     def __init__(
-        self, parsers: ChatParsers, tokenizer: Tokenizer | None, body: ChatCompletionRequest
+        self,
+        parsers: ChatParsers,
+        tokenizer: Tokenizer | None,
+        mode: str,
+        functions: list[Function],
+        parallel: bool,
     ):
-        self.mode, self.functions = body.tool_choice_mode()
-        self.parallel = body.parallel_tool_calls and self.mode != "named"
+        self.mode, self.functions = mode, functions
+        self.parallel = parallel and self.mode != "named"
         self.tools = None
         if self.mode != "none":
             if parsers.tool_call_parser is None:
@@ -71,6 +84,13 @@ class ChatReading:
             self.mode == "auto" and parsers.tool_call_constrained
         )
         self.prompt: str | None = None
+
+    @classmethod
+    def of(
+        cls, parsers: ChatParsers, tokenizer: Tokenizer | None, body: ChatCompletionRequest
+    ) -> ChatReading:
+        mode, functions = body.tool_choice_mode()
+        return cls(parsers, tokenizer, mode, functions, body.parallel_tool_calls)
 
     def sampling_params(
         self, params: SamplingParams, prompt: str | None, constraint_name: str

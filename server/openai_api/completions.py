@@ -196,7 +196,7 @@ class OpenAIServing:
 
     def chat_job(self, body: ChatCompletionRequest) -> _Job:
         prompt, kwargs = body.prompt()
-        reading = ChatReading(self.parsers, self.state.tokenizer, body)
+        reading = ChatReading.of(self.parsers, self.state.tokenizer, body)
         return self._job("chatcmpl", body, [prompt], chat_kwargs=kwargs, reading=reading)
 
     def _chat_echo(self, body: ChatCompletionRequest) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -348,35 +349,13 @@ class ChatCompletionRequest(_Request):
     def tool_choice_mode(self) -> tuple[str, list[Function]]:
         """How the reply may call tools: "none", "auto", "required" or "named" (that
         one function, once), and the functions it may call."""
-        functions: list[Function] = []
-        for i, tool in enumerate(self.tools or ()):
-            name = tool.function.name
-            if not FUNCTION_NAME.fullmatch(name):
-                raise BadField(
-                    f"tools[{i}].function.name",
-                    f"a function name is 1 to 64 letters, digits, _ or -; got {name!r}",
-                )
-            if any(f.name == name for f in functions):
-                raise BadField(f"tools[{i}].function.name", f"two tools are named {name!r}")
-            parameters = tool.function.parameters
-            if parameters is None:
-                parameters = {"type": "object", "properties": {}}
-            functions.append(Function(name, parameters))
         choice = self.tool_choice
-        if choice is None or (choice == "auto" and not functions):
-            choice = "auto" if functions else "none"
-        if isinstance(choice, NamedToolChoice):
-            named = [f for f in functions if f.name == choice.function.name]
-            if not named:
-                raise BadField(
-                    "tool_choice",
-                    f"tool_choice names the function {choice.function.name!r}, which is not "
-                    f"one of the tools {[f.name for f in functions]}",
-                )
-            return "named", named
-        if choice == "required" and not functions:
-            raise BadField("tool_choice", "tool_choice 'required' needs tools")
-        return choice, functions
+        return tool_choice_mode(
+            [(t.function.name, t.function.parameters) for t in self.tools or ()],
+            choice.function.name if isinstance(choice, NamedToolChoice) else choice,
+            named=isinstance(choice, NamedToolChoice),
+            name_field=lambda i: f"tools[{i}].function.name",
+        )
 
     def prompt(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The messages in `parse_prompt`'s shape, and the chat template's arguments
@@ -388,3 +367,42 @@ class ChatCompletionRequest(_Request):
         if self.tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
         return {"messages": chat_messages(self.messages)}, kwargs
+
+
+def tool_choice_mode(
+    tools: Sequence[tuple[str, dict[str, Any] | None]],
+    choice: str | None,
+    *,
+    named: bool,
+    name_field: Callable[[int], str],
+) -> tuple[str, list[Function]]:
+    """How a reply may call `tools` (name, parameters): "none", "auto", "required" or
+    "named" (the function `choice` names, once), and the functions it may call.
+    `name_field(i)` names the i-th tool's name field in errors."""
+    functions: list[Function] = []
+    for i, (name, parameters) in enumerate(tools):
+        if not FUNCTION_NAME.fullmatch(name):
+            raise BadField(
+                name_field(i), f"a function name is 1 to 64 letters, digits, _ or -; got {name!r}"
+            )
+        if any(f.name == name for f in functions):
+            raise BadField(name_field(i), f"two tools are named {name!r}")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
+        functions.append(Function(name, parameters))
+    if named:
+        found = [f for f in functions if f.name == choice]
+        if not found:
+            raise BadField(
+                "tool_choice",
+                f"tool_choice names the function {choice!r}, which is not "
+                f"one of the tools {[f.name for f in functions]}",
+            )
+        return "named", found
+    if choice is None or (choice == "auto" and not functions):
+        choice = "auto" if functions else "none"
+    if choice not in ("none", "auto", "required"):
+        raise BadField("tool_choice", f"tool_choice must be none, auto or required, got {choice!r}")
+    if choice == "required" and not functions:
+        raise BadField("tool_choice", "tool_choice 'required' needs tools")
+    return choice, functions
