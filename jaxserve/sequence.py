@@ -74,3 +74,29 @@ class SequenceState:
     def sort_key(self) -> tuple[int, int]:
         """Who goes first: lower priority value, then earlier arrival."""
         return (self.priority, self.arrival)
+
+
+def samples_of(request, ids: list[int], max_tokens: int, indices, arrival: int, rng):
+    """A new request's samples (`GenerateRequest` `request`, those of `indices`), each
+    with its own seed (from `rng` where the request sets none); `arrival` orders it."""
+    params = request.params
+    seqs: list[SequenceState] = []
+    leader = None
+    for i in indices:
+        base = params.seed if params.seed is not None else rng.getrandbits(32)
+        seq = SequenceState(
+            request_id=request.request_id,
+            index=i,
+            prompt_token_ids=ids,
+            params=params,
+            max_tokens=max_tokens,
+            arrival=arrival,
+            priority=request.priority,
+            salt=request.cache_salt,
+            seed=(base + 7919 * i) & 0xFFFFFFFF,
+            leader=leader,
+            prompt=request.prompt,
+        )
+        leader = leader or seq
+        seqs.append(seq)
+    return seqs

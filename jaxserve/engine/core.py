@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.engine import disagg_io
+from jaxserve.engine import disagg_io, reporting
 from jaxserve.engine.emission import Emitter
 from jaxserve.engine.grammars import GrammarAdmission
 from jaxserve.engine.pipeline import StepPipeline
@@ -40,7 +40,7 @@ from jaxserve.runner import bundle
 from jaxserve.runner.input_batch import HostBatch, SamplingMetadata
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.scheduler import Scheduler
-from jaxserve.sequence import SequenceState, Status
+from jaxserve.sequence import Status, samples_of
 from jaxserve.targets import Target
 from jaxserve.tokenizer import Tokenizer
 
@@ -239,58 +239,11 @@ class LLMEngine:
     # ------------------------------------------------------- what front ends read
 
     def model_info(self) -> ModelInfo:
-        c = self.config
-        return ModelInfo(
-            model_dir=c.model_dir,
-            architecture=c.model.architecture,
-            vocab_size=c.model.vocab_size,
-            max_model_len=c.max_model_len,
-            max_num_seqs=c.scheduler.max_num_seqs,
-            dtype=c.dtype,
-            kv_cache_dtype=c.kv_dtype,
-            quantization=c.quantization,
-            block_size=c.cache.page_size,
-            kv_cache_tokens=self.runner.kv_tokens,
-            weight_bytes=self.runner.weight_bytes,
-            warmup_seconds=self.runner.warmup_seconds,
-            max_logit_bias=c.max_logit_bias,
-            tensor_parallel_size=self.runner.layout["tp"],
-            num_devices=self.runner.layout["devices"],
-            num_processes=self.runner.layout["processes"],
-            kv_cache_bytes_per_device=self.runner.kv_bytes_per_device,
-        )
+        return reporting.model_info(self.config, self.runner)
 
     def stats(self) -> StatsSnapshot:
         """The engine's counters and gauges now (cheap: a few dozen integers)."""
-        s = self.scheduler
-        return StatsSnapshot(
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
-            kv_cache_usage=self.pool.usage,
-            prefix_cache_queries=s.prefix_queries,
-            prefix_cache_hits=s.prefix_hits,
-            num_preemptions=s.num_preemptions,
-            num_compiles=self.runner.compiles.count,
-            **self._stats.counters(),
-            **self._tier_stats(),
-        )
-
-    def _tier_stats(self) -> dict[str, int]:
-        if self.tier is None:
-            return {}
-        t = self.tier.stats
-        return dict(
-            kv_tier_hits=t.hits,
-            kv_tier_loads=t.loads,
-            kv_tier_load_bytes=t.load_bytes,
-            kv_tier_stores=t.stores,
-            kv_tier_store_bytes=t.store_bytes,
-            kv_tier_errors=t.errors,
-            kv_tier_host_bytes=self.tier.host_used,
-            kv_tier_disk_bytes=self.tier.disk_used,
-            kv_tier_host_evictions=t.host_evictions,
-            kv_tier_disk_evictions=self.tier.disk_evictions,
-        )
+        return reporting.stats(self.scheduler, self.pool, self.runner, self._stats, self.tier)
 
     # ------------------------------------------------------- KV pages that travel
 
@@ -354,7 +307,8 @@ class LLMEngine:
             grammar = self.grammars.compiler().compile(params.structured_outputs)
             if grammar.done() and grammar.exception() is not None:
                 raise grammar.exception()  # a cached failure: a ValueError naming the field
-        seqs = self._sequences(request, ids, max_tokens, indices)
+        seqs = samples_of(request, ids, max_tokens, indices, self._arrivals, self._rng)
+        self._arrivals += 1
         detoks = [
             IncrementalDetokenizer(self.tokenizer, ids, params)
             if self.tokenizer is not None and i in indices
@@ -389,32 +343,6 @@ class LLMEngine:
         except BaseException:  # nothing of it stays behind
             self.abort(request_id)
             raise
-
-    def _sequences(
-        self, request: GenerateRequest, ids: list[int], max_tokens: int, indices
-    ) -> list[SequenceState]:
-        """A new request's samples (those of `indices`), each with its own seed."""
-        request_id, params = request.request_id, request.params
-        seqs, leader = [], None
-        for i in indices:
-            base = params.seed if params.seed is not None else self._rng.getrandbits(32)
-            seq = SequenceState(
-                request_id=request_id,
-                index=i,
-                prompt_token_ids=ids,
-                params=params,
-                max_tokens=max_tokens,
-                arrival=self._arrivals,
-                priority=request.priority,
-                salt=request.cache_salt,
-                seed=(base + 7919 * i) & 0xFFFFFFFF,
-                leader=leader,
-                prompt=request.prompt,
-            )
-            leader = leader or seq
-            seqs.append(seq)
-        self._arrivals += 1
-        return seqs
 
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its pages; False if it is unknown or already done."""
