@@ -74,6 +74,10 @@ class ModelRunner:
         GPU from this CPU host) on its compile-only devices. The weights and KV caches
         are then shapes placed as they would be there, nothing is read or allocated,
         and `warmup` compiles the same programs for it (returning them); no step runs.
+
+        (Long because it sets every field the runner has, in the order they depend on
+        each other; the steps with logic of their own are `_load_model`,
+        `_device_memory` and `_log_loaded`.)
         """
         self.compile_device = None
         if target is not None:
@@ -89,38 +93,7 @@ class ModelRunner:
         self.mesh = mesh
         check_kv_dtype(config.attention_backend, config.kv_dtype, self.compile_device)
         t0 = time.perf_counter()
-        on_cpu = target is None and jax.default_backend() == "cpu"
-        if on_cpu and not cpu_features.fast_dtype(config.dtype):
-            logger.warning(
-                "dtype=%s is slow on this CPU: XLA:CPU runs its matmuls several times "
-                "slower than float32 (bfloat16 is fast with AMX or AVX512-BF16); "
-                "dtype=float32 is the fast one",
-                config.dtype,
-            )
-        if on_cpu:
-            # The CPU attention backend and decode steps' int8 / bfloat16 matmuls call
-            # C++ kernels (built once per user and CPU); without them they run XLA's slower
-            # formulations (or when native_cpu_kernels is off).
-            cpu_library.prepare(
-                enabled=config.native_cpu_kernels, cache_dir=config.native_kernels_dir
-            )
-        model = load_model(
-            config.model_dir,
-            config.model,
-            dtype=config.dtype,
-            attention_backend=config.attention_backend,
-            quantization=config.quantization,
-            mesh=mesh,
-            compile_only=self.compile_device,
-        )
-        if (
-            on_cpu
-            and config.dtype == "bfloat16"
-            and config.quantization is None
-            and (mesh is None or mesh.devices.size == 1)
-            and cpu_library.is_loaded()
-        ):
-            model = store_rows(model)  # decode steps' matmuls through the CPU kernel
+        model = _load_model(config, mesh, self.compile_device)
         self.model_def, self.weights = ModelDef.split(model)
         # A draft model's weights are placed now, before the KV pool takes the rest.
         spec = config.speculative
@@ -131,18 +104,7 @@ class ModelRunner:
         self.draft_weight_bytes_per_device = (
             meshes.total_bytes(nnx.state(draft), per_device=True) if draft else 0
         )
-        if target is None:
-            memory = meshes.smallest_device_memory(meshes.mesh_devices(mesh))
-        else:  # a device there, with these weights loaded
-            in_use = self.weight_bytes_per_device + self.draft_weight_bytes_per_device
-            memory = (target.device_bytes_limit, in_use)
-            if memory[1] > memory[0]:
-                raise ValueError(
-                    f"the weights{' (draft model included)' if draft else ''} need "
-                    f"{memory[1] / 2**30:.2f} GiB per device and a "
-                    f"{target.chip.name} has {memory[0] / 2**30:.2f} GiB ({memory[1] - memory[0]} "
-                    "bytes over): raise tensor_parallel_size or use quantization='int8'"
-                )
+        memory = self._device_memory(target, draft is not None)
         self.num_pages = config.num_kv_pages(memory)
         if config.compiled_dir and config.cache.num_pages is None:
             self.num_pages = _bundle_pages(config.compiled_dir, self.num_pages)
@@ -187,10 +149,15 @@ class ModelRunner:
         self._step_wait = step_wait
         self.warmed_up = False
         self.warmup_seconds = 0.0
-        m, page = config.model, config.cache.page_size
+        page = config.cache.page_size
         self.kv_tokens = (self.num_pages - 1) * page
         self.kv_bytes_per_device = self.num_pages * config.kv_bytes_per_page(per_device=True)
         self.layout = meshes.describe(mesh)
+        self._log_loaded()
+
+    def _log_loaded(self) -> None:
+        """What the engine can hold, as vLLM logs it: KV tokens, max concurrency."""
+        config, m, page = self.config, self.config.model, self.config.cache.page_size
         logger.info(
             "loaded %s (%s, weights %.1f MiB%s) in %.1fs on %s; KV cache: %d pages x %d "
             "tokens = %d tokens (%.1f MiB per device, %s), maximum concurrency at "
@@ -209,6 +176,25 @@ class ModelRunner:
             config.max_model_len,
             self.kv_tokens / config.max_model_len,
         )
+
+    def _device_memory(self, target: Target | None, with_draft: bool) -> tuple[int, int] | None:
+        """(bytes a device has, bytes in use) for sizing the KV pool: the mesh's
+        smallest device here; for a compile-only target, its chip with these weights
+        loaded (refused if they do not fit)."""
+        if target is None:
+            memory = meshes.smallest_device_memory(meshes.mesh_devices(self.mesh))
+        else:  # a device there, with these weights loaded
+            in_use = self.weight_bytes_per_device + self.draft_weight_bytes_per_device
+            memory = (target.device_bytes_limit, in_use)
+            if memory[1] > memory[0]:
+                raise ValueError(
+                    f"the weights{' (draft model included)' if with_draft else ''} need "
+                    f"{memory[1] / 2**30:.2f} GiB per device and a "
+                    f"{target.chip.name} has {memory[0] / 2**30:.2f} GiB "
+                    f"({memory[1] - memory[0]} bytes over): raise tensor_parallel_size or "
+                    "use quantization='int8'"
+                )
+        return memory
 
     def close(self) -> None:
         """Releases what the runner owns: its JAX monitoring listeners (`compiles`), and
@@ -427,6 +413,44 @@ class ModelRunner:
         if self.compile_device is None:
             return contextlib.nullcontext()
         return compiling_for(self.compile_device)
+
+
+def _load_model(config: EngineConfig, mesh: Mesh | None, compile_device):
+    """The model with its weights placed on `mesh` (shapes only for a compile-only
+    `compile_device`). On the CPU: warns about a slow dtype, and builds the C++
+    kernels that the CPU attention backend and decode steps' int8 / bfloat16 matmuls
+    call (without them, or with native_cpu_kernels off, XLA's slower formulations)."""
+    on_cpu = compile_device is None and jax.default_backend() == "cpu"
+    if on_cpu and not cpu_features.fast_dtype(config.dtype):
+        logger.warning(
+            "dtype=%s is slow on this CPU: XLA:CPU runs its matmuls several times "
+            "slower than float32 (bfloat16 is fast with AMX or AVX512-BF16); "
+            "dtype=float32 is the fast one",
+            config.dtype,
+        )
+    if on_cpu:
+        # The CPU attention backend and decode steps' int8 / bfloat16 matmuls call
+        # C++ kernels (built once per user and CPU); without them they run XLA's slower
+        # formulations (or when native_cpu_kernels is off).
+        cpu_library.prepare(enabled=config.native_cpu_kernels, cache_dir=config.native_kernels_dir)
+    model = load_model(
+        config.model_dir,
+        config.model,
+        dtype=config.dtype,
+        attention_backend=config.attention_backend,
+        quantization=config.quantization,
+        mesh=mesh,
+        compile_only=compile_device,
+    )
+    if (
+        on_cpu
+        and config.dtype == "bfloat16"
+        and config.quantization is None
+        and (mesh is None or mesh.devices.size == 1)
+        and cpu_library.is_loaded()
+    ):
+        model = store_rows(model)  # decode steps' matmuls through the CPU kernel
+    return model
 
 
 def _bundle_pages(directory: str, budget: int) -> int:
