@@ -8,6 +8,7 @@ cancels or disconnects aborts its request (the engine stream's cleanup).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 
@@ -140,7 +141,11 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         elif kind == "messages":
             prompt = {"messages": servicer_chat.messages(request.messages)}
         try:
-            return parse_prompt(prompt, self.state.tokenizer, chat_template_kwargs=chat_kwargs)
+            # Off the event loop: a long prompt takes seconds to tokenize, and every
+            # other call on this server would wait meanwhile.
+            return await asyncio.to_thread(
+                parse_prompt, prompt, self.state.tokenizer, chat_template_kwargs=chat_kwargs
+            )
         except ValueError as e:
             await self._invalid(context, e)
         except TypeError as e:  # a chat_template_kwargs key the template owns

@@ -166,7 +166,7 @@ def build_app(
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        job = openai.completion_job(body)
+        job = await asyncio.to_thread(openai.completion_job, body)  # (tokenizes)
         if body.stream:
             return _sse(openai.complete_stream(job))
         return await _unless_disconnected(request, openai.complete(job))
@@ -174,7 +174,7 @@ def build_app(
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        job = openai.chat_job(body)
+        job = await asyncio.to_thread(openai.chat_job, body)  # (renders, tokenizes)
         if body.stream:
             return _sse(openai.chat_stream(job))
         return await _unless_disconnected(request, openai.chat(job))
@@ -182,7 +182,7 @@ def build_app(
     @api.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
         check_model(body.model)
-        job = responses.job(body)
+        job = await asyncio.to_thread(responses.job, body)
         rid = response_id()
         if body.stream:
             return _sse(responses.stream(job, body, rid))

@@ -310,6 +310,34 @@ def test_invalid_fields_are_400_naming_the_param(http, body, param):
         assert error["message"]
 
 
+def test_a_prompt_being_tokenized_holds_up_no_other_request(http, monkeypatch):
+    """Tokenizing (and rendering) a prompt ran on the server's event loop: a 4 MB
+    prompt held every other request for seconds (issue 28's chaos test). Here one
+    prompt's tokenizing waits until another request has been answered."""
+    from server.openai_api import completions
+
+    parse, released = completions.parse_prompt, threading.Event()
+
+    def parse_slowly(prompt, *a, **kw):
+        if prompt.get("prompt") == "hold me":
+            assert released.wait(30), "the other request was held up"
+        return parse(prompt, *a, **kw)
+
+    monkeypatch.setattr(completions, "parse_prompt", parse_slowly)
+    held = []
+    slow = threading.Thread(
+        target=lambda: held.append(
+            http.post("/v1/completions", json={"prompt": "hold me", "max_tokens": 2})
+        )
+    )
+    slow.start()
+    time.sleep(0.2)
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    released.set()
+    slow.join(30)
+    assert r.status_code == 200 and held[0].status_code == 200
+
+
 def test_the_requests_carry_every_sampling_field():
     """The HTTP front takes SamplingParams' fields by name (issue 29: one schema): a
     field added there without one here fails this test."""

@@ -244,6 +244,33 @@ BAD = [
 ]
 
 
+def test_a_prompt_being_tokenized_holds_up_no_other_call(served, monkeypatch):
+    """As over HTTP (test_http.py): tokenizing ran on the server's event loop."""
+    import threading
+    import time
+
+    from server import servicer
+
+    parse, released = servicer.parse_prompt, threading.Event()
+
+    def parse_slowly(prompt, *a, **kw):
+        if prompt.get("prompt") == "hold me":
+            assert released.wait(30), "the other call was held up"
+        return parse(prompt, *a, **kw)
+
+    monkeypatch.setattr(servicer, "parse_prompt", parse_slowly)
+    held = []
+    slow = threading.Thread(
+        target=lambda: held.append(stub(served.target).Complete(request("hold me", max_tokens=2)))
+    )
+    slow.start()
+    time.sleep(0.2)
+    fast = stub(served.target).Complete(request(max_tokens=2), timeout=30)
+    released.set()
+    slow.join(30)
+    assert fast.usage.completion_tokens == 2 and held[0].usage.completion_tokens == 2
+
+
 def test_the_proto_carries_every_sampling_field_with_its_default():
     """The gRPC front takes SamplingParams' fields by name (issue 29: one schema): a
     field added there without one here fails this test."""
