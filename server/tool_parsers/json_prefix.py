@@ -123,6 +123,8 @@ class JsonObject:
         return self._value_start(c, pos)  # "value" or "value_or_end"
 
     def _value_start(self, c: str, pos: int) -> bool:
+        if not (c in '{["-' or c in _DIGITS or c in _LITERALS):
+            return False  # (no value starts here: nothing recorded, nothing consumed)
         if len(self._stack) == 1 and self._stack[0] == "{":
             self.members[-1].value_start = pos
         if c in "{[":

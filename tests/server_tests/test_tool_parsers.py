@@ -90,6 +90,11 @@ MALFORMED = [
     ("mistral", "[TOOL_CALLS] not json at all"),
     ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}'),
     ("mistral", "[TOOL_CALLS]add[ARGS]{'a': 1}"),
+    # a value no JSON value starts with, at the call object's top level (IndexError)
+    ("hermes", '<tool_call>\n{"name": add}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": None}\n</tool_call>'),
+    ("llama3_json", '{"name": None}'),
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": <x>}]'),
 ]
 
 
