@@ -193,6 +193,9 @@ CALL_JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_
 def arguments_schema(fn: Function) -> str:
     """`%json {...}`: the function's parameters, written as CALL_JSON_OPTIONS says."""
     schema = copy.deepcopy(fn.parameters)
+    # Arguments are an object (OpenAI's `parameters: {}` or a schema without a type
+    # would let any JSON value through, which no parser takes for a call).
+    schema.setdefault("type", "object")
     schema["x-guidance"] = {**CALL_JSON_OPTIONS, **schema.get("x-guidance", {})}
     return "%json " + json.dumps(schema)
 
@@ -371,9 +374,12 @@ class ObjectCall:
         return None
 
     def _arguments(self):
-        for key in self.argument_keys:
-            m = self._member(key)
-            if m is not None:
+        """The first member, in the text's order, whose key names the arguments (a
+        Llama 3 call may carry both "arguments" and "parameters": the later one is
+        ignored, so the fragments already sent stay a prefix of what is kept)."""
+        keys = self.argument_keys
+        for m in self.json.members:
+            if m.key_end > 0 and json.loads(self.json.text[m.key_start : m.key_end]) in keys:
                 return m
         return None
 

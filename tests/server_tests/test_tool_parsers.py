@@ -304,6 +304,25 @@ def test_grammars_accept_the_format_and_the_schemas_only(demo_tokenizer, fmt):
     assert accepts(demo_tokenizer, grammar(False, True), "Just text.")  # auto: text is fine
 
 
+def test_parameters_without_a_type_still_take_an_object_only(demo_tokenizer):
+    """`parameters: {}` (common in OpenAI requests) let a forced call's arguments be
+    any JSON value, which the parser then refused: the call came back as content."""
+    parser = PARSERS["hermes"](demo_tokenizer[0])
+    lark = parser.grammar([Function("ping", {})], required=True, parallel=False)
+    call = '<tool_call>\n{"name": "ping", "arguments": %s}\n</tool_call>'
+    assert accepts(demo_tokenizer, lark, call % "{}")
+    assert not accepts(demo_tokenizer, lark, call % "5")
+
+
+def test_a_llama3_call_with_both_argument_keys_keeps_the_first():
+    """Fed a character at a time, the later "parameters" replaced "arguments" after
+    part of it was sent: the call completed with `{"x": 1}222}`."""
+    text = '{"name": "add", "arguments": {"x": 1}, "parameters": {"y": 22222}}'
+    want = ("", [("add", '{"x": 1}')])
+    assert calls_of(events_of("llama3_json", text)[0]) == want
+    assert calls_of(events_of("llama3_json", text, list(text))[0]) == want
+
+
 @pytest.fixture(scope="module")
 def marker_tokenizer(tmp_path_factory):
     """A tokenizer with the formats' markers as added tokens: Mistral's (v11) special,
