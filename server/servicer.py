@@ -367,7 +367,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             engine.validate(gen)
         except ValueError as e:
             await self._invalid(context, e)
-        first = dataclasses.replace(gen, params=disagg.first_token_params(params))
+        first = dataclasses.replace(gen, params=disagg.first_token_params(gen.params))
         final, rid = None, ""
         async for request_id, out, _ in self._stream(msg, context, first):
             final, rid = out, request_id
