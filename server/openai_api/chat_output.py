@@ -171,8 +171,9 @@ class ChoiceReader:
 
     @property
     def called(self) -> bool:
-        """Whether a call completed."""
-        return self.calls is not None and self.calls.completed > 0
+        """Whether the reply is calls: one completed and none failed (a stream has sent
+        a failed call's beginning, which no client can parse as a call)."""
+        return self.calls is not None and self.calls.completed > 0 and not self.calls.failed
 
 
 def finish_reason(reason: str | None, reader: ChoiceReader | None) -> str | None:

@@ -16,8 +16,8 @@ Every arguments fragment keeps what was sent a prefix of valid JSON
 naming a function it was not given ends in `CallFailed`: from there on everything,
 that call's text included, is content; a non-streamed response then has that
 text as content and no such call, while a stream has already sent the call's
-valid beginning (and ends without `finish_reason: "tool_calls"` unless another
-call completed).
+valid beginning. Either way the reply does not end with `finish_reason:
+"tool_calls"`, even where another call completed.
 """
 
 from __future__ import annotations
@@ -242,6 +242,11 @@ class CallStream:
         self._after_call = False  # the last thing was a call: leading whitespace goes
         self._failed = False  # a call failed: everything from here on is content
         self.completed = 0  # calls that ended well
+
+    @property
+    def failed(self) -> bool:
+        """Whether a call failed (from there on everything was content)."""
+        return self._failed
 
     def feed(self, text: str) -> list[Event]:
         self._pending += text

@@ -356,3 +356,17 @@ def test_markers_that_are_tokens_are_written_as_those_tokens(marker_tokenizer):
         assert len(calls_of(events_of(parser.name, decoded)[0])[1]) == (
             2 if parser is mistral else 1
         )
+
+
+def test_a_reply_whose_later_call_breaks_does_not_finish_with_tool_calls():
+    """A stream has sent the broken call's beginning (not parseable as a call): the
+    reply is not `finish_reason: "tool_calls"`, though the call before it completed."""
+    from server.openai_api.chat_output import ChoiceReader, finish_reason
+
+    good = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    broken = '\n<tool_call>\n{"name": "add", "arguments": {"a": 1'
+    for text, want in ((good, "tool_calls"), (good + broken, "stop")):
+        reader = ChoiceReader(None, PARSERS["hermes"](None).stream(NAMES))
+        reader.feed(text)
+        reader.finish()
+        assert finish_reason("stop", reader) == want
