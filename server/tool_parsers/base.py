@@ -241,6 +241,7 @@ class CallStream:
         self._next_index = 0
         self._after_call = False  # the last thing was a call: leading whitespace goes
         self._failed = False  # a call failed: everything from here on is content
+        self.gap = ""  # the whitespace before the last marker found (`_text_until`)
         self.completed = 0  # calls that ended well
 
     @property
@@ -294,7 +295,12 @@ class CallStream:
         p = self._pending
         at = p.find(marker)
         if at >= 0:
-            self._say(p[:at].rstrip(_WS))
+            before = p[:at].rstrip(_WS)
+            self._say(before)
+            # (the whitespace before a call is not content; a call that then fails
+            # gives it back with its own text, `gap`, unless a call just ended: the
+            # whitespace between two calls is never content)
+            self.gap = "" if self._after_call else p[len(before) : at]
             self._pending = p[at + len(marker) :]
             return True
         if final:

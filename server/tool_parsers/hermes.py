@@ -58,7 +58,7 @@ class _HermesStream(CallStream):
             if self._state == "text":
                 if not self._text_until(OPEN, final):
                     return
-                self._call = ObjectCall(OPEN)
+                self._call = ObjectCall(self.gap + OPEN)
                 self._state = "call"
             elif self._state == "call":
                 done = self._object_call(self._call, final)

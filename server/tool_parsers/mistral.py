@@ -84,7 +84,7 @@ class _MistralStream(CallStream):
             if state == "text":
                 if not self._text_until(TOOL_CALLS, final):
                     return
-                self._raw = TOOL_CALLS
+                self._raw = self.gap + TOOL_CALLS
                 self._state = "open"
             elif state == "open":  # "[" begins the array; else a v11 name
                 p = self._pending.lstrip(_WS)

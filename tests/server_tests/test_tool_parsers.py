@@ -95,6 +95,9 @@ MALFORMED = [
     ("hermes", '<tool_call>\n{"name": "add", "arguments": None}\n</tool_call>'),
     ("llama3_json", '{"name": None}'),
     ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": <x>}]'),
+    # content, then a call that does not parse: the text comes back exactly
+    ("hermes", "Sure.\n<tool_call>\nadd(a=1)"),
+    ("mistral", "Hello [TOOL_CALLS]oops"),
 ]
 
 
