@@ -70,10 +70,11 @@ class ReasoningParser:
         # A little whitespace may end the reasoning (Qwen3 writes "\n\n"); unbounded, a
         # sampling model could write it until max_tokens.
         rules += "WS: /[ \\t\\r\\n]{1,4}/\n"
-        if self.starts_inside(prompt):
-            prefix = f"{thinking} WS?"
+        open_ = literal(self.tokenizer, OPEN)
+        if self.starts_inside(prompt):  # (a template that did not open it: the reply may)
+            prefix = f"({open_})? {thinking} WS?"
         else:
-            prefix = f"({literal(self.tokenizer, OPEN)} {thinking} WS?)?"
+            prefix = f"({open_} {thinking} WS?)?"
         return structured.then(prefix, grammar, rules)
 
 

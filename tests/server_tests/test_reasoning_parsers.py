@@ -99,6 +99,8 @@ def test_constraints_hold_the_answer_only(tokenizers, markers):
     free = 'anything {"n": oops} goes </thin'
     assert accepts(tok, r1, f'{free}</think>\n\n{{"n":1}}')
     assert not accepts(tok, r1, '{"n":1}')  # R1 reasons first
+    # a template that did not open the reasoning: the reply may, as the parser takes it
+    assert accepts(tok, r1, f'<think>{free}</think>\n\n{{"n":1}}')
     assert not accepts(tok, r1, f'{free}</think>{{"n":"1"}}')  # the answer is held
     assert not accepts(tok, r1, f'{free}</think>\n\n\n\n\n{{"n":1}}')  # a little whitespace
     assert accepts(tok, qwen3, '{"n":2}')  # Qwen3 may skip thinking
