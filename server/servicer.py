@@ -221,9 +221,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                         readers[c.index] = reading.choice()
                     reader = readers[c.index]
                     if reader is not None:
-                        events = reader.feed(c.delta_text)
+                        events = reader.step(c.delta_text, c.finished)
                         if c.finished:
-                            events += reader.finish()
                             msg.finish_reason = (
                                 chat_output.finish_reason(c.finish_reason, reader) or ""
                             )
@@ -267,7 +266,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                 comp.cumulative_logprob = c.cumulative_logprob
             reader = None if reading is None else reading.choice()
             if reader is not None:
-                servicer_chat.set_whole(comp, reader.feed(c.text) + reader.finish())
+                servicer_chat.set_whole(comp, reader.read(c.text))
                 comp.finish_reason = chat_output.finish_reason(c.finish_reason, reader) or ""
             completions.append(comp)
         return pb.CompleteResponse(

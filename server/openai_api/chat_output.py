@@ -161,6 +161,15 @@ class ChoiceReader:
         events = self._answer(self.reasoning.finish()) if self.reasoning else []
         return events + (self.calls.finish() if self.calls else [])
 
+    def step(self, delta: str, finished: bool) -> list:
+        """The events of one streamed delta; the one that finishes the reply ends it."""
+        events = self.feed(delta)
+        return events + self.finish() if finished else events
+
+    def read(self, text: str) -> list:
+        """The events of a whole reply."""
+        return self.feed(text) + self.finish()
+
     def _answer(self, events: Sequence) -> list:
         if self.calls is None:
             return list(events)

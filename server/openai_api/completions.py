@@ -215,7 +215,7 @@ class OpenAIServing:
             if reader is None:
                 message = {"role": "assistant", "content": echo + c.text}
             else:
-                events = reader.feed(c.text) + reader.finish()
+                events = reader.read(c.text)
                 message = chat_output.message(events, reasoning=reader.reasoning is not None)
                 if echo:
                     message["content"] = echo + (message["content"] or "")
@@ -261,10 +261,7 @@ class OpenAIServing:
             if reader is None:
                 delta = {"content": c.delta_text} if c.delta_text else {}
             else:
-                events = reader.feed(c.delta_text)
-                if c.finish_reason is not None:
-                    events += reader.finish()
-                delta = chat_output.delta(events)
+                delta = chat_output.delta(reader.step(c.delta_text, c.finished))
             choice = {
                 "index": c.index,
                 "delta": delta,

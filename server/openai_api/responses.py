@@ -186,7 +186,7 @@ class ResponsesServing:
         (c,) = final.outputs
         reader = _reader(job)
         items = OutputItems()
-        items.feed([Content(c.text)] if reader is None else reader.feed(c.text) + reader.finish())
+        items.feed([Content(c.text)] if reader is None else reader.read(c.text))
         items.finish(c.finish_reason == "length")
         return self._response(job, body, rid, items.output, final, c.finish_reason)
 
@@ -213,9 +213,7 @@ class ResponsesServing:
                     if reader is None:
                         events: list = [Content(c.delta_text)] if c.delta_text else []
                     else:
-                        events = reader.feed(c.delta_text)
-                        if c.finish_reason is not None:
-                            events += reader.finish()
+                        events = reader.step(c.delta_text, c.finished)
                     for payload in items.feed(events):
                         yield event(payload)
                 if out.finished:
