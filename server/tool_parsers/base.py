@@ -150,9 +150,12 @@ class ToolParser(abc.ABC):
     def free_text_then(self, marker: str, rest: str) -> str:
         """`start:` any text without `marker`, or such text then `marker` then `rest`."""
         lit = self.literal(marker)
-        if lit.startswith("<["):  # one token: free text cannot write it
-            return f"start: FREE | FREE? {lit} {rest}\nFREE: /(.|\\n)+/\n"
         pattern = _lark_regex(re.escape(marker))
+        if lit.startswith("<["):  # one token, which free text cannot write; nor may it
+            # spell the marker out in pieces (the parser would read an unchecked call)
+            return (
+                f"start: FREE | FREE? {lit} {rest}\nFREE: /(.|\\n)+/ & ~/(?s:.*){pattern}(?s:.*)/\n"
+            )
         return (
             f"start: FREE | lead {rest}\n"
             f"FREE: /(.|\\n)*/ & ~/(?s:.*){pattern}(?s:.*)/\n"

@@ -361,6 +361,18 @@ def test_markers_that_are_tokens_are_written_as_those_tokens(marker_tokenizer):
         )
 
 
+def test_free_text_may_not_spell_a_one_token_marker_out_in_pieces(marker_tokenizer):
+    """Constrained `auto`: text around calls is free, but "<tool_call>" written as
+    ordinary tokens would be read by the parser as a call no grammar checked."""
+    tok, llg = marker_tokenizer
+    lark = PARSERS["hermes"](tok).grammar(FUNCTIONS, required=False, parallel=True)
+    head, tail = (tok.encode(part, add_special_tokens=False) for part in ("Hi <tool", "_call>"))
+    assert tok.token_id("<tool_call>") not in head + tail
+    matcher = llguidance.LLMatcher(llg, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+    assert all(matcher.consume_token(t) for t in head)  # free text so far
+    assert not all(matcher.consume_token(t) for t in tail)  # not the marker spelled out
+
+
 def test_a_reply_whose_later_call_breaks_does_not_finish_with_tool_calls():
     """A stream has sent the broken call's beginning (not parseable as a call): the
     reply is not `finish_reason: "tool_calls"`, though the call before it completed."""
