@@ -165,14 +165,16 @@ def test_a_request_that_raises_while_being_added_fails_alone_behind_the_async_en
     async def main():
         engine = make_engine()
         aengine = AsyncLLMEngine(engine)
-        original = engine._sequences
+        from jaxserve.engine import core
 
-        def sequences(request, *args):
+        original = core.samples_of
+
+        def samples_of(request, *args):
             if request.request_id == "bad":
                 raise RuntimeError("injected failure while adding")
             return original(request, *args)
 
-        monkeypatch.setattr(engine, "_sequences", sequences)
+        monkeypatch.setattr(core, "samples_of", samples_of)
         ok = asyncio.create_task(collect(aengine, "ok", [1, 2, 3], 4))
         with pytest.raises(RequestFailedError, match="while being added.*injected failure"):
             await collect(aengine, "bad", [4, 5], 3)
