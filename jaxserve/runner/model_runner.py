@@ -104,7 +104,7 @@ class ModelRunner:
         self.draft_weight_bytes_per_device = (
             meshes.total_bytes(nnx.state(draft), per_device=True) if draft else 0
         )
-        memory = self._device_memory(target, draft is not None)
+        memory = self._device_memory(target)
         self.num_pages = config.num_kv_pages(memory)
         if config.compiled_dir and config.cache.num_pages is None:
             self.num_pages = _bundle_pages(config.compiled_dir, self.num_pages)
@@ -177,24 +177,22 @@ class ModelRunner:
             self.kv_tokens / config.max_model_len,
         )
 
-    def _device_memory(self, target: Target | None, with_draft: bool) -> tuple[int, int] | None:
+    def _device_memory(self, target: Target | None) -> tuple[int, int] | None:
         """(bytes a device has, bytes in use) for sizing the KV pool: the mesh's
         smallest device here; for a compile-only target, its chip with these weights
         loaded (refused if they do not fit)."""
         if target is None:
-            memory = meshes.smallest_device_memory(meshes.mesh_devices(self.mesh))
-        else:  # a device there, with these weights loaded
-            in_use = self.weight_bytes_per_device + self.draft_weight_bytes_per_device
-            memory = (target.device_bytes_limit, in_use)
-            if memory[1] > memory[0]:
-                raise ValueError(
-                    f"the weights{' (draft model included)' if with_draft else ''} need "
-                    f"{memory[1] / 2**30:.2f} GiB per device and a "
-                    f"{target.chip.name} has {memory[0] / 2**30:.2f} GiB "
-                    f"({memory[1] - memory[0]} bytes over): raise tensor_parallel_size or "
-                    "use quantization='int8'"
-                )
-        return memory
+            return meshes.smallest_device_memory(meshes.mesh_devices(self.mesh))
+        total = target.device_bytes_limit  # a device there, with these weights loaded
+        in_use = self.weight_bytes_per_device + self.draft_weight_bytes_per_device
+        if in_use > total:
+            draft = " (draft model included)" if self.draft_weight_bytes_per_device else ""
+            raise ValueError(
+                f"the weights{draft} need {in_use / 2**30:.2f} GiB per device and a "
+                f"{target.chip.name} has {total / 2**30:.2f} GiB ({in_use - total} "
+                "bytes over): raise tensor_parallel_size or use quantization='int8'"
+            )
+        return total, in_use
 
     def close(self) -> None:
         """Releases what the runner owns: its JAX monitoring listeners (`compiles`), and
