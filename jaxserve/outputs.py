@@ -35,6 +35,12 @@ class RequestOutput:
     # Why the engine failed this request (an unexpected error in its host work, named
     # with its cause); its unfinished samples end "abort". None for every other output.
     error: str | None = None
+    # The weights' version (`LLMEngine.update_weights`: the caller's number, or a count
+    # of updates from 0) that sampled this output's newest tokens, and the one that
+    # sampled the request's first output token: a rollout is on-policy for one version
+    # when the two are equal.
+    weight_version: int = 0
+    first_weight_version: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
