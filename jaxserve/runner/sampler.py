@@ -71,17 +71,18 @@ def _apply_penalties(logits, md: SamplingMetadata):
 
 
 def _top_k_top_p(logits, md: SamplingMetadata):
-    """Masks what falls outside each row's top-k and top-p nucleus (ties at the edge kept)."""
+    """Masks what falls outside each row's top-k, then outside the top-p nucleus of
+    what top-k kept, renormalized (vLLM's order; ties at either edge kept)."""
     v = logits.shape[1]
     ordered = -jnp.sort(-logits, axis=-1)  # descending
     k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, v), v)
     kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
-    probs = jax.nn.softmax(ordered, axis=-1)
+    in_k = ordered >= kth
+    probs = jax.nn.softmax(jnp.where(in_k, ordered, -jnp.inf), axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each entry
-    keep = (before < md.top_p[:, None]) & (jnp.arange(v)[None, :] < k[:, None])
+    keep = (before < md.top_p[:, None]) & in_k
     # The smallest kept value; keep is never empty (the first entry always passes).
     threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
-    threshold = jnp.maximum(threshold, kth)
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
