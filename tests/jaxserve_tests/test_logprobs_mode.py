@@ -12,6 +12,7 @@ before temperature.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 
 import jax
@@ -23,6 +24,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import LOGPROBS_MODES
 from jaxserve.runner.input_batch import MAX_TOP_LOGPROBS, SampleRow, build_sampling
 from jaxserve.runner.sampler import sample
+from jaxserve.sampling_params import ParamError
 
 V = 64
 TINY = "demo-model-tiny"
@@ -331,3 +333,24 @@ def test_processed_mode_compiles_the_same_programs_and_nothing_after_warm_up(mon
         for params in (SHAPED_PARAMS, SHAPED_PARAMS[::-1], [SamplingParams(max_tokens=3)] * 3):
             llm.generate(prompts, params, use_tqdm=False)
         assert runner.compiles.count == compiled
+
+
+def test_detokenize_false_gives_token_ids_only(engines):
+    """vLLM's `detokenize=False`: the same tokens and logprobs, no text (no detokenizer
+    runs for the request); stop strings, which match text, are refused."""
+    llm = engines("raw_logprobs")
+    p = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+    with_text, ids_only = llm.generate(
+        [PROMPT, PROMPT], [p, dataclasses.replace(p, detokenize=False)], use_tqdm=False
+    )
+    a, b = with_text.outputs[0], ids_only.outputs[0]
+    assert a.text and b.text == "" and b.token_ids == a.token_ids
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):  # (rows of one batch: float noise)
+        assert list(x) == list(y)
+        np.testing.assert_allclose(list(x.values()), list(y.values()), rtol=1e-5)
+    with pytest.raises(ParamError, match="stop strings match text") as e:
+        SamplingParams(stop=["."], detokenize=False)
+    assert e.value.field == "stop"
+    with pytest.raises(ParamError, match="detokenize must be a bool") as e:
+        SamplingParams(detokenize="no")
+    assert e.value.field == "detokenize"
