@@ -217,9 +217,24 @@ def sample(
         & ~md.masked
         & ~_penalized(md)
     )
-    if logprobs_mode.startswith("processed"):
-        # The processed logits leave the sampling branches: a [B, V] output these modes
-        # pay for (the raw modes' program is unchanged).
+    as_logits = logprobs_mode.endswith("logits")
+
+    def draw(logits, md):
+        return lax.cond(plain, _plain_greedy, _process_and_sample, logits, md)
+
+    if not logprobs_mode.startswith("processed"):
+        sampled, accepted = draw(logits, md)
+        chosen, top_ids, top_vals = lax.cond(
+            md.want_logprobs[0],
+            lambda x: token_logprobs(x, sampled, as_logits=as_logits),
+            lambda x: no_logprobs(x.shape[0]),
+            logits,
+        )
+        return SamplerOutput(sampled, chosen, top_ids, top_vals, accepted)
+
+    # Processed: the processed logits [B, V] leave the sampling branches, a copy that
+    # only a batch asking for logprobs makes (another branch of the same program).
+    def with_logprobs(logits, md):
         sampled, accepted, scores = lax.cond(
             plain,
             lambda x, md: (*_plain_greedy(x, md), x),
@@ -227,15 +242,13 @@ def sample(
             logits,
             md,
         )
-    else:
-        sampled, accepted = lax.cond(plain, _plain_greedy, _process_and_sample, logits, md)
-        scores = logits
-    as_logits = logprobs_mode.endswith("logits")
-    chosen, top_ids, top_vals = lax.cond(
-        md.want_logprobs[0],
-        lambda x: token_logprobs(x, sampled, as_logits=as_logits),
-        lambda x: no_logprobs(x.shape[0]),
-        scores,
+        return sampled, accepted, *token_logprobs(scores, sampled, as_logits=as_logits)
+
+    def without(logits, md):
+        return *draw(logits, md), *no_logprobs(logits.shape[0])
+
+    sampled, accepted, chosen, top_ids, top_vals = lax.cond(
+        md.want_logprobs[0], with_logprobs, without, logits, md
     )
     return SamplerOutput(sampled, chosen, top_ids, top_vals, accepted)
 
