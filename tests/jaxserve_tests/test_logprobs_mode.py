@@ -335,14 +335,24 @@ def test_processed_mode_compiles_the_same_programs_and_nothing_after_warm_up(mon
         assert runner.compiles.count == compiled
 
 
-def test_detokenize_false_gives_token_ids_only(engines):
+def test_detokenize_false_gives_token_ids_only(engines, monkeypatch):
     """vLLM's `detokenize=False`: the same tokens and logprobs, no text (no detokenizer
-    runs for the request); stop strings, which match text, are refused."""
+    is made for the request); stop strings, which match text, are refused."""
+    from jaxserve.engine import core
+
+    made = []
+    detokenizer = core.IncrementalDetokenizer
+    monkeypatch.setattr(
+        core,
+        "IncrementalDetokenizer",
+        lambda tok, ids, p: made.append(p) or detokenizer(tok, ids, p),
+    )
     llm = engines("raw_logprobs")
     p = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
     with_text, ids_only = llm.generate(
         [PROMPT, PROMPT], [p, dataclasses.replace(p, detokenize=False)], use_tqdm=False
     )
+    assert made == [p]  # the first request's alone
     a, b = with_text.outputs[0], ids_only.outputs[0]
     assert a.text and b.text == "" and b.token_ids == a.token_ids
     for x, y in zip(a.logprobs, b.logprobs, strict=True):  # (rows of one batch: float noise)
