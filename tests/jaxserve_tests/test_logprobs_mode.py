@@ -86,6 +86,19 @@ def assert_entry(entry: dict[int, float], token: int, want: np.ndarray, k: int) 
     np.testing.assert_allclose(want[ids], got[np.isfinite(got)], rtol=1e-4, atol=1e-4)
 
 
+def test_the_mode_is_checked_naming_the_value():
+    from absl import flags
+
+    from server.cli import engine_flags  # (defines --logprobs_mode)
+
+    with pytest.raises(ValueError, match=r"logprobs_mode must be one of .* got 'processed'"):
+        LLM(TINY, logprobs_mode="processed")  # (refused before anything is loaded)
+    assert "logprobs_mode" in engine_flags.ENGINE_FLAGS
+    with pytest.raises(flags.IllegalFlagValueError, match="processed"):
+        flags.FLAGS["logprobs_mode"].parse("processed")
+    assert flags.FLAGS["logprobs_mode"].default == "raw_logprobs"
+
+
 # ------------------------------------------------------------------ the sampler
 
 
