@@ -30,9 +30,12 @@ MAX_TOP_LOGPROBS values with their ids, of
 - `processed_logits`: those processed logits, before log_softmax.
 
 A token a processed distribution excludes gets -inf: the honest value (front ends
-render it in JSON as vLLM does, -9999.0). Speculative decoding changes nothing: each
-verifying row is processed as the row without speculation would be (its own
-history, position and seed), so its values are those of the token's own step.
+render it in JSON as vLLM does, -9999.0). Prompt logprobs (`runner.step`) are the
+raw distribution's in every mode, as logits or logprobs by the mode's suffix, as
+vLLM's: no token is drawn at a prompt position, so nothing processes it.
+Speculative decoding changes nothing: each verifying row is processed as the row
+without speculation would be (its own history, position and seed), so its values
+are those of the token's own step.
 
 Speculative decoding: a row with a `draft` token verifies it against the row's
 processed distribution p (the same processing as a normal draw). Proposals are
