@@ -94,6 +94,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
         seed: int = 0,
+        logprobs_mode: str = "raw_logprobs",
         warmup: bool = True,
         compilation_cache_dir: str | os.PathLike | None = None,
         compiled: str | os.PathLike | None = None,
@@ -101,7 +102,12 @@ class LLM:
         **engine_args,
     ):
         """Arguments as vLLM's; `engine_args` are further `jaxserve.config.ENGINE_ARGS`
-        (num_kv_pages, kv_cache_memory_fraction, tensor_parallel_size, ...)."""
+        (num_kv_pages, kv_cache_memory_fraction, tensor_parallel_size, ...).
+
+        `logprobs_mode` (vLLM's): what `logprobs` and `prompt_logprobs` hold, for the
+        engine's life: "raw_logprobs" (the model's), "raw_logits", "processed_logprobs"
+        (the distribution each token was sampled from) or "processed_logits"
+        (`jaxserve.runner.sampler` says exactly what each holds)."""
         model_dir = resolve_model_dir(model)
         if compilation_cache_dir is not None:
             compilation_cache_dir = os.path.expanduser(os.fspath(compilation_cache_dir))
@@ -124,6 +130,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend,
             seed=seed,
+            logprobs_mode=logprobs_mode,
             warmup=warmup,
             compilation_cache_dir=compilation_cache_dir,
             compiled_dir=None if compiled is None else os.fspath(compiled),

@@ -60,6 +60,9 @@ class ModelInfo:
     weight_bytes: int  # the model's weights on the device(s)
     warmup_seconds: float  # compiling the step programs at start-up (0: no warm-up)
     max_logit_bias: int  # logit_bias entries a request may carry
+    # What logprobs hold (`EngineConfig.logprobs_mode`): "raw_logprobs", "raw_logits",
+    # "processed_logprobs" or "processed_logits".
+    logprobs_mode: str = "raw_logprobs"
     # The mesh: devices one engine spans (tensor parallel), engine replicas side by
     # side (data parallel), all the devices and processes serving, and the KV pool's
     # bytes on each device.

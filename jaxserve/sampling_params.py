@@ -114,6 +114,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # False: no text is made (vLLM's): outputs carry token ids only, and no detokenizer
+    # runs for the request (stop strings, which match text, need one).
+    detokenize: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -192,6 +195,14 @@ class SamplingParams:
                 bad(f, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        if not isinstance(self.detokenize, bool):
+            bad("detokenize", "must be a bool")
+        if self.stop and not self.detokenize:
+            raise ParamError(
+                "stop",
+                f"stop {self.stop!r}: stop strings match text, and detokenize=False makes "
+                "none; use stop_token_ids, or detokenize=True",
+            )
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
         if self.structured_outputs is not None and not isinstance(

@@ -14,7 +14,7 @@ command line both build their config through it.
 This module imports no JAX: the CLI and the host-side scheduler use it too.
 """
 
-from jaxserve.config.engine import ENGINE_ARGS, EngineConfig, engine_config
+from jaxserve.config.engine import ENGINE_ARGS, LOGPROBS_MODES, EngineConfig, engine_config
 from jaxserve.config.sections import (
     DATA_PARALLEL_BACKENDS,
     KV_SCALE_BYTES,
@@ -32,6 +32,7 @@ __all__ = [
     "DATA_PARALLEL_BACKENDS",
     "ENGINE_ARGS",
     "KV_SCALE_BYTES",
+    "LOGPROBS_MODES",
     "QUANTIZATION_METHODS",
     "QUANTIZED_KV_DTYPES",
     "SPECULATIVE_METHODS",

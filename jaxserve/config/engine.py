@@ -16,6 +16,11 @@ from jaxserve.config.sections import (
 )
 from models.config import ModelConfig, normalize_dtype
 
+# vLLM's `logprobs_mode`: what a request's `logprobs` and `prompt_logprobs` hold. "raw":
+# the model's distribution; "processed": the one the engine sampled from
+# (`jaxserve.runner.sampler` defines it); "_logits": the values before log_softmax.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -47,6 +52,9 @@ class EngineConfig:
     # `LLM.save_compiled`); it must have been made for this target and configuration.
     compiled_dir: str | None = None
     stats_interval_s: float = 10.0  # the periodic stats log line; 0 disables it
+    # What logprobs hold (LOGPROBS_MODES), for the engine's life: static to the sampling
+    # and prompt-logprob programs (the same number of them compiled, whatever the mode).
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
@@ -83,6 +91,10 @@ class EngineConfig:
             )
         if self.max_logit_bias <= 0:
             raise ValueError(f"max_logit_bias must be positive, got {self.max_logit_bias}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
         if self.cache.offload and not self.scheduler.enable_prefix_caching:
             raise ValueError(
                 f"kv_offload_bytes={self.cache.offload_bytes}, kv_offload_dir="

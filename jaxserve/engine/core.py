@@ -311,7 +311,7 @@ class LLMEngine:
         self._arrivals += 1
         detoks = [
             IncrementalDetokenizer(self.tokenizer, ids, params)
-            if self.tokenizer is not None and i in indices
+            if self.tokenizer is not None and params.detokenize and i in indices
             else None
             for i in range(params.n)
         ]

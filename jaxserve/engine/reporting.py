@@ -23,6 +23,7 @@ def model_info(c, runner) -> ModelInfo:
         weight_bytes=runner.weight_bytes,
         warmup_seconds=runner.warmup_seconds,
         max_logit_bias=c.max_logit_bias,
+        logprobs_mode=c.logprobs_mode,
         tensor_parallel_size=runner.layout["tp"],
         num_devices=runner.layout["devices"],
         num_processes=runner.layout["processes"],

@@ -84,6 +84,7 @@ def manifest(
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "min_token_bucket": config.min_token_bucket,
         "max_logit_bias": config.max_logit_bias,
+        "logprobs_mode": config.logprobs_mode,
         "token_buckets": list(token_buckets),
         "row_buckets": list(row_buckets),
         "tensor_parallel_size": config.parallel.tensor_parallel_size,

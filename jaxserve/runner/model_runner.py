@@ -124,7 +124,7 @@ class ModelRunner:
                 self.num_pages,
                 config.kv_dtype,
             )
-        self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches)
+        self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches, config.logprobs_mode)
         self.kv_programs = kv_io.jitted(self.cache_layout)
         self.shapes = StepShapes.for_config(config)
         self.token_buckets, self.row_buckets = self.shapes.token_buckets, self.shapes.row_buckets

@@ -13,8 +13,29 @@ penalty counts, the random draw and the sort for top-k/top-p, the logprobs) run
 under `lax.cond`, so a batch that does not ask for them does not pay for them,
 and no setting changes the compiled program.
 
-Logprobs are those of the raw model distribution (log-softmax of the logits),
-as vLLM returns by default.
+Logprobs follow the engine's `logprobs_mode` (vLLM's; fixed for the engine's life,
+so a static choice of the program): the sampled token's value, and the top
+MAX_TOP_LOGPROBS values with their ids, of
+
+- `raw_logprobs` (the default): log_softmax of the model's logits;
+- `raw_logits`: the model's logits themselves;
+- `processed_logprobs`: log_softmax of the logits the row's token was drawn from,
+  after everything that shapes that distribution, in the order applied: logit
+  bias, the allowed-token bitmask (a grammar, min_tokens' blocked EOS and stop
+  ids; -inf where blocked), repetition / frequency / presence penalties, then
+  temperature, min-p, top-k and top-p (-inf where they cut). As vLLM, a greedy
+  row (temperature 0) samples the argmax of the logits after bias, bitmask and
+  penalties, and its processed values are those: no temperature, no min-p,
+  top-k or top-p (vLLM resets them for greedy requests; none changes the argmax);
+- `processed_logits`: those processed logits, before log_softmax.
+
+A token a processed distribution excludes gets -inf: the honest value (front ends
+render it in JSON as vLLM does, -9999.0). Prompt logprobs (`runner.step`) are the
+raw distribution's in every mode, as logits or logprobs by the mode's suffix, as
+vLLM's: no token is drawn at a prompt position, so nothing processes it.
+Speculative decoding changes nothing: each verifying row is processed as the row
+without speculation would be (its own history, position and seed), so its values
+are those of the token's own step.
 
 Speculative decoding: a row with a `draft` token verifies it against the row's
 processed distribution p (the same processing as a normal draw). Proposals are
@@ -30,6 +51,7 @@ accepted run).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -49,9 +71,9 @@ jax.tree_util.register_dataclass(
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
     token_ids: jax.Array  # [B] i32
-    logprobs: jax.Array  # [B] f32: raw logprob of each sampled token (0 unless asked)
+    logprobs: jax.Array  # [B] f32: each sampled token's value (0 unless asked), by mode
     top_ids: jax.Array  # [B, 20] i32 (zeros unless requested)
-    top_logprobs: jax.Array  # [B, 20] f32
+    top_logprobs: jax.Array  # [B, 20] f32: the top values (logprobs or logits, by mode)
     accepted: jax.Array  # [B] bool: the row's draft was accepted (its token is the draft)
 
 
@@ -71,23 +93,25 @@ def _apply_penalties(logits, md: SamplingMetadata):
 
 
 def _top_k_top_p(logits, md: SamplingMetadata):
-    """Masks what falls outside each row's top-k and top-p nucleus (ties at the edge kept)."""
+    """Masks what falls outside each row's top-k, then outside the top-p nucleus of
+    what top-k kept, renormalized (vLLM's order; ties at either edge kept)."""
     v = logits.shape[1]
     ordered = -jnp.sort(-logits, axis=-1)  # descending
     k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, v), v)
     kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
-    probs = jax.nn.softmax(ordered, axis=-1)
+    in_k = ordered >= kth
+    probs = jax.nn.softmax(jnp.where(in_k, ordered, -jnp.inf), axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each entry
-    keep = (before < md.top_p[:, None]) & (jnp.arange(v)[None, :] < k[:, None])
+    keep = (before < md.top_p[:, None]) & in_k
     # The smallest kept value; keep is never empty (the first entry always passes).
     threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
-    threshold = jnp.maximum(threshold, kth)
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
-def _draw(x, md: SamplingMetadata):
+def _draw(x, md: SamplingMetadata, keep: bool = False):
     """Temperature, min-p, top-k/top-p, then a Gumbel-max draw from each row's own
-    key, which also decides a row's draft (`verify`). Returns (tokens, accepted)."""
+    key, which also decides a row's draft (`verify`). Returns (tokens, accepted),
+    and with `keep` (static) the logits drawn from [B, V] too."""
     v = x.shape[1]
     greedy = md.temperature <= 0.0
     x = x / jnp.where(greedy, 1.0, md.temperature)[:, None]
@@ -100,7 +124,8 @@ def _draw(x, md: SamplingMetadata):
         key = jax.random.fold_in(jax.random.key(seed), position)
         return jax.random.gumbel(key, (v,), jnp.float32)
 
-    return verify(x, md.draft, jax.vmap(gumbel)(md.seed, md.position))
+    tokens, accepted = verify(x, md.draft, jax.vmap(gumbel)(md.seed, md.position))
+    return (tokens, accepted, x) if keep else (tokens, accepted)
 
 
 def verify(x, draft, noise):
@@ -157,8 +182,10 @@ def _apply_mask(logits, md: SamplingMetadata):
     return jnp.where(allowed | ~md.masked[:, None], logits, -jnp.inf)
 
 
-def _process_and_sample(logits, md: SamplingMetadata):
-    """Logit bias, the bitmask, penalties, then the argmax (greedy rows) or a draw."""
+def _process_and_sample(logits, md: SamplingMetadata, keep: bool = False):
+    """Logit bias, the bitmask, penalties, then the argmax (greedy rows) or a draw.
+    Returns (tokens, accepted), and with `keep` (static: processed logprobs) each
+    row's processed logits [B, V] (the module docstring says which)."""
     x = lax.cond(jnp.any(md.bias_values != 0.0), _apply_bias, lambda x, md: x, logits, md)
     x = lax.cond(jnp.any(md.masked), _apply_mask, lambda x, md: x, x, md)
     x = lax.cond(jnp.any(_penalized(md)), _apply_penalties, lambda x, md: x, x, md)
@@ -166,14 +193,25 @@ def _process_and_sample(logits, md: SamplingMetadata):
     # Greedy rows need none of the rest: min-p, top-k and top-p never remove the argmax.
     greedy = md.temperature <= 0.0
     best = argmax(x)
-    drawn, accepted = lax.cond(
-        jnp.all(greedy), lambda x, md: (best, best == md.draft), _draw, x, md
-    )
-    return jnp.where(greedy, best, drawn), jnp.where(greedy, best == md.draft, accepted)
+
+    def all_greedy(x, md):
+        return (best, best == md.draft, x) if keep else (best, best == md.draft)
+
+    out = lax.cond(jnp.all(greedy), all_greedy, functools.partial(_draw, keep=keep), x, md)
+    tokens = jnp.where(greedy, best, out[0])
+    accepted = jnp.where(greedy, best == md.draft, out[1])
+    if not keep:
+        return tokens, accepted
+    # A greedy row's processed logits stop before temperature (`_draw` also cut them
+    # by min-p, top-k and top-p, which a greedy row does not use).
+    return tokens, accepted, jnp.where(greedy[:, None], x, out[2])
 
 
-def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
-    """logits [B, V] float32 -> one token per row, with logprobs where asked."""
+def sample(
+    logits: jax.Array, md: SamplingMetadata, logprobs_mode: str = "raw_logprobs"
+) -> SamplerOutput:
+    """logits [B, V] float32 -> one token per row, with logprobs where asked, as
+    `logprobs_mode` (static; the module docstring) says."""
     # A batch of plain greedy rows (no bias, no penalty) takes the argmax of the raw
     # logits: no processed copy of [B, V] is made.
     plain = jnp.all(
@@ -182,13 +220,38 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
         & ~md.masked
         & ~_penalized(md)
     )
-    sampled, accepted = lax.cond(plain, _plain_greedy, _process_and_sample, logits, md)
+    as_logits = logprobs_mode.endswith("logits")
 
-    chosen, top_ids, top_vals = lax.cond(
-        md.want_logprobs[0],
-        lambda x: token_logprobs(x, sampled),
-        lambda x: no_logprobs(x.shape[0]),
-        logits,
+    def draw(logits, md):
+        return lax.cond(plain, _plain_greedy, _process_and_sample, logits, md)
+
+    if not logprobs_mode.startswith("processed"):
+        sampled, accepted = draw(logits, md)
+        chosen, top_ids, top_vals = lax.cond(
+            md.want_logprobs[0],
+            lambda x: token_logprobs(x, sampled, as_logits=as_logits),
+            lambda x: no_logprobs(x.shape[0]),
+            logits,
+        )
+        return SamplerOutput(sampled, chosen, top_ids, top_vals, accepted)
+
+    # Processed: the processed logits [B, V] leave the sampling branches, a copy that
+    # only a batch asking for logprobs makes (another branch of the same program).
+    def with_logprobs(logits, md):
+        sampled, accepted, scores = lax.cond(
+            plain,
+            lambda x, md: (*_plain_greedy(x, md), x),
+            functools.partial(_process_and_sample, keep=True),
+            logits,
+            md,
+        )
+        return sampled, accepted, *token_logprobs(scores, sampled, as_logits=as_logits)
+
+    def without(logits, md):
+        return *draw(logits, md), *no_logprobs(logits.shape[0])
+
+    sampled, accepted, chosen, top_ids, top_vals = lax.cond(
+        md.want_logprobs[0], with_logprobs, without, logits, md
     )
     return SamplerOutput(sampled, chosen, top_ids, top_vals, accepted)
 
@@ -198,12 +261,13 @@ def _plain_greedy(logits, md: SamplingMetadata):
     return best, best == md.draft
 
 
-def token_logprobs(logits: jax.Array, token_ids: jax.Array):
-    """Raw logprobs of rows [R, V]: of each row's `token_ids` [R], and the top
+def token_logprobs(logits: jax.Array, token_ids: jax.Array, *, as_logits: bool = False):
+    """The values of rows of logits [R, V]: log_softmax (or with `as_logits`, static,
+    the logits themselves); of each row's `token_ids` [R], and the top
     MAX_TOP_LOGPROBS (ids, values)."""
-    raw = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0]
-    vals, ids = lax.top_k(raw, MAX_TOP_LOGPROBS)
+    values = logits if as_logits else jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(values, token_ids[:, None], axis=-1)[:, 0]
+    vals, ids = lax.top_k(values, MAX_TOP_LOGPROBS)
     return chosen, ids.astype(jnp.int32), vals
 
 

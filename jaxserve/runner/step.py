@@ -28,6 +28,7 @@ device (`StepInput.prev_tokens`, `sample_step`'s second output).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -137,12 +138,22 @@ def _forward(
 
 
 def _prompt_logprobs(
-    model_def: ModelDef, weights: list[jax.Array], hidden: jax.Array, targets: jax.Array
+    model_def: ModelDef,
+    weights: list[jax.Array],
+    hidden: jax.Array,
+    targets: jax.Array,
+    logprobs_mode: str = "raw_logprobs",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Every token row's hidden state [T, D] and its next prompt token [T] (-1: none)
-    -> (the target's logprob, top ids, top logprobs) per row."""
+    -> (the target's logprob, top ids, top logprobs) per row.
+
+    As vLLM's: `*_logits` modes give the logits, `*_logprobs` modes their log_softmax,
+    of the model's raw distribution in the processed modes too. No sampling
+    processing exists at a prompt position: penalties, the bitmask and temperature
+    belong to drawing a token, and no token is drawn there."""
     logits = model_def.merge(weights).compute_logits(hidden)
-    return token_logprobs(logits, jnp.maximum(targets, 0))
+    as_logits = logprobs_mode.endswith("logits")
+    return token_logprobs(logits, jnp.maximum(targets, 0), as_logits=as_logits)
 
 
 def _logits(model_def: ModelDef, weights: list[jax.Array], hidden: jax.Array) -> jax.Array:
@@ -156,18 +167,20 @@ def _sample(
     selected: jax.Array,
     sampling: SamplingMetadata,
     prev_tokens: jax.Array,
+    logprobs_mode: str = "raw_logprobs",
 ) -> tuple[SamplerOutput, jax.Array]:
     """The first B rows of `selected` [R, D] (B from the sampling metadata) -> one
     sampled token per row (logits never leave the device), and the sampled ids padded
     to [R]: the next step's `prev_tokens` under asynchronous scheduling (one shape
     whatever B, so it selects no forward program).
 
-    `prev_tokens` [R]: the previous step's, for the history's tokens in flight."""
+    `prev_tokens` [R]: the previous step's, for the history's tokens in flight.
+    `logprobs_mode`: the engine's (static: bound at construction, `StepPrograms.place`)."""
     rows, b = selected.shape[0], sampling.temperature.shape[0]
     history = sampling.history  # ids <= -2: -2 - (a row of prev_tokens)
     in_flight = prev_tokens[jnp.clip(-2 - history, 0, rows - 1)]
     sampling = dataclasses.replace(sampling, history=jnp.where(history <= -2, in_flight, history))
-    out = sample(model_def.merge(weights).compute_logits(selected[:b]), sampling)
+    out = sample(model_def.merge(weights).compute_logits(selected[:b]), sampling, logprobs_mode)
     return out, jnp.pad(out.token_ids, (0, rows - b))
 
 
@@ -182,7 +195,9 @@ prompt_logprobs_step = jax.jit(_prompt_logprobs, static_argnums=0)
 
 @dataclasses.dataclass(frozen=True)
 class StepPrograms:
-    """The step functions jitted for one placement of the weights and KV caches.
+    """The step functions jitted for one placement of the weights and KV caches, and
+    one `logprobs_mode` (bound into the sampling and prompt-logprob functions, so an
+    engine compiles its programs once, for its own mode).
 
     On a mesh every program states its shardings: weights and KV caches as placed
     (`jaxserve.distributed.meshes`), the KV caches out exactly as in (so donation updates them
@@ -198,11 +213,17 @@ class StepPrograms:
 
     @classmethod
     def place(
-        cls, mesh: Mesh | None, weights: list[jax.Array], kv_caches: list[jax.Array]
+        cls,
+        mesh: Mesh | None,
+        weights: list[jax.Array],
+        kv_caches: list[jax.Array],
+        logprobs_mode: str = "raw_logprobs",
     ) -> StepPrograms:
         if mesh is None:
-            return UNSHARDED
+            return unsharded(logprobs_mode)
         rep = NamedSharding(mesh, PartitionSpec())
+        sample_fn = functools.partial(_sample, logprobs_mode=logprobs_mode)
+        prompt_fn = functools.partial(_prompt_logprobs, logprobs_mode=logprobs_mode)
         w = [x.sharding for x in weights]
         kv = jax.tree.map(lambda x: x.sharding, kv_caches)  # (a QuantizedKV: both parts)
         return cls(
@@ -217,12 +238,29 @@ class StepPrograms:
                 _logits, static_argnums=0, in_shardings=(w, rep), out_shardings=rep
             ),
             sample_step=jax.jit(
-                _sample, static_argnums=0, in_shardings=(w, rep, rep, rep), out_shardings=rep
+                sample_fn, static_argnums=0, in_shardings=(w, rep, rep, rep), out_shardings=rep
             ),
             prompt_logprobs=jax.jit(
-                _prompt_logprobs, static_argnums=0, in_shardings=(w, rep, rep), out_shardings=rep
+                prompt_fn, static_argnums=0, in_shardings=(w, rep, rep), out_shardings=rep
             ),
         )
 
 
 UNSHARDED = StepPrograms(forward, logits_step, sample_step, prompt_logprobs_step)
+
+
+@functools.cache
+def unsharded(logprobs_mode: str) -> StepPrograms:
+    """The one-device programs of a mode: made once per process, so every runner in
+    it of that mode shares their jit caches (as `UNSHARDED`'s, the default mode's)."""
+    if logprobs_mode == "raw_logprobs":
+        return UNSHARDED
+    return dataclasses.replace(
+        UNSHARDED,
+        sample_step=jax.jit(
+            functools.partial(_sample, logprobs_mode=logprobs_mode), static_argnums=0
+        ),
+        prompt_logprobs=jax.jit(
+            functools.partial(_prompt_logprobs, logprobs_mode=logprobs_mode), static_argnums=0
+        ),
+    )

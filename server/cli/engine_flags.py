@@ -11,7 +11,7 @@ import tomllib
 
 from absl import flags
 
-from jaxserve.config import DATA_PARALLEL_BACKENDS
+from jaxserve.config import DATA_PARALLEL_BACKENDS, LOGPROBS_MODES
 from jaxserve.llm import DEFAULT_COMPILATION_CACHE
 from pallas_kernels.cpu import cache as kernel_cache
 
@@ -116,6 +116,15 @@ flags.DEFINE_string(
     "reference, pallas_tpu, pallas_gpu, pallas_*_interpret, or auto (by platform).",
 )
 flags.DEFINE_integer("seed", 0, "Engine seed (for requests without their own seed).")
+flags.DEFINE_enum(
+    "logprobs_mode",
+    "raw_logprobs",
+    list(LOGPROBS_MODES),
+    "What logprobs and prompt_logprobs hold (vLLM's --logprobs-mode): the model's "
+    "distribution (raw) or the one each token was sampled from, after bias, penalties, "
+    "grammar mask, temperature, min-p, top-k and top-p (processed); *_logits: the values "
+    "before log_softmax.",
+)
 flags.DEFINE_bool(
     "async_scheduling",
     False,
@@ -197,6 +206,7 @@ ENGINE_FLAGS = (
     "step_timeout_s",
     "attention_backend",
     "seed",
+    "logprobs_mode",
     "async_scheduling",
     "warmup",
     "compilation_cache_dir",

@@ -56,7 +56,7 @@ flags.DEFINE_bool("skip_special_tokens", True, "Leave special tokens out of the 
 # SamplingParams fields whose flag has another name (--seed is absl's own), and those
 # with no flag: a JSONL record gives them in its "sampling_params" object.
 _FLAG_NAMES = {"seed": "sampling_seed"}
-_RECORD_ONLY = frozenset({"prompt_logprobs", "logit_bias", "structured_outputs"})
+_RECORD_ONLY = frozenset({"prompt_logprobs", "logit_bias", "structured_outputs", "detokenize"})
 
 
 def sampling_kwargs() -> dict:

@@ -3,7 +3,8 @@ process and event loop, over the same engine.
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
 (streamed as server-sent events with `stream`), `POST /v1/responses` (OpenAI's
-Responses API, stateless: `responses.py`), `POST /tokenize`,
+Responses API, stateless: `responses.py`), `POST /inference/v1/generate` (vLLM's
+tokens in, tokens out: `tokens.py`), `POST /tokenize`,
 `POST /detokenize`, `GET /health`, `GET /metrics`. Errors are OpenAI's
 `{"error": {"message", "type", "param", "code"}}`: 400 for an invalid field
 (naming it in `param`), 401 without the API key, 404 for an unknown model or
@@ -43,6 +44,7 @@ from server.openai_api.protocol import (
 )
 from server.openai_api.responses import ResponsesServing, response_id
 from server.openai_api.responses_protocol import ResponsesRequest
+from server.openai_api.tokens import GenerateTokensRequest, TokensServing
 from server.prometheus import ServerMetrics
 from server.serving import Refused, ServingState
 
@@ -77,6 +79,7 @@ def build_app(
     app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None)
     openai = OpenAIServing(state, metrics, parsers)
     responses = ResponsesServing(openai)
+    tokens = TokensServing(openai)
     key = auth.key_bytes(api_key) if api_key else b""
     bearer = b"Bearer " + key
 
@@ -187,6 +190,14 @@ def build_app(
         if body.stream:
             return _sse(responses.stream(job, body, rid))
         return await _unless_disconnected(request, responses.respond(job, body, rid))
+
+    @api.post("/inference/v1/generate")
+    async def generate_tokens(body: GenerateTokensRequest, request: Request):
+        check_model(body.model)
+        job = tokens.job(body)  # (no tokenizer work: on the event loop)
+        if body.stream:
+            return _sse(tokens.stream(job))
+        return await _unless_disconnected(request, tokens.respond(job))
 
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

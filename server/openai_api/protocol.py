@@ -20,8 +20,9 @@ from server.tool_parsers import Function
 
 # SamplingParams fields the OpenAI API names or shapes otherwise (`sampling_params`).
 _CONVERTED = frozenset({"max_tokens", "logprobs", "logit_bias", "structured_outputs"})
-# Not a field of these requests: echo with logprobs asks for the prompt's.
-_NOT_CARRIED = frozenset({"prompt_logprobs"})
+# Not a field of these requests: echo with logprobs asks for the prompt's; their replies
+# are text (token ids without it: `/inference/v1/generate`, `server.openai_api.tokens`).
+_NOT_CARRIED = frozenset({"prompt_logprobs", "detokenize"})
 
 
 class BadField(ValueError):

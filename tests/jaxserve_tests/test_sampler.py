@@ -120,8 +120,10 @@ def test_draws_stay_inside_the_allowed_set(kw):
     allowed = set(order.tolist())
     if "top_k" in kw:
         allowed &= set(order[: kw["top_k"]].tolist())
-    if "top_p" in kw:
-        before = np.cumsum(probs[order]) - probs[order]
+    if "top_p" in kw:  # the nucleus of what top-k kept, renormalized (vLLM's)
+        kept = probs[order] * np.isin(order, list(allowed))
+        kept /= kept.sum()
+        before = np.cumsum(kept) - kept
         allowed &= set(order[before < kw["top_p"]].tolist())
     if "min_p" in kw:
         allowed &= set(np.flatnonzero(probs >= kw["min_p"] * probs.max()).tolist())
@@ -131,6 +133,16 @@ def test_draws_stay_inside_the_allowed_set(kw):
         out = run(batch, [row(seed=s, temperature=1.0, **kw) for s in range(start, start + 16)])
         seen |= set(out.token_ids.tolist())
     assert seen <= allowed and len(seen) > 1
+
+
+def test_top_p_takes_the_nucleus_of_what_top_k_kept():
+    """vLLM applies top-k, renormalizes, then top-p. Probabilities .4, .3, .2, .1:
+    top_k=2 keeps .4 and .3, renormalized .57 and .43, and top_p=0.5 keeps the first
+    alone (the nucleus of the whole distribution, .4 + .3, would keep the second too)."""
+    logits = np.full((1, V), -1e9, np.float32)
+    logits[0, :4] = np.log([0.4, 0.3, 0.2, 0.1])
+    out = run(np.repeat(logits, 32, 0), [row(seed=s, top_k=2, top_p=0.5) for s in range(32)])
+    assert set(out.token_ids.tolist()) == {0}
 
 
 def test_seeded_rows_do_not_depend_on_neighbours_or_position():
