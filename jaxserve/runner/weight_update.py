@@ -288,14 +288,16 @@ def _is_hf_mapping(params) -> bool:
 
 
 def _check_names(what: str, expected: list[str], given: Mapping[str, object]) -> None:
+    """Missing or unknown names: the first of each named (a misspelt name is both)."""
+    known = set(expected)
     missing = [n for n in expected if n not in given]
+    extra = sorted(n for n in given if n not in known)
     if missing:
+        also = f"; it has {extra[0]!r}, which the model does not have" if extra else ""
         raise ValueError(
             f"{what} has no {missing[0]!r} ({len(missing)} of the model's "
-            f"{len(expected)} parameters missing)"
+            f"{len(expected)} parameters missing{also})"
         )
-    known = set(expected)
-    extra = sorted(n for n in given if n not in known)
     if extra:
         raise ValueError(
             f"{what} has {extra[0]!r}, which the model does not have "
@@ -340,8 +342,8 @@ def _place(x, placement: _Placement) -> jax.Array:
     if isinstance(x, jax.Array):
         x = np.asarray(x)
     (device,) = placement.sharding.device_set
-    with jax.default_device(device):
-        return jnp.asarray(x)
+    with jax.default_device(device):  # (jnp.asarray would compile a program per shape)
+        return jax.device_put(x)
 
 
 __all__ = ["ServingForm", "WeightConverter", "load_serving_model"]
