@@ -259,34 +259,32 @@ class LLMEngine:
         """Serves new weights from the next step on; returns their version
         (`weight_version`, else the previous one + 1; the loaded weights are 0).
 
-        Exactly one of `params`, the float model's parameters (its nnx.State or the
-        nested dict form, or a flat dict of Hugging Face tensor names), and `path`, a
-        Hugging Face or orbax model directory (`runner.weight_update` says what is
-        accepted). Arrays placed as the engine's are used, not copied: do not donate
-        them afterwards. Raises ValueError naming the first mismatch, nothing changed.
+        Exactly one of `params` (the float model's nnx.State or its nested dict, or a
+        flat dict of Hugging Face tensor names) and `path` (a Hugging Face or orbax
+        model directory); `runner.weight_update` says what is accepted. Arrays placed
+        as the engine's are used, not copied: do not donate them afterwards. Raises
+        ValueError naming the first mismatch, nothing changed; refused with a draft
+        model or on several hosts. No step program compiles again.
 
         Running requests go on: the step in flight is applied (the old weights
         sampled it), every running sequence is preempted, keeping its tokens, to
         recompute its KV with the new weights, and the prefix cache and KV tier drop
         every page: no KV of the old weights is ever reused (`engine.weight_sync`).
-        Compiles nothing. Call it between steps, on the thread that steps."""
+        Call it between steps, on the thread that steps the engine."""
         self._check_open()
         return self._weights.update(params, path, weight_version)
 
     def reset_prefix_cache(self) -> bool:
-        """Drops every page of the prefix cache (the pages of running requests stay
-        theirs, only no longer found by later ones) and of the KV tier, host and disk.
-        Returns True: this engine can always do it (vLLM's returns False where it
-        cannot). Call it between steps."""
+        """Drops every page of the prefix cache (running requests keep theirs, no longer
+        found by others) and of the KV tier, host and disk. Returns True: this engine
+        always can (vLLM's returns False where it cannot). Call it between steps."""
         self._check_open()
         self._weights.drop_cached_kv()
         return True
 
     def _relayout(self) -> KVLayout | None:
         """The KV layout made again for new weights, where the engine has one."""
-        if self.__dict__.pop("kv_layout", None) is None:
-            return None
-        return self.kv_layout
+        return None if self.__dict__.pop("kv_layout", None) is None else self.kv_layout
 
     # ---------------------------------------------------------------- requests
 

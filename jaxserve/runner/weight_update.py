@@ -8,7 +8,9 @@ builds that form from `model_dir` and says which transforms it applied
 (`ServingForm`); `WeightConverter` turns new weights into exactly the same form --
 same tree, shapes, dtypes, shardings, and on one device the same committedness (JAX
 compiles a committed argument as another program) -- so that swapping them in
-compiles nothing (`ModelRunner.swap_weights`).
+compiles no step program again (`ModelRunner.swap_weights`; a cast, a transpose,
+int8 quantization or re-sharding a one-device array onto a mesh runs JAX's own small
+programs, each compiled once per shape).
 
 New weights come as the float model's parameters (never in the serving form: int8
 weights are quantized again from them, as loading does), in one of three shapes:

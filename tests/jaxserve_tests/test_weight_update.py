@@ -423,3 +423,15 @@ def test_the_tier_clears_host_and_disk_and_takes_a_new_layout(tmp_path):
     tier.put(digest, data)
     assert [p.tokens for p in tier.load([digest])] == [(1, 2)]
     assert glob.glob(os.path.join(tier.disk.folder, "*.kvpage"))
+
+
+@pytest.mark.sharded
+@pytest.mark.slow
+def test_updates_under_tensor_parallelism(tiny_model_dir, new_dir):
+    from fake_devices import run_on_8_devices
+
+    stdout = run_on_8_devices("weight_update_tp_check.py", tiny_model_dir, new_dir)
+    for check in ("re-sharded from one device", "from orbax", "compiled nothing"):
+        for quant in ("None", "int8"):
+            assert f"ok {quant} {check}" in stdout, stdout
+    assert "ok adopted as sharded" in stdout and "ok data parallel refused" in stdout
