@@ -1,5 +1,5 @@
-"""What an engine sets up once: the speculative proposer and the compiled programs
-(warmed up, or loaded from a bundle); and, for the edges that opt in (the command
+"""What an engine sets up once: the KV pages' keepers, the speculative proposer and the
+compiled programs (warmed up, or loaded from a bundle); and, for the edges that opt in (the command
 line, `LLM(compilation_cache_dir=...)`, a Ray replica's process), JAX's persistent
 compilation cache, which is process-wide: an engine never sets it.
 

@@ -152,6 +152,8 @@ class WeightConverter:
     ):
         self.config, self.mesh, self.model_def, self.form = config, mesh, model_def, form
         self.targets = [(w.shape, w.dtype, _Placement(w.sharding, w.committed)) for w in weights]
+        served = jax.tree_util.tree_leaves_with_path(model_def.state(weights))
+        self.target_names = [_dotted(path) for path, _ in served]
         cls = get_model_class(config.model.architecture)
         # The float model, whose parameters an update gives.
         self.graphdef, abstract = nnx.split(
@@ -163,6 +165,8 @@ class WeightConverter:
         self.names = [_dotted(path) for path, _ in paths_leaves]
         self.leaves = [leaf for _, leaf in paths_leaves]
         self.hf = [tensor_names(cls, path, leaf.shape) for path, leaf in paths_leaves]
+        # Served as they are (no quantization, no rows layout): the same tree.
+        self.as_is = form == ServingForm(None, False) and self.treedef == model_def.treedef
         if mesh is not None:
             shardings = jax.tree.leaves(meshes.state_shardings(abstract, mesh))
             self.placements = [_Placement(s, True) for s in shardings]
@@ -189,10 +193,11 @@ class WeightConverter:
             _place(_cast(x, leaf.dtype), p)
             for x, leaf, p in zip(arrays, self.leaves, self.placements, strict=True)
         ]
-        if self.form.quantization is None and not self.form.rows:
+        if self.as_is:
             return self._serving(placed)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, placed))
-        return self._serving(ModelDef.split(self.form.apply(model))[1])
+        model_def, weights = ModelDef.split(self.form.apply(model))
+        return self._serving(weights, model_def)
 
     def _from_hf(self, tensors: Mapping[str, object]) -> list[jax.Array]:
         """The float model's leaves from HF-named tensors (transposed, experts stacked)."""
@@ -242,23 +247,28 @@ class WeightConverter:
         )
         if self.form.rows:
             model = store_rows(model)
-        return self._serving(ModelDef.split(model)[1])
+        model_def, weights = ModelDef.split(model)
+        return self._serving(weights, model_def)
 
     # ------------------------------------------------------------------ the form
 
-    def _serving(self, weights: list[jax.Array]) -> list[jax.Array]:
-        """`weights` (the serving model's, in the runner's tree order) placed exactly
-        as the runner's are."""
-        if len(weights) != len(self.targets):
-            raise RuntimeError(
-                f"converted weights have {len(weights)} arrays, the runner {len(self.targets)}"
+    def _serving(self, weights: list[jax.Array], model_def: ModelDef | None = None):
+        """`weights` (the serving model's, of `model_def`'s tree; None: the runner's)
+        placed exactly as the runner's are. A mismatch here is the served model's, not
+        the caller's names: a directory whose config.json does not match, say."""
+        if model_def is not None and model_def.treedef != self.model_def.treedef:
+            raise ValueError(
+                "the new weights' parameter tree is not the served model's (does the "
+                "directory's config.json match the served model?)"
             )
         out = []
-        for i, (x, (shape, dtype, placement)) in enumerate(zip(weights, self.targets, strict=True)):
+        for x, name, (shape, dtype, placement) in zip(
+            weights, self.target_names, self.targets, strict=True
+        ):
             if x.shape != shape or x.dtype != dtype:
                 raise ValueError(
-                    f"weight {i} has shape {x.shape} and dtype {x.dtype}; the engine holds "
-                    f"{shape} {dtype} (does the checkpoint match the served model?)"
+                    f"weight {name!r} would be {x.dtype}{list(x.shape)}; the engine serves "
+                    f"{dtype}{list(shape)} (does the checkpoint match the served model?)"
                 )
             out.append(_place(x, placement))
         return out
