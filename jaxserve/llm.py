@@ -203,7 +203,8 @@ class LLM:
         """Serves new weights from the next `generate` on; returns their version.
         `LLMEngine.update_weights` says what `params` and `path` (a model directory, or
         an embedded model's name) may be, and what happens to cached KV. For one engine
-        in this process: data-parallel replicas and multi-host engines refuse it."""
+        in this process: data-parallel replicas and multi-host engines refuse it (the
+        other replicas' or processes' weights would not change)."""
         if path is not None:
             path = EMBEDDED_MODELS.get(os.fspath(path), os.fspath(path))
         engine = self._one_engine("update_weights")
@@ -217,11 +218,11 @@ class LLM:
     def _one_engine(self, what: str) -> LLMEngine:
         if self.closed:
             raise RuntimeError("this LLM is closed")
-        if not isinstance(self.engine, LLMEngine) or self.leader is not None:
+        if not isinstance(self.engine, LLMEngine):
             raise ValueError(
                 f"{what} is for one engine in this process, not data-parallel replicas "
-                f"(data_parallel_size={self.config.parallel.data_parallel_size}), a "
-                "multi-host engine or a multi-host follower"
+                f"(data_parallel_size={self.config.parallel.data_parallel_size}) or a "
+                "multi-host follower"
             )
         return self.engine
 

@@ -445,13 +445,13 @@ class LLMEngine:
         self._check_open()
         t0 = time.perf_counter()
         pipeline = self.pipeline
-        failed = pipeline.take_ready()  # applied by `update_weights`
-        failed += self.grammars.admit_compiled() if self.grammars.waiting else []
+        early = pipeline.take_ready()  # applied by `update_weights`
+        early += self.grammars.admit_compiled() if self.grammars.waiting else []
         if self._async and not self._num_sync_only:
-            return failed + pipeline.step_async(t0)
+            return early + pipeline.step_async(t0)
         outputs = pipeline.apply(pipeline.inflight, t0) if pipeline.inflight is not None else []
         pipeline.inflight = None
-        return failed + outputs + pipeline.step_sync(time.perf_counter())
+        return early + outputs + pipeline.step_sync(time.perf_counter())
 
 
 __all__ = ["LLMEngine"]
