@@ -198,12 +198,40 @@ class LLM:
         `directory`: a bundle for `LLM(..., compiled=directory)` on this machine's
         platform (for a TPU or GPU from here: `jaxserve preflight --output`). Returns
         the bytes written."""
+        return self._one_engine("save_compiled").save_compiled(os.fspath(directory))
+
+    def update_weights(
+        self,
+        params=None,
+        *,
+        path: str | os.PathLike | None = None,
+        weight_version: int | None = None,
+    ) -> int:
+        """Serves new weights from the next `generate` on; returns their version.
+        `LLMEngine.update_weights` says what `params` and `path` (a model directory, or
+        an embedded model's name) may be, and what happens to cached KV. For one engine
+        in this process: data-parallel replicas and multi-host engines refuse it (the
+        other replicas' or processes' weights would not change)."""
+        if path is not None:
+            path = EMBEDDED_MODELS.get(os.fspath(path), os.fspath(path))
+        engine = self._one_engine("update_weights")
+        return engine.update_weights(params, path=path, weight_version=weight_version)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops the prefix cache's pages and the KV tier's (`LLMEngine.reset_prefix_cache`);
+        True once done."""
+        return self._one_engine("reset_prefix_cache").reset_prefix_cache()
+
+    def _one_engine(self, what: str) -> LLMEngine:
+        if self.closed:
+            raise RuntimeError("this LLM is closed")
         if not isinstance(self.engine, LLMEngine):
             raise ValueError(
-                "save_compiled is for one engine in this process, not data-parallel "
-                "replicas or a multi-host follower"
+                f"{what} is for one engine in this process, not data-parallel replicas "
+                f"(data_parallel_size={self.config.parallel.data_parallel_size}) or a "
+                "multi-host follower"
             )
-        return self.engine.save_compiled(os.fspath(directory))
+        return self.engine
 
     def follow(self) -> int:
         """A follower process (process_id > 0): runs the leader's steps until the

@@ -44,6 +44,10 @@ class RequestState:
     resumed: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     # Why the engine failed it (`jaxserve.engine.failures`): its outputs carry it.
     error: str | None = None
+    # The weights' version that sampled its newest tokens (until it has any: the one
+    # it arrived under), and the one that sampled its first output token.
+    weight_version: int = 0
+    first_weight_version: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -118,10 +122,17 @@ class RequestState:
             return "length"
         return None
 
-    def output(self, new_tokens: dict[SequenceState, list[int]]) -> RequestOutput:
-        """The request's output after a step: every sample so far, and its delta."""
+    def output(
+        self, new_tokens: dict[SequenceState, list[int]], weight_version: int | None = None
+    ) -> RequestOutput:
+        """The request's output after a step: every sample so far, and its delta.
+        `weight_version`: the version of the weights that sampled `new_tokens`."""
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+        if weight_version is not None and any(new_tokens.get(seq) for seq in self.seqs):
+            self.weight_version = weight_version
+            if self.first_weight_version is None:
+                self.first_weight_version = weight_version
         completions = []
         for seq in self.seqs:
             detok = self.detoks[seq.index]
@@ -160,6 +171,12 @@ class RequestState:
                 list(self.prompt_logprobs) if self.params.prompt_logprobs is not None else None
             ),
             error=self.error,
+            weight_version=self.weight_version,
+            first_weight_version=(
+                self.weight_version
+                if self.first_weight_version is None
+                else self.first_weight_version
+            ),
         )
 
 

@@ -308,6 +308,14 @@ class Scheduler:
         seq.pages.extend(self.pool.allocate(need))
         return True
 
+    def preempt_all(self) -> list[SequenceState]:
+        """Preempts every running sequence (their KV is recomputed once rescheduled;
+        they keep the tokens they generated); returns them."""
+        running = list(self.running)
+        for seq in running:
+            self._preempt(seq)
+        return running
+
     def _preempt(self, seq: SequenceState) -> None:
         self.running.remove(seq)
         self.pool.free(seq.pages)

@@ -53,6 +53,25 @@ def _tensor_files(model_dir: str) -> dict[str, str]:
     return names
 
 
+def ignored_tensor(name: str, config: ModelConfig) -> bool:
+    """Whether a checkpoint tensor is one a model has no parameter for, by design (the
+    rotary tables some checkpoints keep; a tied LM head, which is the embedding)."""
+    return name.endswith(_IGNORED_SUFFIXES) or (
+        config.tie_word_embeddings and name == "lm_head.weight"
+    )
+
+
+def tensor_names(cls, tree_path, shape: tuple[int, ...]) -> tuple[list[str], bool, bool]:
+    """The checkpoint tensors of the parameter at `tree_path` (of `shape`), by the
+    model class's `checkpoint_key`: one name, or one per index of the first axis (a
+    name with `{}`: stacked experts); whether each is stored transposed (HF stores
+    linears [out, in]); and whether they are stacked."""
+    name, transpose = cls.checkpoint_key(_path_of(tree_path))
+    if "{}" in name:
+        return [name.format(i) for i in range(shape[0])], transpose, True
+    return [name], transpose, False
+
+
 def _path_of(tree_path) -> tuple:
     """('model', 'layers', 0, 'mlp', ...) from a jax tree path into an nnx.State."""
     return tuple(getattr(k, "key", None) for k in tree_path if hasattr(k, "key"))
@@ -133,9 +152,8 @@ def load_hf_model(
             return handles[file].get_slice(name)
 
         def load(tree_path, leaf, sharding=None):
-            name, transpose = cls.checkpoint_key(_path_of(tree_path))
-            stacked = "{}" in name  # one tensor per index of the first axis
-            parts = [name.format(i) for i in range(leaf.shape[0])] if stacked else [name]
+            parts, transpose, stacked = tensor_names(cls, tree_path, leaf.shape)
+            name = parts[0]
             slices = [open_slice(part) for part in parts]
             shape = tuple(slices[0].get_shape())
             shape = shape[::-1] if transpose else shape  # HF stores linears [out, in]
@@ -152,12 +170,7 @@ def load_hf_model(
         else:
             state = jax.tree.map_with_path(load, abstract, shardings)
 
-    unused = sorted(
-        n
-        for n in set(files) - used
-        if not n.endswith(_IGNORED_SUFFIXES)
-        and not (config.tie_word_embeddings and n == "lm_head.weight")
-    )
+    unused = sorted(n for n in set(files) - used if not ignored_tensor(n, config))
     if unused:
         logger.warning(
             "ignored %d checkpoint tensors the model does not use: %s",

@@ -26,20 +26,17 @@ from jaxserve.engine import disagg_io, reporting
 from jaxserve.engine.emission import Emitter
 from jaxserve.engine.grammars import GrammarAdmission
 from jaxserve.engine.pipeline import StepPipeline
-from jaxserve.engine.startup import load_or_warm_up, make_proposer
+from jaxserve.engine.startup import kv_keepers, load_or_warm_up, make_proposer
 from jaxserve.engine.validation import validate_request
+from jaxserve.engine.weight_sync import WeightSync
 from jaxserve.engine_stats import EngineStats, StatsSnapshot
 from jaxserve.generate_request import GenerateRequest
-from jaxserve.kv import PagePool
-from jaxserve.kv.connector import KVConnector
-from jaxserve.kv.tier import KVTier
 from jaxserve.kv.transfer import KVLayout
 from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.request_state import RequestState
 from jaxserve.runner import bundle
 from jaxserve.runner.input_batch import HostBatch, SamplingMetadata
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.scheduler import Scheduler
 from jaxserve.sequence import Status, samples_of
 from jaxserve.targets import Target
 from jaxserve.tokenizer import Tokenizer
@@ -80,7 +77,9 @@ class LLMEngine:
         self.runner = runner
         config = self.config = self.runner.config  # (the target's attention backend)
         spec = config.speculative
-        self._wire_kv(config)
+        self.tier, self.kv_connector, self.pool, self.scheduler = kv_keepers(
+            config, self.runner, lambda: self.kv_layout
+        )
         self.drafter = self.runner.drafter  # the draft model's runner, if any
         self.requests: dict[str, RequestState] = {}
         self.eos_token_ids = set(config.model.eos_token_ids)
@@ -117,32 +116,6 @@ class LLMEngine:
             self._release()
             raise
 
-    def _wire_kv(self, config: EngineConfig) -> None:
-        """The KV pages' keepers: the tier and its connector (with offload), the pool
-        and the scheduler that hands its pages out."""
-        spec = config.speculative
-        self.tier = self.kv_connector = None
-        if config.cache.offload:
-            cache = config.cache
-            self.tier = KVTier(
-                self.kv_layout, cache.offload_bytes, cache.offload_dir, cache.disk_max_bytes
-            )
-            self.kv_connector = KVConnector(self.tier, self.runner)
-        self.pool = PagePool(
-            self.runner.num_pages,
-            enable_prefix_caching=config.scheduler.enable_prefix_caching,
-            track_evictions=self.tier is not None,
-        )
-        self.scheduler = Scheduler(
-            config.scheduler,
-            self.pool,
-            page_size=config.cache.page_size,
-            seed=config.seed,
-            spec_max_batch=spec.disable_by_batch_size if spec else 0,
-            tier=self.tier,
-            token_buckets=self.runner.shapes.token_buckets,
-        )
-
     def _wire_step(self, config: EngineConfig, proposer) -> None:
         """The step's collaborators, sharing the engine's request table and stats;
         `proposer` makes the drafts, if the engine speculates."""
@@ -176,6 +149,7 @@ class LLMEngine:
             forget=self._forget,
             snapshot=self.stats,
         )
+        self._weights = WeightSync(self.pipeline, self.tier, self._relayout)
 
     @property
     def proposer(self):
@@ -272,6 +246,46 @@ class LLMEngine:
         keeping none, or ValueError if this engine has no tier."""
         return disagg_io.import_pages(self.tier, self.kv_layout, pages)
 
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights that steps run with now (`update_weights`)."""
+        return self.pipeline.weight_version
+
+    def update_weights(
+        self, params=None, *, path: str | None = None, weight_version: int | None = None
+    ) -> int:
+        """Serves new weights from the next step on; returns their version
+        (`weight_version`, else the previous one + 1; the loaded weights are 0).
+
+        Exactly one of `params` (the float model's nnx.State or its nested dict, or a
+        flat dict of Hugging Face tensor names) and `path` (a Hugging Face or orbax
+        model directory); `runner.weight_update` says what is accepted. Arrays placed
+        as the engine's are used, not copied: do not donate them afterwards. Raises
+        ValueError naming the first mismatch, nothing changed; refused with a draft
+        model or on several hosts. No step program compiles again.
+
+        Running requests go on: the step in flight is applied (the old weights
+        sampled it), every running sequence is preempted, keeping its tokens, to
+        recompute its KV with the new weights, and the prefix cache and KV tier drop
+        every page: no KV of the old weights is ever reused (`engine.weight_sync`).
+        Call it between steps, on the thread that steps the engine."""
+        self._check_open()
+        return self._weights.update(params, path, weight_version)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every page of the prefix cache (running requests keep theirs, no longer
+        found by others) and of the KV tier, host and disk. Returns True: this engine
+        always can (vLLM's returns False where it cannot). Call it between steps."""
+        self._check_open()
+        self._weights.drop_cached_kv()
+        return True
+
+    def _relayout(self) -> KVLayout | None:
+        """The KV layout made again for new weights, where the engine has one."""
+        return None if self.__dict__.pop("kv_layout", None) is None else self.kv_layout
+
     # ---------------------------------------------------------------- requests
 
     def validate(self, request: GenerateRequest) -> int:
@@ -326,6 +340,7 @@ class LLMEngine:
             [0.0] * params.n,
             time.monotonic(),
             grammar=grammar,
+            weight_version=self.weight_version,
             # Structured output fills the next token's bitmask from the grammar's state
             # after the last token.
             sync_only=grammar is not None,
@@ -374,6 +389,7 @@ class LLMEngine:
             self.scheduler.has_unfinished()
             or bool(self.grammars.waiting)
             or self.pipeline.inflight is not None
+            or bool(self.pipeline.ready)
         )
 
     # ------------------------------------------------------------- the one loop
@@ -428,13 +444,14 @@ class LLMEngine:
         """
         self._check_open()
         t0 = time.perf_counter()
-        failed = self.grammars.admit_compiled() if self.grammars.waiting else []
         pipeline = self.pipeline
+        early = pipeline.take_ready()  # applied by `update_weights`
+        early += self.grammars.admit_compiled() if self.grammars.waiting else []
         if self._async and not self._num_sync_only:
-            return failed + pipeline.step_async(t0)
+            return early + pipeline.step_async(t0)
         outputs = pipeline.apply(pipeline.inflight, t0) if pipeline.inflight is not None else []
         pipeline.inflight = None
-        return failed + outputs + pipeline.step_sync(time.perf_counter())
+        return early + outputs + pipeline.step_sync(time.perf_counter())
 
 
 __all__ = ["LLMEngine"]

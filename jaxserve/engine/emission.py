@@ -79,7 +79,7 @@ class Emitter:
         for req in touched.values():
             if req.request_id not in failed:
                 try:
-                    outputs.append(req.output(new_tokens))
+                    outputs.append(req.output(new_tokens, step.weight_version))
                 except Exception as e:
                     self._fail(req, e, "building its output", failed)
         return new_tokens, outputs + list(failed.values())

@@ -40,6 +40,7 @@ class Step:
     pending: PendingStep
     sampled: list[tuple[ScheduledSeq, int]]  # (item, first row)
     row_errors: dict[SequenceState, Exception] = dataclasses.field(default_factory=dict)
+    weight_version: int = 0  # of the weights it runs with
 
     @functools.cached_property
     def rows(self) -> dict[SequenceState, int]:
@@ -72,6 +73,19 @@ class StepPipeline:
         self.forget, self.snapshot = forget, snapshot
         self.drafter = runner.drafter  # the draft model's runner, if any
         self.inflight: Step | None = None  # dispatched, its tokens not applied yet
+        self.ready: list[RequestOutput] = []  # applied by `drain`, for the next step to return
+        self.weight_version = 0  # of the weights the steps dispatched from now on run with
+
+    def drain(self) -> None:
+        """Applies the step in flight now (before the weights change under the next);
+        the next step returns its outputs (`take_ready`)."""
+        if self.inflight is not None:
+            step, self.inflight = self.inflight, None
+            self.ready += self.apply(step, time.perf_counter())
+
+    def take_ready(self) -> list[RequestOutput]:
+        ready, self.ready = self.ready, []
+        return ready
 
     def schedule(self) -> SchedulerOutput:
         plan = self.scheduler.schedule()
@@ -184,7 +198,7 @@ class StepPipeline:
         failed_rows: dict[SequenceState, Exception] = {}
         for row, e in sorted(row_errors.items()):  # each sequence's first failed row
             failed_rows.setdefault(owners[row], e)
-        return Step(plan, pending, sampled, failed_rows)
+        return Step(plan, pending, sampled, failed_rows, self.weight_version)
 
     def apply(self, step: Step, t0: float) -> list[RequestOutput]:
         """Waits for a dispatched step's tokens, has the emitter apply them, and

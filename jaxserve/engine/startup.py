@@ -1,5 +1,5 @@
-"""What an engine sets up once: the speculative proposer and the compiled programs
-(warmed up, or loaded from a bundle); and, for the edges that opt in (the command
+"""What an engine sets up once: the KV pages' keepers, the speculative proposer and the
+compiled programs (warmed up, or loaded from a bundle); and, for the edges that opt in (the command
 line, `LLM(compilation_cache_dir=...)`, a Ray replica's process), JAX's persistent
 compilation cache, which is process-wide: an engine never sets it.
 
@@ -8,9 +8,15 @@ Device side: it sets JAX's config and drives the runner's warm-up.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.kv import PagePool
+from jaxserve.kv.connector import KVConnector
+from jaxserve.kv.tier import KVTier
+from jaxserve.kv.transfer import KVLayout
+from jaxserve.scheduler import Scheduler
 from jaxserve.spec import NgramProposer
 
 if TYPE_CHECKING:
@@ -32,6 +38,34 @@ def use_compilation_cache(directory: str) -> None:
     # which crashed a reader (a segfault deserializing it). Bounded, it
     # evicts the least recently used and locks (filelock) every read and write.
     jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
+
+
+def kv_keepers(
+    config: EngineConfig, runner: ModelRunner, layout: Callable[[], KVLayout]
+) -> tuple[KVTier | None, KVConnector | None, PagePool, Scheduler]:
+    """The KV pages' keepers: the tier and its connector (with offload; `layout()`:
+    the engine's KV layout), the pool and the scheduler that hands its pages out."""
+    spec = config.speculative
+    tier = connector = None
+    if config.cache.offload:
+        cache = config.cache
+        tier = KVTier(layout(), cache.offload_bytes, cache.offload_dir, cache.disk_max_bytes)
+        connector = KVConnector(tier, runner)
+    pool = PagePool(
+        runner.num_pages,
+        enable_prefix_caching=config.scheduler.enable_prefix_caching,
+        track_evictions=tier is not None,
+    )
+    scheduler = Scheduler(
+        config.scheduler,
+        pool,
+        page_size=config.cache.page_size,
+        seed=config.seed,
+        spec_max_batch=spec.disable_by_batch_size if spec else 0,
+        tier=tier,
+        token_buckets=runner.shapes.token_buckets,
+    )
+    return tier, connector, pool, scheduler
 
 
 class Lookahead:

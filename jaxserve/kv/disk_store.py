@@ -174,6 +174,21 @@ class DiskStore:
             os.utime(path)  # the LRU order survives a restart
         return data
 
+    def clear(self) -> int:
+        """Removes every page file in the folder (those other processes wrote too); returns
+        how many. A write in flight lands after it: the caller stops writers first."""
+        removed = 0
+        with self._lock:
+            self._files.clear()
+            self._used = 0
+            with os.scandir(self.folder) as entries:
+                for entry in entries:
+                    if _PAGE.fullmatch(entry.name):
+                        with contextlib.suppress(FileNotFoundError):  # (removed meanwhile)
+                            os.remove(entry.path)
+                            removed += 1
+        return removed
+
     def remove(self, digest: bytes) -> None:
         """Forgets a page and removes its file (one that failed its checks)."""
         with self._lock:

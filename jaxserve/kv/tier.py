@@ -56,6 +56,7 @@ class KVTier:
         self._host: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self._host_used = 0
         self.disk = None
+        self._disk_dir, self._disk_max_bytes = disk_dir, disk_max_bytes
         if disk_dir is not None:
             self.disk = DiskStore(os.path.join(disk_dir, layout.fingerprint), disk_max_bytes)
         self._lock = threading.Lock()
@@ -100,6 +101,25 @@ class KVTier:
         with self._lock:
             self._host.clear()
             self._host_used = 0
+
+    def clear(self, layout: KVLayout | None = None) -> None:
+        """Drops every page: host memory's, and the disk folder's files. With `layout`
+        (the engine's weights changed, and so its fingerprint), pages from now on are
+        of that layout, on disk in its own folder, where pages of the same weights
+        from an earlier run stay valid; the old folder's pages are removed all the
+        same (a cache of weights no longer served, and it keeps many updates from
+        filling the disk). Stop the offload thread's writes first
+        (`KVConnector.flush`): a page it stores after this would be of the old KV."""
+        with self._lock:
+            self._host.clear()
+            self._host_used = 0
+            if layout is not None:
+                self.layout = layout
+        if self.disk is not None:
+            self.disk.clear()
+            if layout is not None:
+                folder = os.path.join(self._disk_dir, layout.fingerprint)
+                self.disk = DiskStore(folder, self._disk_max_bytes)
 
     # ------------------------------------------------------------------ reading
 

@@ -13,11 +13,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.distributed import meshes
 from jaxserve.kv.transfer import KVLayout
-from jaxserve.runner import bundle, kv_io, warmup
+from jaxserve.runner import bundle, kv_io, warmup, weight_update
 from jaxserve.runner.compile_counter import CompileCounter
 from jaxserve.runner.draft import DraftRunner, load_draft
 from jaxserve.runner.input_batch import (
@@ -32,10 +31,9 @@ from jaxserve.runner.input_batch import (
 )
 from jaxserve.runner.sampler import SamplerOutput
 from jaxserve.runner.step import ModelDef, StepInput, StepPrograms
+from jaxserve.runner.weight_update import WeightConverter, load_serving_model
 from jaxserve.targets import Target, compiling_for
-from models.layers import store_rows
 from pallas_kernels.backends import check_kv_dtype, resolve_backend_name
-from pallas_kernels.cpu import features as cpu_features
 from pallas_kernels.cpu import library as cpu_library
 
 logger = logging.getLogger(__name__)
@@ -76,7 +74,7 @@ class ModelRunner:
         and `warmup` compiles the same programs for it (returning them); no step runs.
 
         (Long because it sets every field the runner has, in the order they depend on
-        each other; the steps with logic of their own are `_load_model`,
+        each other; the steps with logic of their own are `load_serving_model`,
         `_device_memory` and `_log_loaded`.)
         """
         self.compile_device = None
@@ -93,8 +91,9 @@ class ModelRunner:
         self.mesh = mesh
         check_kv_dtype(config.attention_backend, config.kv_dtype, self.compile_device)
         t0 = time.perf_counter()
-        model = _load_model(config, mesh, self.compile_device)
+        model, self.weight_form = load_serving_model(config, mesh, self.compile_device)
         self.model_def, self.weights = ModelDef.split(model)
+        self._converter: WeightConverter | None = None  # made by the first update
         # A draft model's weights are placed now, before the KV pool takes the rest.
         spec = config.speculative
         draft = load_draft(config, mesh, self.compile_device) if spec and spec.draft else None
@@ -205,6 +204,29 @@ class ModelRunner:
         self.programs = self.kv_programs = None
         if self.drafter is not None:
             self.drafter.close()
+
+    # ------------------------------------------------------------- new weights
+
+    def prepare_weights(self, params=None, *, path: str | None = None) -> list[jax.Array]:
+        """New weights in exactly the form `weights` has, from the float model's
+        `params` or a model directory `path` (`weight_update.WeightConverter`); raises
+        ValueError naming the first mismatch. Changes nothing: `swap_weights` does."""
+        refused = weight_update.refusal(self.config, self.compile_device, self.drafter)
+        if refused or self._plan_sink is not None or self._step_wait is not None:
+            raise ValueError(refused or weight_update.MULTI_HOST)
+        if self._converter is None:
+            self._converter = WeightConverter(
+                self.config, self.mesh, self.model_def, self.weights, self.weight_form
+            )
+        if path is not None:
+            return self._converter.from_path(path)
+        return self._converter.from_params(params)
+
+    def swap_weights(self, weights: list[jax.Array]) -> None:
+        """Steps from now on run with `weights` (`prepare_weights`'s: the same shapes,
+        dtypes and placement, so nothing compiles). A step dispatched before keeps the
+        arrays it was given."""
+        self.weights = list(weights)
 
     # ------------------------------------------------------- KV pages that travel
 
@@ -411,44 +433,6 @@ class ModelRunner:
         if self.compile_device is None:
             return contextlib.nullcontext()
         return compiling_for(self.compile_device)
-
-
-def _load_model(config: EngineConfig, mesh: Mesh | None, compile_device):
-    """The model with its weights placed on `mesh` (shapes only for a compile-only
-    `compile_device`). On the CPU: warns about a slow dtype, and builds the C++
-    kernels that the CPU attention backend and decode steps' int8 / bfloat16 matmuls
-    call (without them, or with native_cpu_kernels off, XLA's slower formulations)."""
-    on_cpu = compile_device is None and jax.default_backend() == "cpu"
-    if on_cpu and not cpu_features.fast_dtype(config.dtype):
-        logger.warning(
-            "dtype=%s is slow on this CPU: XLA:CPU runs its matmuls several times "
-            "slower than float32 (bfloat16 is fast with AMX or AVX512-BF16); "
-            "dtype=float32 is the fast one",
-            config.dtype,
-        )
-    if on_cpu:
-        # The CPU attention backend and decode steps' int8 / bfloat16 matmuls call
-        # C++ kernels (built once per user and CPU); without them they run XLA's slower
-        # formulations (or when native_cpu_kernels is off).
-        cpu_library.prepare(enabled=config.native_cpu_kernels, cache_dir=config.native_kernels_dir)
-    model = load_model(
-        config.model_dir,
-        config.model,
-        dtype=config.dtype,
-        attention_backend=config.attention_backend,
-        quantization=config.quantization,
-        mesh=mesh,
-        compile_only=compile_device,
-    )
-    if (
-        on_cpu
-        and config.dtype == "bfloat16"
-        and config.quantization is None
-        and (mesh is None or mesh.devices.size == 1)
-        and cpu_library.is_loaded()
-    ):
-        model = store_rows(model)  # decode steps' matmuls through the CPU kernel
-    return model
 
 
 def _bundle_pages(directory: str, budget: int) -> int:

@@ -48,6 +48,7 @@ DEVICE_SIDE = {
     "jaxserve.runner.sampler",
     "jaxserve.runner.step",
     "jaxserve.runner.warmup",
+    "jaxserve.runner.weight_update",
     "jaxserve.targets",  # compile-only devices of TPUs and GPUs
 }
 # Function-level imports that close a cycle, (importer, imported): each runs after
