@@ -47,6 +47,10 @@ class EngineConfig:
     # `LLM.save_compiled`); it must have been made for this target and configuration.
     compiled_dir: str | None = None
     stats_interval_s: float = 10.0  # the periodic stats log line; 0 disables it
+    # A request sent to a front while generation is paused (`pause_generation`) waits
+    # this long for the resume, then is refused (EngineUnavailableError: HTTP 503,
+    # gRPC UNAVAILABLE); 0 refuses it at once.
+    pause_wait_s: float = 30.0
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
@@ -81,6 +85,8 @@ class EngineConfig:
             raise ValueError(
                 f"native_kernels_dir must be a directory or None, got {self.native_kernels_dir!r}"
             )
+        if not 0 <= self.pause_wait_s < math.inf:
+            raise ValueError(f"pause_wait_s must be >= 0 seconds, got {self.pause_wait_s}")
         if self.max_logit_bias <= 0:
             raise ValueError(f"max_logit_bias must be positive, got {self.max_logit_bias}")
         if self.cache.offload and not self.scheduler.enable_prefix_caching:
