@@ -80,6 +80,15 @@ def check_sleep_level(level: object) -> int:
     return level  # type: ignore[return-value]
 
 
+def paused_error(pause_wait_s: float) -> EngineUnavailableError:
+    """What a request gets that a pause kept out for `pause_wait_s` (0: at once)."""
+    if pause_wait_s > 0:
+        why = f"stayed paused (pause_generation) for pause_wait_s={pause_wait_s:g}s"
+    else:
+        why = "is paused (pause_generation), and pause_wait_s=0 refuses requests at once"
+    return EngineUnavailableError(f"the engine {why}: retry after resume_generation")
+
+
 @dataclasses.dataclass
 class LifecycleState:
     paused: str | None = None  # the pause's mode while paused
@@ -185,18 +194,26 @@ class EngineLifecycle:
         """Whether the engine steps: awake, and not paused (or paused "wait": draining)."""
         return not self.life.sleeping and self.life.paused in (None, "wait")
 
-    def _check_available(self) -> None:
-        """add_request: raises EngineUnavailableError while asleep or without weights."""
+    def refusal(self) -> EngineUnavailableError | None:
+        """Why `add_request` refuses a request now: the engine sleeps, or woke without
+        weights; None if it takes it (a pause holds it: not a refusal)."""
         if self.life.sleeping:
-            raise EngineUnavailableError(
+            return EngineUnavailableError(
                 f"the engine is sleeping (level {self.life.sleeping}): it takes requests "
                 "again after wake_up"
             )
         if self.life.needs_weights:
-            raise EngineUnavailableError(
+            return EngineUnavailableError(
                 "the engine woke up without weights (sleep level 2, keep_host_copy=False): "
                 "it takes requests again once update_weights has loaded new ones"
             )
+        return None
+
+    def _check_available(self) -> None:
+        """add_request: raises `refusal()`, if any."""
+        error = self.refusal()
+        if error is not None:
+            raise error
 
     def _schedule(self, req: RequestState) -> None:
         """add_request: a new request starts, or waits for the resume while paused."""
@@ -317,4 +334,5 @@ __all__ = [
     "LifecycleState",
     "check_pause_mode",
     "check_sleep_level",
+    "paused_error",
 ]

@@ -78,7 +78,9 @@ def kv_zeros(runner, model_config) -> list:
     """A model's KV caches zeroed as the runner first made them (`meshes.zeros_kv`):
     the target's (`runner.config.model`), or its draft model's, which shares the pool."""
     config = runner.config
-    layout = config.cache_layout(model_config, meshes.kv_shards(runner.mesh, model_config.num_kv_heads))
+    layout = config.cache_layout(
+        model_config, meshes.kv_shards(runner.mesh, model_config.num_kv_heads)
+    )
     return meshes.zeros_kv(
         runner.mesh, model_config.num_layers, layout, runner.num_pages, config.kv_dtype
     )

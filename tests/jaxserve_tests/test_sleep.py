@@ -3,6 +3,7 @@ and pausing with "keep" on real models: the device buffers are deleted at once a
 process's live arrays shrink by their bytes; after the wake-up the engine gives the same
 greedy tokens as before, and nothing was compiled again."""
 
+import asyncio
 import dataclasses
 
 import jax
@@ -12,6 +13,7 @@ import pytest
 from engine_utils import engine_config, greedy
 
 from jaxserve.assets import EMBEDDED_MODELS
+from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.engine import LLMEngine
 from jaxserve.front import EngineStateError, EngineUnavailableError
 from jaxserve.generate_request import GenerateRequest
@@ -149,7 +151,9 @@ def test_keep_pauses_the_demo_model_without_changing_a_token(async_scheduling):
     with LLMEngine(config) as engine:
         want = greedy(engine, PROMPTS, 16)
         for i, p in enumerate(PROMPTS):
-            engine.add_request(GenerateRequest(str(i), p, dataclasses.replace(GREEDY, max_tokens=16)))
+            engine.add_request(
+                GenerateRequest(str(i), p, dataclasses.replace(GREEDY, max_tokens=16))
+            )
         finals = {}
 
         def keep(out):
@@ -168,3 +172,23 @@ def test_keep_pauses_the_demo_model_without_changing_a_token(async_scheduling):
         assert [finals[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == want
         assert engine.scheduler.num_preemptions == 0
         assert engine.runner.compiles.count == compiles
+
+
+def test_a_front_refuses_requests_while_its_engine_sleeps(engine):
+    async def main():
+        front = AsyncLLMEngine(engine)
+        try:
+            request = GenerateRequest("r", PROMPTS[0], GREEDY)
+            want = [o async for o in front.generate(request)][-1].outputs[0].token_ids
+            await front.sleep(2)
+            assert front.is_sleeping and "sleeping (level 2)" in str(front.unavailable())
+            with pytest.raises(EngineUnavailableError, match="sleeping"):
+                [o async for o in front.generate(request)]
+            await front.wake_up()
+            assert front.unavailable() is None
+            again = [o async for o in front.generate(request)][-1].outputs[0].token_ids
+            assert again == want
+        finally:
+            front.shutdown()
+
+    asyncio.run(main())
