@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_utils import engine_config, greedy
+from engine_utils import SMALL_LLM, engine_config, greedy
 
+from jaxserve import LLM
 from jaxserve.assets import EMBEDDED_MODELS
 from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.engine import LLMEngine
@@ -192,3 +193,15 @@ def test_a_front_refuses_requests_while_its_engine_sleeps(engine):
             front.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_offline_llm_sleeps_between_generate_calls():
+    with LLM("demo-model-tiny", **SMALL_LLM) as llm:
+        want = llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)[0].outputs[0].text
+        llm.sleep(2)
+        with pytest.raises(EngineUnavailableError, match="sleeping"):
+            llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)
+        assert not llm.engine.requests
+        llm.wake_up()
+        again = llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)[0].outputs[0].text
+        assert again == want
