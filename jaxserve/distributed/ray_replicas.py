@@ -188,8 +188,12 @@ class RayReplica:
 
     async def pause_generation(self, mode: str = "abort") -> None:
         check_pause_mode(mode)
-        self.is_paused = True  # (at once: requests sent from now on are held)
-        await self.actor.pause_generation.remote(mode)
+        was, self.is_paused = self.is_paused, True  # (at once: the actor holds new requests)
+        try:
+            await self.actor.pause_generation.remote(mode)
+        except BaseException:
+            self.is_paused = was
+            raise
 
     async def resume_generation(self) -> None:
         await self.actor.resume_generation.remote()

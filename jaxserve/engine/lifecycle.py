@@ -31,9 +31,10 @@ brings new weights: `update_weights`, which also drops the KV tier's stale pages
 model's weights always keep their host copy (`update_weights` gives the target's only).
 `wake_up()` allocates them again: the KV zeroed, the weights from their host copy, or
 zeros without one -- then requests are refused until new weights arrive and
-`weights_loaded()` is called. While asleep, requests are refused. Nothing is compiled
-again: the arrays come back with the shapes, dtypes and placements the programs were
-compiled for. Each logs the device memory before and after (`device_memory()`).
+`weights_loaded()` is called (weights that `update_weights` placed while asleep stay).
+While asleep, requests are refused. Nothing is compiled again: the arrays come back
+with the shapes, dtypes and placements the programs were compiled for. Each logs the
+device memory before and after (`device_memory()`).
 """
 
 from __future__ import annotations
@@ -306,8 +307,10 @@ class EngineLifecycle:
         t0, before = time.perf_counter(), self.device_memory()
         runner, drafter = self.runner, self.runner.drafter
         if self.life.weights is not None:
-            runner.weights = residency.unstash(self.life.weights)
-            self.life.needs_weights |= self.life.weights.host is None
+            # (Weights that update_weights placed while asleep stay: they are newer.)
+            if any(x.is_deleted() for x in runner.weights):
+                runner.weights = residency.unstash(self.life.weights)
+                self.life.needs_weights |= self.life.weights.host is None
             self.life.weights = None
         if drafter is not None and self.life.draft_weights is not None:
             drafter.weights = residency.unstash(self.life.draft_weights)

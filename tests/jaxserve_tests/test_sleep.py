@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_utils import SMALL_LLM, engine_config, greedy
+from fake_devices import run_on_8_devices
 
 from jaxserve import LLM
 from jaxserve.assets import EMBEDDED_MODELS
@@ -100,6 +101,17 @@ def test_weights_dropped_without_a_host_copy_wait_for_new_ones(engine):
     engine.weights_loaded()
     assert greedy(engine, PROMPTS, 8) == want
     assert engine.runner.compiles.count == compiles
+
+
+def test_weights_given_while_asleep_stay_at_the_wake_up(engine):
+    want = greedy(engine, PROMPTS, 8)
+    trained = jax.device_get(engine.runner.weights)
+    engine.sleep(2, keep_host_copy=False)
+    engine.runner.weights = [jnp.asarray(w) for w in trained]  # update_weights, asleep
+    engine.weights_loaded()
+    engine.wake_up()  # (not zeros over them)
+    assert not engine.needs_weights
+    assert greedy(engine, PROMPTS, 8) == want
 
 
 def test_sleep_is_refused_while_requests_run_and_preempts_kept_ones(engine):
@@ -205,3 +217,14 @@ def test_the_offline_llm_sleeps_between_generate_calls():
         llm.wake_up()
         again = llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)[0].outputs[0].text
         assert again == want
+
+
+@pytest.mark.sharded
+@pytest.mark.slow
+def test_an_engine_on_a_mesh_sleeps_and_wakes_without_compiling():
+    """Tensor parallel (2 of 8 fake devices): sharded, committed buffers deleted and
+    placed again as they were; float32 and int8 KV, and a draft model's
+    (`sleep_sharded_check.py`)."""
+    stdout = run_on_8_devices("sleep_sharded_check.py")
+    for name in ("float32", "int8 KV", "draft"):
+        assert f"tp=2 {name}: sleep(2) freed" in stdout and "same tokens, 0 compiles" in stdout
