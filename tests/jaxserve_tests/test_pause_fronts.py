@@ -223,3 +223,53 @@ def test_every_data_parallel_replica_pauses_and_resumes():
             front.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_ray_replica_pauses_its_actors_engine_and_keeps_the_state():
+    """The front's handle (`RayReplica`) and the actor (`ReplicaActor`), without Ray:
+    each call crosses to the actor's engine; the handle answers `is_paused` and
+    `unavailable` from what it did, asking no actor."""
+    import collections
+    import types
+
+    from jaxserve.distributed.ray_actor import ReplicaActor
+    from jaxserve.distributed.ray_replicas import RayReplica
+
+    engine = make_engine(pause_wait_s=0)
+    actor = object.__new__(ReplicaActor)  # its __init__ needs a Ray worker
+    actor.engine = AsyncLLMEngine(engine)
+    actor._outbox, actor._tasks = None, {}
+    actor._early_aborts = collections.OrderedDict()
+    handle = object.__new__(RayReplica)  # the same
+    handle.index, handle.config = 0, engine.config
+    handle.is_paused = handle.is_sleeping = False
+    # A Ray actor handle's `method.remote(...)` is awaitable: the coroutine stands in.
+    handle.actor = types.SimpleNamespace(
+        **{
+            name: types.SimpleNamespace(remote=getattr(actor, name))
+            for name in ("pause_generation", "resume_generation", "sleep", "wake_up")
+        }
+    )
+
+    async def main():
+        await handle.pause_generation("keep")
+        assert handle.is_paused and engine.is_paused
+        assert "pause_wait_s=0" in str(handle.unavailable())
+        with pytest.raises(ParamError, match="mode must be one of"):
+            await handle.pause_generation("halt")
+        assert handle.is_paused  # (a refused call changes nothing)
+        await handle.resume_generation()
+        assert not handle.is_paused and not engine.is_paused and handle.unavailable() is None
+
+        def busy(level, keep_host_copy):
+            raise EngineStateError("busy")
+
+        engine.sleep = busy
+        with pytest.raises(EngineStateError, match="busy"):  # the engine's refusal, through
+            await handle.sleep(1)
+        assert not handle.is_sleeping
+
+    try:
+        asyncio.run(main())
+    finally:
+        actor.engine.shutdown()
