@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--kv_fraction", type=float, default=0.5)
     parser.add_argument("--num_kv_pages", type=int, default=None, help="(default: the fraction)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--attention_backend", default="auto")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -52,6 +53,7 @@ def main() -> None:
     llm = LLM(
         args.model,
         dtype=args.dtype,
+        attention_backend=args.attention_backend,
         skip_tokenizer_init=True,
         max_model_len=512,
         max_num_seqs=16,
