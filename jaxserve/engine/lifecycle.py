@@ -34,7 +34,9 @@ zeros without one -- then requests are refused until new weights arrive and
 `weights_loaded()` is called (weights that `update_weights` placed while asleep stay).
 While asleep, requests are refused. Nothing is compiled again: the arrays come back
 with the shapes, dtypes and placements the programs were compiled for. Each logs the
-device memory before and after (`device_memory()`).
+device memory before and after (`device_memory()`). (Freed buffers go back to the
+driver only with XLA's `platform` GPU allocator; its default keeps them in the
+process's pool, for a JAX trainer in the same process: benchmarks/README.md.)
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "A B C D E F G H I J K L",
 def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(tiny_model_dir):
     """Streams over gRPC and completions over HTTP equal the offline engine's greedy
     tokens, spread over both replicas; /metrics shows each; a cancelled stream frees its
-    pages on its replica; pause and sleep reach both replicas' actors; killing a replica's process turns health NOT_SERVING within
-    the bound and new requests UNAVAILABLE."""
+    pages on its replica; pause and sleep reach both replicas' actors; killing a
+    replica's process turns health NOT_SERVING within the bound and new requests
+    UNAVAILABLE."""
     ray = pytest.importorskip("ray")
     import httpx
 
