@@ -8,7 +8,8 @@ One job per module:
 - `pipeline`: the step, sync and async: schedule, build, dispatch, fetch;
 - `emission`: the sampled tokens applied: append, stop checks, drafts accepted;
 - `grammars`: structured-output requests held until their grammar compiles;
-- `disagg_io`: KV pages exported to and imported from another instance.
+- `disagg_io`: KV pages exported to and imported from another instance;
+- `lifecycle`: pause and sleep (RL rollouts beside a trainer), `LLMEngine`'s base.
 
 `LLMEngine` is loaded on first use (`__getattr__`), so that the host-side modules of
 the package (all but `core` and `startup`) import without JAX.

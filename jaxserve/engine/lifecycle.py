@@ -118,6 +118,7 @@ class EngineLifecycle:
     requests: dict[str, RequestState]
     life: LifecycleState
     abort: Callable[[str], bool]
+    _check_open: Callable[[], None]
 
     # ------------------------------------------------------------------ state
 
@@ -249,6 +250,7 @@ class EngineLifecycle:
         while requests would step (pause or abort them first). Sleeping already at
         this level or deeper: nothing."""
         check_sleep_level(level)
+        self._check_open()
         self._check_can_sleep()
         if level <= self.life.sleeping:
             return
@@ -304,6 +306,7 @@ class EngineLifecycle:
         """Allocates the KV caches (zeroed) and weights (from their host copy; zeros
         without one, and requests refused until `weights_loaded`) again, as they were
         placed: nothing is compiled. Awake already: nothing."""
+        self._check_open()
         if not self.life.sleeping:
             return
         t0, before = time.perf_counter(), self.device_memory()

@@ -139,3 +139,10 @@ def test_a_bad_mode_is_refused_naming_the_field():
     with pytest.raises(ParamError, match=r"mode must be one of \['abort', 'wait', 'keep'\]") as e:
         engine.pause_generation("stop")
     assert e.value.field == "mode" and not engine.is_paused
+
+
+def test_pause_wait_s_is_checked_naming_it():
+    for bad in (-1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="pause_wait_s must be >= 0 seconds"):
+            make_engine(pause_wait_s=bad)
+    assert make_engine(pause_wait_s=0).config.pause_wait_s == 0

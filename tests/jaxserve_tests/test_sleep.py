@@ -150,6 +150,13 @@ def test_a_bad_sleep_level_is_refused_naming_the_field(engine):
     assert not engine.is_sleeping
 
 
+def test_a_closed_engine_neither_sleeps_nor_wakes(engine):
+    engine.close()
+    for call in (lambda: engine.sleep(1), engine.wake_up):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_keep_pauses_the_demo_model_without_changing_a_token(async_scheduling):
