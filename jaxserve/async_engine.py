@@ -309,13 +309,16 @@ class AsyncLLMEngine:
 
     def _expire_held(self) -> None:
         """Aborts the requests a pause has held for `pause_wait_s`; their streams end
-        with EngineUnavailableError."""
+        with EngineUnavailableError. (One the engine no longer holds started.)"""
         now = time.monotonic()
         for request_id, deadline in list(self._held.items()):
-            if now >= deadline:
+            if not self.engine.holds(request_id):
+                del self._held[request_id]
+            elif now >= deadline:
                 del self._held[request_id]
                 stream = self._live.pop(request_id, None)
-                if self.engine.abort(request_id) and stream is not None:
+                self.engine.abort(request_id)
+                if stream is not None:
                     stream.put(paused_error(self._pause_wait_s))
 
     def _deliver(self, out: RequestOutput) -> None:

@@ -78,7 +78,7 @@ def check_pause_mode(mode: object) -> str:
 
 def check_sleep_level(level: object) -> int:
     """`level` if it is a sleep level; else ParamError naming the field "level"."""
-    if isinstance(level, bool) or level not in SLEEP_LEVELS:
+    if not isinstance(level, int) or isinstance(level, bool) or level not in SLEEP_LEVELS:
         raise ParamError("level", f"level must be one of {list(SLEEP_LEVELS)}, got {level!r}")
     return level  # type: ignore[return-value]
 
@@ -158,6 +158,7 @@ class EngineLifecycle:
         requests in flight (the module docstring). Returns at once: with "wait", the
         pause is complete when `has_unfinished()` turns False."""
         check_pause_mode(mode)
+        in_flight = len(self.requests) - len(self.life.held)
         self.life.paused = mode
         if mode == "abort":
             self._abort_in_flight()
@@ -166,7 +167,7 @@ class EngineLifecycle:
             # resume with synchronous inputs (the first step after resume has no prev).
             step, self.pipeline.inflight = self.pipeline.inflight, None
             self.life.finals += self.pipeline.apply(step, time.perf_counter())
-        logger.info("generation paused (mode %r): %d requests held", mode, len(self.requests))
+        logger.info("generation paused (mode %r) with %d requests in flight", mode, in_flight)
 
     def resume_generation(self) -> None:
         """Ends a pause: kept requests go on, held ones are scheduled (in arrival order).
@@ -178,6 +179,10 @@ class EngineLifecycle:
         for req in held:
             self._start(req)
         logger.info("generation resumed: %d requests were waiting for it", len(held))
+
+    def holds(self, request_id: str) -> bool:
+        """Whether a pause holds this request (added while paused; not started)."""
+        return any(req.request_id == request_id for req in self.life.held)
 
     def _abort_in_flight(self) -> None:
         """Ends every request but those held (they never started): their final outputs

@@ -273,3 +273,29 @@ def test_a_ray_replica_pauses_its_actors_engine_and_keeps_the_state():
         asyncio.run(main())
     finally:
         actor.engine.shutdown()
+
+
+def test_a_request_that_started_is_not_given_up_on_at_the_next_pause():
+    """A held request that a resume started is not aborted when its wait would have
+    ended, even if the engine is paused again by then (however it was resumed)."""
+
+    async def main():
+        front = AsyncLLMEngine(slow_engine(pause_wait_s=0.3))
+        try:
+            await front.pause_generation("keep")
+            task = asyncio.ensure_future(collect(front, "r", [1, 2], 4))
+            for _ in range(500):
+                if front.engine.holds("r"):
+                    break
+                await asyncio.sleep(0.01)
+            # Resumed and paused again between two steps (not through the front).
+            await front.call(lambda e: (e.resume_generation(), e.pause_generation("keep")))
+            assert not front.engine.holds("r") and "r" in front.engine.requests
+            await asyncio.sleep(0.6)  # past its pause_wait_s
+            await front.resume_generation()
+            outs = await asyncio.wait_for(task, 60)
+            assert tokens(outs) == expected_tokens([1, 2], 4, VOCAB)
+        finally:
+            front.shutdown()
+
+    asyncio.run(main())

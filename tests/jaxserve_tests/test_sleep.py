@@ -143,7 +143,7 @@ def test_sleep_is_refused_while_requests_run_and_preempts_kept_ones(engine):
 
 
 def test_a_bad_sleep_level_is_refused_naming_the_field(engine):
-    for level in (0, 3, True, "1"):
+    for level in (0, 3, True, "1", 1.0):
         with pytest.raises(ParamError, match=r"level must be one of \[1, 2\]") as e:
             engine.sleep(level)
         assert e.value.field == "level"
