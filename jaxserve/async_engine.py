@@ -9,6 +9,12 @@ stream, even one that reuses the id of a request aborted a moment earlier. A
 stream that is closed or cancelled before its request finished aborts the
 request, which frees its pages within a step.
 
+Pause and sleep (`jaxserve.engine.lifecycle`) run on the engine thread like any
+command. A request that arrives while generation is paused is held by the engine
+until the resume; the engine thread gives up on it after `pause_wait_s` (aborting it,
+its stream ending with EngineUnavailableError). While paused or asleep the loop waits
+for commands; it does not spin.
+
 Front ends use it only as a `jaxserve.front.EngineFront`.
 """
 
@@ -25,8 +31,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
 from jaxserve.engine import LLMEngine
+from jaxserve.engine.lifecycle import check_pause_mode, check_sleep_level, paused_error
 from jaxserve.engine_stats import StatsSnapshot
-from jaxserve.front import EngineDeadError, RequestFailedError
+from jaxserve.front import EngineDeadError, EngineUnavailableError, RequestFailedError
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.outputs import ModelInfo, RequestOutput
 
@@ -84,6 +91,11 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, OutputStream] = {}  # the event loop's: ids in use by clients
         self._live: dict[str, OutputStream] = {}  # the engine thread's: requests it accepted
+        # The engine thread's: requests a pause holds -> when they give up (monotonic),
+        # and the callers of pause_generation("wait") until the engine has drained.
+        self._held: dict[str, float] = {}
+        self._drained: list[asyncio.Future] = []
+        self._pause_wait_s = engine.config.pause_wait_s
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -164,6 +176,46 @@ class AsyncLLMEngine:
     async def import_pages(self, pages: list[bytes]) -> int:
         return await asyncio.to_thread(self.engine.import_pages, pages)  # any thread
 
+    # ---------------------------------------------------------- pause and sleep
+
+    @property
+    def is_paused(self) -> bool:
+        return self.engine.is_paused  # (a flag the engine thread sets)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    def unavailable(self) -> EngineUnavailableError | None:
+        error = self.engine.refusal()
+        if error is None and self.engine.is_paused and self._pause_wait_s <= 0:
+            error = paused_error(0)
+        return error
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """`LLMEngine.pause_generation` on the engine thread; with "wait", returns once
+        the requests in flight have finished (or a resume came first)."""
+        check_pause_mode(mode)
+        await self.call(lambda e: e.pause_generation(mode))
+        if mode == "wait":
+            drained = asyncio.get_running_loop().create_future()
+            self._send(("drained", drained))
+            await drained
+
+    async def resume_generation(self) -> None:
+        await self.call(self._resume)
+
+    def _resume(self, engine: LLMEngine) -> None:
+        engine.resume_generation()
+        self._held.clear()  # scheduled now: they wait no more
+
+    async def sleep(self, level: int = 1, keep_host_copy: bool = True) -> None:
+        check_sleep_level(level)
+        await self.call(lambda e: e.sleep(level, keep_host_copy))
+
+    async def wake_up(self) -> None:
+        await self.call(lambda e: e.wake_up())
+
     def close(self, timeout: float = 10.0) -> None:
         """Stops the engine thread, waiting at most about `timeout` seconds for the step
         it is in, then closes the engine (`LLMEngine.close`: a disk KV tier saved for a
@@ -210,8 +262,10 @@ class AsyncLLMEngine:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
-            if command[0] == "call":
+                break
+            if command[0] == "drained":
+                self._drained.append(command[1])
+            elif command[0] == "call":
                 _, fn, future = command
                 try:
                     result, error = fn(self.engine), None
@@ -222,8 +276,14 @@ class AsyncLLMEngine:
                 _, request, stream = command
                 if stream.closed:
                     continue  # cancelled before it reached the engine
+                refused = self.unavailable()  # asleep; paused, with no wait allowed
+                if refused is not None:
+                    stream.put(refused)
+                    continue
                 try:
                     self.engine.add_request(request)
+                except EngineUnavailableError as e:
+                    stream.put(e)
                 except (ValueError, TypeError) as e:  # this request is bad; the engine is fine
                     stream.put(e if isinstance(e, ValueError) else ValueError(str(e)))
                 except Exception as e:  # this request failed alone; the engine is fine
@@ -235,9 +295,31 @@ class AsyncLLMEngine:
                     stream.put(RequestFailedError(message))
                 else:
                     self._live[request.request_id] = stream
+                    if self.engine.is_paused:  # held until the resume, or given up
+                        self._held[request.request_id] = time.monotonic() + self._pause_wait_s
             else:
                 self.engine.abort(command[1])
                 self._live.pop(command[1], None)
+                self._held.pop(command[1], None)
+        self._expire_held()
+        if self._drained and not (self.engine.is_paused and self.engine.has_unfinished()):
+            for future in self._drained:
+                _reply(future, None, None)
+            self._drained = []
+
+    def _expire_held(self) -> None:
+        """Aborts the requests a pause has held for `pause_wait_s`; their streams end
+        with EngineUnavailableError. (One the engine no longer holds started.)"""
+        now = time.monotonic()
+        for request_id, deadline in list(self._held.items()):
+            if not self.engine.holds(request_id):
+                del self._held[request_id]
+            elif now >= deadline:
+                del self._held[request_id]
+                stream = self._live.pop(request_id, None)
+                self.engine.abort(request_id)
+                if stream is not None:
+                    stream.put(paused_error(self._pause_wait_s))
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._live.get(out.request_id)
@@ -255,7 +337,10 @@ class AsyncLLMEngine:
             self._live.pop(out.request_id, None)
 
     def _idle(self) -> None:
-        self._wake.wait(timeout=0.5)
+        timeout = 0.5  # (also how often `last_round` shows the loop alive)
+        if self._held:  # a held request gives up on time
+            timeout = min(timeout, max(min(self._held.values()) - time.monotonic(), 0.0))
+        self._wake.wait(timeout=timeout)
         self._wake.clear()
 
     def _loop(self) -> None:
@@ -270,6 +355,8 @@ class AsyncLLMEngine:
             end = EngineDeadError(f"the engine loop stopped: {e!r}")
         for stream in list(self._streams.values()):  # nobody waits forever
             stream.put(end)
+        for future in self._drained:
+            _reply(future, None, end)
         if self._stop.is_set():  # closing: the engine's own thread releases it
             try:
                 self.engine.close()

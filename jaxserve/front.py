@@ -6,6 +6,12 @@ it; a data-parallel front's replicas are fronts themselves.
 The servers use nothing else: no reaching into the engine behind a front. An
 operation a front cannot do, it says so in advance (`can_transfer_kv`), so that a
 server refuses at start-up a role it could not serve (`server.disagg.check_role`).
+
+Beside a trainer (RL rollouts), a front pauses generation around a weight update and
+gives the device memory back (`pause_generation`, `sleep`; `jaxserve.engine.lifecycle`
+says what each mode and level does). A request sent while the engine is paused waits
+for `resume_generation`, at most `EngineConfig.pause_wait_s`; one sent while it sleeps
+is refused at once: both with `EngineUnavailableError` (HTTP 503, gRPC UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -31,6 +37,18 @@ class RequestFailedError(RuntimeError):
     def __init__(self, message: str, output: RequestOutput | None = None):
         super().__init__(message)
         self.output = output
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine takes no request now: it is paused (`pause_generation`; a request
+    waited `pause_wait_s` for `resume_generation` in vain) or sleeping (`sleep`), or it
+    woke without weights and waits for `update_weights`. The message says which. It
+    serves again once resumed, woken, or given weights: retry then."""
+
+
+class EngineStateError(RuntimeError):
+    """A pause, sleep or wake-up the engine's state forbids now, e.g. `sleep` while
+    requests run (pause or abort them first); the message says what to do."""
 
 
 @runtime_checkable
@@ -93,6 +111,46 @@ class EngineFront(Protocol):
     async def import_pages(self, pages: list[bytes]) -> int:
         """Checks pushed KV pages and keeps them where admission finds them; returns
         how many. Raises ValueError (none kept) for a bad page or no tier."""
+        ...
+
+    @property
+    def is_paused(self) -> bool:
+        """Whether generation is paused (`pause_generation`; any replica)."""
+        ...
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether the engine sleeps (`sleep`; any replica)."""
+        ...
+
+    def unavailable(self) -> EngineUnavailableError | None:
+        """The error a request sent now gets at once: the engine sleeps, or is paused
+        with `pause_wait_s` 0 (a server answers it before streaming). None when the
+        request would be served, or would wait for `resume_generation`."""
+        ...
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Pauses generation on the engine (every replica). `mode`: "abort" ends the
+        requests in flight now (finish_reason "abort", stop_reason "paused"); "wait"
+        lets them finish, returning once they have; "keep" freezes them with their KV
+        until `resume_generation`. New requests wait for the resume. Raises ValueError
+        (its `field` "mode") for another mode."""
+        ...
+
+    async def resume_generation(self) -> None:
+        """Ends a pause: kept requests go on where they stopped, waiting ones start."""
+        ...
+
+    async def sleep(self, level: int = 1, keep_host_copy: bool = True) -> None:
+        """Gives the device memory back (every replica): level 1 the KV cache, level 2
+        the weights too (kept in host memory unless `keep_host_copy` is False: new
+        weights come with `update_weights`). Raises ValueError (`field` "level") for
+        another level, EngineStateError while requests run unpaused."""
+        ...
+
+    async def wake_up(self) -> None:
+        """Takes the device memory again (the KV cache zeroed, the weights from their
+        host copy); no program is compiled again."""
         ...
 
     def close(self, timeout: float = 10.0) -> None:

@@ -233,6 +233,31 @@ class LLM:
             )
         return self.engine
 
+    def sleep(self, level: int = 1, keep_host_copy: bool = True) -> None:
+        """Gives the device memory back between `generate` calls (beside a trainer):
+        level 1 the KV cache, level 2 the weights too, kept in host memory unless
+        `keep_host_copy` is False (`jaxserve.engine.lifecycle`). `generate` raises
+        EngineUnavailableError until `wake_up`. (Pausing is for servers: `generate`
+        returns only when its requests are done, so there is nothing to pause.)"""
+        if isinstance(self.engine, DataParallelEngine):
+            self.engine.run_sync(self.engine.sleep(level, keep_host_copy))
+        else:
+            self._one_engine("sleep").sleep(level, keep_host_copy)
+
+    def wake_up(self) -> None:
+        """Takes the device memory again after `sleep` (nothing is compiled again)."""
+        if isinstance(self.engine, DataParallelEngine):
+            self.engine.run_sync(self.engine.wake_up())
+        else:
+            self._one_engine("wake_up").wake_up()
+
+    def _one_engine(self, what: str) -> LLMEngine:
+        if self.closed:
+            raise RuntimeError("this LLM is closed")
+        if self.engine is None:
+            raise ValueError(f"{what}() is the leader's (process_id 0); this is a follower")
+        return self.engine
+
     def follow(self) -> int:
         """A follower process (process_id > 0): runs the leader's steps until the
         leader stops (`LLM.stop_followers` there, or its interpreter exits); returns

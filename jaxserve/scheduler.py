@@ -308,13 +308,14 @@ class Scheduler:
         seq.pages.extend(self.pool.allocate(need))
         return True
 
-    def preempt_all(self) -> list[SequenceState]:
-        """Preempts every running sequence (their KV is recomputed once rescheduled;
-        they keep the tokens they generated); returns them."""
+    def preempt_all(self) -> int:
+        """Preempts every running sequence (its pages freed, its work recomputed when
+        it runs again): the KV it held is gone (`LLMEngine.sleep`) or stale (new
+        weights). Returns how many."""
         running = list(self.running)
         for seq in running:
             self._preempt(seq)
-        return running
+        return len(running)
 
     def _preempt(self, seq: SequenceState) -> None:
         self.running.remove(seq)

@@ -187,7 +187,11 @@ class JaxServeServer:
         self._make_engine = make_engine
         self.state = ServingState(model_name=model_name, max_pending=options.max_pending)
         self.metrics = ServerMetrics(
-            model_name, self._stats, info_fn=self._info, replicas_fn=self._replica_stats
+            model_name,
+            self._stats,
+            info_fn=self._info,
+            replicas_fn=self._replica_stats,
+            lifecycle_fn=self._lifecycle,
         )
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
@@ -210,6 +214,10 @@ class JaxServeServer:
     def _replica_stats(self):
         engine = self.state.engine
         return None if engine is None else engine.replica_stats()
+
+    def _lifecycle(self):
+        engine = self.state.engine
+        return None if engine is None else (engine.is_paused, engine.is_sleeping)
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):

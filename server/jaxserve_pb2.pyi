@@ -368,3 +368,29 @@ class ModelInfo(_message.Message):
     kv_cache_dtype: str
     quantization: str
     def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., num_devices: _Optional[int] = ..., num_processes: _Optional[int] = ..., kv_cache_bytes_per_device: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+
+class PauseRequest(_message.Message):
+    __slots__ = ("mode",)
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    def __init__(self, mode: _Optional[str] = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("level", "keep_host_copy")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    KEEP_HOST_COPY_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    keep_host_copy: bool
+    def __init__(self, level: _Optional[int] = ..., keep_host_copy: _Optional[bool] = ...) -> None: ...
+
+class EngineStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineState(_message.Message):
+    __slots__ = ("is_paused", "is_sleeping")
+    IS_PAUSED_FIELD_NUMBER: _ClassVar[int]
+    IS_SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    is_paused: bool
+    is_sleeping: bool
+    def __init__(self, is_paused: _Optional[bool] = ..., is_sleeping: _Optional[bool] = ...) -> None: ...

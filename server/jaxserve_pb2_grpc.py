@@ -69,6 +69,36 @@ class JaxServeStub:
                 request_serializer=server_dot_jaxserve__pb2.KVPages.SerializeToString,
                 response_deserializer=server_dot_jaxserve__pb2.PushKVResponse.FromString,
                 _registered_method=True)
+        self.PauseGeneration = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/PauseGeneration',
+                request_serializer=server_dot_jaxserve__pb2.PauseRequest.SerializeToString,
+                response_deserializer=server_dot_jaxserve__pb2.EngineState.FromString,
+                _registered_method=True)
+        self.ResumeGeneration = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/ResumeGeneration',
+                request_serializer=server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
+                response_deserializer=server_dot_jaxserve__pb2.EngineState.FromString,
+                _registered_method=True)
+        self.IsPaused = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/IsPaused',
+                request_serializer=server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
+                response_deserializer=server_dot_jaxserve__pb2.EngineState.FromString,
+                _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/Sleep',
+                request_serializer=server_dot_jaxserve__pb2.SleepRequest.SerializeToString,
+                response_deserializer=server_dot_jaxserve__pb2.EngineState.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/WakeUp',
+                request_serializer=server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
+                response_deserializer=server_dot_jaxserve__pb2.EngineState.FromString,
+                _registered_method=True)
+        self.IsSleeping = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/IsSleeping',
+                request_serializer=server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
+                response_deserializer=server_dot_jaxserve__pb2.EngineState.FromString,
+                _registered_method=True)
 
 
 class JaxServeServicer:
@@ -126,6 +156,48 @@ class JaxServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PauseGeneration(self, request, context):
+        """RL rollouts beside a trainer (vLLM's pause_generation and sleep): generation
+        paused around a weight update, the device memory given back and taken again.
+        Each answers the engine's state after it. A bad mode or level is
+        INVALID_ARGUMENT naming it; a sleep while requests run, FAILED_PRECONDITION.
+        While paused, a new request waits for the resume up to pause_wait_s, then is
+        UNAVAILABLE; while asleep it is UNAVAILABLE at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeGeneration(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsPaused(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sleep(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsSleeping(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JaxServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +235,36 @@ def add_JaxServeServicer_to_server(servicer, server):
                     servicer.PushKV,
                     request_deserializer=server_dot_jaxserve__pb2.KVPages.FromString,
                     response_serializer=server_dot_jaxserve__pb2.PushKVResponse.SerializeToString,
+            ),
+            'PauseGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseGeneration,
+                    request_deserializer=server_dot_jaxserve__pb2.PauseRequest.FromString,
+                    response_serializer=server_dot_jaxserve__pb2.EngineState.SerializeToString,
+            ),
+            'ResumeGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeGeneration,
+                    request_deserializer=server_dot_jaxserve__pb2.EngineStateRequest.FromString,
+                    response_serializer=server_dot_jaxserve__pb2.EngineState.SerializeToString,
+            ),
+            'IsPaused': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsPaused,
+                    request_deserializer=server_dot_jaxserve__pb2.EngineStateRequest.FromString,
+                    response_serializer=server_dot_jaxserve__pb2.EngineState.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=server_dot_jaxserve__pb2.SleepRequest.FromString,
+                    response_serializer=server_dot_jaxserve__pb2.EngineState.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=server_dot_jaxserve__pb2.EngineStateRequest.FromString,
+                    response_serializer=server_dot_jaxserve__pb2.EngineState.SerializeToString,
+            ),
+            'IsSleeping': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsSleeping,
+                    request_deserializer=server_dot_jaxserve__pb2.EngineStateRequest.FromString,
+                    response_serializer=server_dot_jaxserve__pb2.EngineState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +456,168 @@ class JaxServe:
             '/jaxserve.v1.JaxServe/PushKV',
             server_dot_jaxserve__pb2.KVPages.SerializeToString,
             server_dot_jaxserve__pb2.PushKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/PauseGeneration',
+            server_dot_jaxserve__pb2.PauseRequest.SerializeToString,
+            server_dot_jaxserve__pb2.EngineState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/ResumeGeneration',
+            server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
+            server_dot_jaxserve__pb2.EngineState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsPaused(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/IsPaused',
+            server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
+            server_dot_jaxserve__pb2.EngineState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/Sleep',
+            server_dot_jaxserve__pb2.SleepRequest.SerializeToString,
+            server_dot_jaxserve__pb2.EngineState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/WakeUp',
+            server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
+            server_dot_jaxserve__pb2.EngineState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsSleeping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/IsSleeping',
+            server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
+            server_dot_jaxserve__pb2.EngineState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -29,10 +29,13 @@ _LATENCY_BUCKETS = (
 
 
 class _EngineCollector:
-    def __init__(self, stats_fn, model_name: str, info_fn=None, replicas_fn=None):
+    def __init__(
+        self, stats_fn, model_name: str, info_fn=None, replicas_fn=None, lifecycle_fn=None
+    ):
         self._stats_fn = stats_fn
         self._info_fn = info_fn or (lambda: None)
         self._replicas_fn = replicas_fn or (lambda: None)
+        self._lifecycle_fn = lifecycle_fn or (lambda: None)
         self._labels = ("model_name",), (model_name,)
 
     def _family(self, cls, name, doc, value):
@@ -104,6 +107,15 @@ class _EngineCollector:
         for name, doc in _TIER_GAUGES:
             yield self._family(g, f"jaxserve:{name}", doc, getattr(s, name))
         yield from self._mesh()
+        lifecycle = self._lifecycle_fn()
+        if lifecycle is not None:
+            paused, sleeping = lifecycle
+            yield self._family(
+                g, "jaxserve:engine_paused", "1 while generation is paused.", int(paused)
+            )
+            yield self._family(
+                g, "jaxserve:engine_sleeping", "1 while the engine sleeps.", int(sleeping)
+            )
 
     def _mesh(self):
         """The mesh (tp, dp, processes as labels; devices the value), the KV bytes per
@@ -166,12 +178,17 @@ _TIER_GAUGES = (
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats_fn, *, info_fn=None, replicas_fn=None):
+    def __init__(
+        self, model_name: str, stats_fn, *, info_fn=None, replicas_fn=None, lifecycle_fn=None
+    ):
         """`stats_fn()` returns the engine's StatsSnapshot, or None before it exists;
         `info_fn()` its ModelInfo (the mesh), `replicas_fn()` each data-parallel
-        replica's StatsSnapshot (None: one engine)."""
+        replica's StatsSnapshot (None: one engine), `lifecycle_fn()` whether it is
+        (paused, sleeping)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats_fn, model_name, info_fn, replicas_fn))
+        self.registry.register(
+            _EngineCollector(stats_fn, model_name, info_fn, replicas_fn, lifecycle_fn)
+        )
         kw = dict(registry=self.registry, buckets=_LATENCY_BUCKETS)
         self.ttft = Histogram(
             "jaxserve:time_to_first_token_seconds",

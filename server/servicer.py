@@ -27,6 +27,7 @@ from server.openai_api import chat_output
 from server.openai_api.chat_output import ChatParsers, ChatReading
 from server.openai_api.protocol import BadField
 from server.prometheus import ServerMetrics
+from server.servicer_lifecycle import LifecycleRPCs
 from server.serving import Reason, Refused, ServingState
 
 # The trailing metadata key of an INVALID_ARGUMENT's field ("temperature", ...).
@@ -36,6 +37,7 @@ _CODES = {
     Reason.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Reason.CONFLICT: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.FAILED: grpc.StatusCode.INTERNAL,
 }
 
@@ -96,7 +98,7 @@ def _usage(out: RequestOutput) -> pb.Usage:
     )
 
 
-class JaxServeServicer(pb_grpc.JaxServeServicer):
+class JaxServeServicer(LifecycleRPCs, pb_grpc.JaxServeServicer):  # pause, sleep: its base
     def __init__(
         self,
         state: ServingState,

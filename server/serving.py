@@ -13,9 +13,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
-from jaxserve.front import EngineDeadError, EngineFront, RequestFailedError
+from jaxserve.front import (
+    EngineDeadError,
+    EngineFront,
+    EngineStateError,
+    EngineUnavailableError,
+    RequestFailedError,
+)
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.tokenizer import Tokenizer
@@ -25,7 +31,8 @@ from server.prometheus import ServerMetrics
 class Reason(enum.Enum):
     INVALID = "invalid"  # a bad field: gRPC INVALID_ARGUMENT, HTTP 400
     OVERLOADED = "overloaded"  # past max_pending: RESOURCE_EXHAUSTED, 429
-    UNAVAILABLE = "unavailable"  # loading, draining, or the engine died: UNAVAILABLE, 503
+    UNAVAILABLE = "unavailable"  # loading, draining, paused, asleep, dead: UNAVAILABLE, 503
+    CONFLICT = "conflict"  # the engine's state forbids it now: FAILED_PRECONDITION, 409
     FAILED = "failed"  # the engine failed this request alone (its cause named): INTERNAL, 500
 
 
@@ -64,8 +71,13 @@ def ready(state: ServingState) -> EngineFront:
 
 
 def admit(state: ServingState, metrics: ServerMetrics, *, extra: int = 0) -> EngineFront:
-    """The engine, if it is ready and has room for `1 + extra` more requests."""
+    """The engine, if it is ready, takes requests now (not asleep; not paused with
+    pause_wait_s 0: refused before a stream starts) and has room for `1 + extra` more."""
     engine = ready(state)
+    refused = engine.unavailable()
+    if refused is not None:
+        metrics.rejected.labels("unavailable").inc()
+        raise Refused(Reason.UNAVAILABLE, str(refused))
     if 1 + extra > state.max_pending:  # no retry could ever admit it
         raise invalid(
             metrics,
@@ -114,10 +126,29 @@ async def stream(
                     metrics.requests.labels(c.finish_reason).inc()
     except ValueError as e:
         raise invalid(metrics, str(e), getattr(e, "field", None)) from None
-    except EngineDeadError as e:
+    except (EngineDeadError, EngineUnavailableError) as e:  # (a pause held it too long)
         raise Refused(Reason.UNAVAILABLE, str(e)) from None
     except RequestFailedError as e:  # the engine serves on
         raise Refused(Reason.FAILED, str(e)) from None
+
+
+async def lifecycle(
+    state: ServingState, metrics: ServerMetrics, call: Callable[[EngineFront], Awaitable[None]]
+) -> EngineFront:
+    """Runs `call(engine)`, a pause, resume, sleep or wake-up of the ready engine, for
+    either protocol; returns the engine. Raises Refused: INVALID for a bad mode or
+    level (naming it), CONFLICT where the engine's state forbids it (sleep with
+    requests running), UNAVAILABLE if the engine is not ready or dies meanwhile."""
+    engine = ready(state)
+    try:
+        await call(engine)
+    except ValueError as e:
+        raise invalid(metrics, str(e), getattr(e, "field", None)) from None
+    except EngineStateError as e:
+        raise Refused(Reason.CONFLICT, str(e)) from None
+    except (EngineDeadError, EngineUnavailableError) as e:
+        raise Refused(Reason.UNAVAILABLE, str(e)) from None
+    return engine
 
 
 def deltas(out: RequestOutput, reported: set[int]) -> Iterator[CompletionOutput]:

@@ -55,6 +55,10 @@ class EngineConfig:
     # What logprobs hold (LOGPROBS_MODES), for the engine's life: static to the sampling
     # and prompt-logprob programs (the same number of them compiled, whatever the mode).
     logprobs_mode: str = "raw_logprobs"
+    # A request sent to a front while generation is paused (`pause_generation`) waits
+    # this long for the resume, then is refused (EngineUnavailableError: HTTP 503,
+    # gRPC UNAVAILABLE); 0 refuses it at once.
+    pause_wait_s: float = 30.0
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
@@ -89,6 +93,8 @@ class EngineConfig:
             raise ValueError(
                 f"native_kernels_dir must be a directory or None, got {self.native_kernels_dir!r}"
             )
+        if not 0 <= self.pause_wait_s < math.inf:
+            raise ValueError(f"pause_wait_s must be >= 0 seconds, got {self.pause_wait_s}")
         if self.max_logit_bias <= 0:
             raise ValueError(f"max_logit_bias must be positive, got {self.max_logit_bias}")
         if self.logprobs_mode not in LOGPROBS_MODES:

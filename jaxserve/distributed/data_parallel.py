@@ -14,7 +14,8 @@ has siblings. `DataParallelEngine` routes each request to a replica:
 - load: otherwise (or when that replica is busier than the least-loaded one by more
   than `max_imbalance` requests) the replica with the fewest requests in flight.
 
-Metrics come per replica (`replica_stats()`) and in total (`stats()`).
+Metrics come per replica (`replica_stats()`) and in total (`stats()`). Pause, resume,
+sleep and wake-up go to every replica, and return once all have done it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Hashable, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -34,8 +35,15 @@ from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.config import EngineConfig
 from jaxserve.distributed import meshes
 from jaxserve.engine import LLMEngine
+from jaxserve.engine.lifecycle import check_pause_mode, check_sleep_level
 from jaxserve.engine_stats import StatsSnapshot
-from jaxserve.front import EngineDeadError, EngineFront, RequestFailedError, cannot_transfer_kv
+from jaxserve.front import (
+    EngineDeadError,
+    EngineFront,
+    EngineUnavailableError,
+    RequestFailedError,
+    cannot_transfer_kv,
+)
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.kv.page_pool import ROOT_UID
 from jaxserve.outputs import ModelInfo, RequestOutput
@@ -242,6 +250,43 @@ class DataParallelEngine:
 
     async def import_pages(self, pages: list[bytes]) -> int:
         raise NotImplementedError(cannot_transfer_kv(self))
+
+    # ---------------------------------------------------------- pause and sleep
+
+    @property
+    def is_paused(self) -> bool:
+        return any(r.is_paused for r in self.replicas)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return any(r.is_sleeping for r in self.replicas)
+
+    def unavailable(self) -> EngineUnavailableError | None:
+        return next((e for r in self.replicas if (e := r.unavailable()) is not None), None)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        check_pause_mode(mode)
+        await self._on_every_replica(lambda r: r.pause_generation(mode))
+
+    async def resume_generation(self) -> None:
+        await self._on_every_replica(lambda r: r.resume_generation())
+
+    async def sleep(self, level: int = 1, keep_host_copy: bool = True) -> None:
+        check_sleep_level(level)
+        await self._on_every_replica(lambda r: r.sleep(level, keep_host_copy))
+
+    async def wake_up(self) -> None:
+        await self._on_every_replica(lambda r: r.wake_up())
+
+    async def _on_every_replica(self, call: Callable[[EngineFront], Awaitable[None]]) -> None:
+        """Runs `call` on every replica at once and waits for all of them (none is left
+        running when one fails); raises the first replica's error, naming it."""
+        results = await asyncio.gather(*(call(r) for r in self.replicas), return_exceptions=True)
+        for i, result in enumerate(results):
+            if isinstance(result, BaseException):
+                if len(self.replicas) > 1:
+                    result.add_note(f"(data-parallel replica {i} of {len(self.replicas)})")
+                raise result
 
     def close(self, timeout: float = 10.0) -> None:
         """Closes every replica (each waits at most about `timeout` seconds), then the

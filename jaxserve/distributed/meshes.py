@@ -10,6 +10,7 @@ sharded.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -185,8 +186,15 @@ def zeros_kv(
     sharding = kv_cache_shardings(
         mesh, layout.num_kv_heads, kv_dtype, len(layout.scales_shape(num_pages))
     )
-    zeros = jax.jit(lambda: _zeros(layout, num_pages, kv_dtype), out_shardings=sharding)
+    zeros = _zeros_program(layout, num_pages, kv_dtype, sharding)
     return [zeros() for _ in range(num_layers)]
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros_program(layout: CacheLayout, num_pages: int, kv_dtype: str, sharding):
+    """The jitted zeros of one placement, kept: a wake-up (`LLMEngine.wake_up`)
+    allocates the caches again with the program that first made them, compiling none."""
+    return jax.jit(functools.partial(_zeros, layout, num_pages, kv_dtype), out_shardings=sharding)
 
 
 # ----------------------------------------------------- compile-only placements

@@ -1,5 +1,5 @@
 """Tells an engine whose step is long from one that is stuck (the Ray replicas' health
-check, `ray_replicas.ReplicaActor.health`).
+check, `ray_actor.ReplicaActor.health`).
 
 Wall time alone cannot: a step may take longer than `step_timeout_s` and be fine (a
 long prefill, or a first compile with warmup=False). So an engine counts as stuck only

@@ -33,27 +33,27 @@ path (as multi-host serving does).
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
-import functools
 import itertools
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from jaxserve.async_engine import AsyncLLMEngine, OutputStream
+from jaxserve.async_engine import OutputStream
 from jaxserve.config import EngineConfig
-from jaxserve.distributed.progress_watch import ProgressWatch
-from jaxserve.engine import LLMEngine, validate_request
-from jaxserve.engine.startup import use_compilation_cache
+from jaxserve.distributed.ray_actor import ReplicaActor
+from jaxserve.engine import validate_request
+from jaxserve.engine.lifecycle import check_pause_mode, check_sleep_level, paused_error
 from jaxserve.engine_stats import StatsSnapshot
-from jaxserve.front import EngineDeadError, RequestFailedError, cannot_transfer_kv
+from jaxserve.front import (
+    EngineDeadError,
+    EngineUnavailableError,
+    RequestFailedError,
+    cannot_transfer_kv,
+)
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.outputs import ModelInfo, RequestOutput
-from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -61,109 +61,6 @@ HEALTH_INTERVAL_S = 1.0  # how often the front asks each replica whether it is a
 STATS_TIMEOUT_S = 1.0  # a metrics scrape waits this long for a replica's counters
 STATS_MAX_AGE_S = 0.25  # counters fetched more recently are used again
 STARTUP_REPORT_S = 60.0  # while replicas load, say every minute what they wait for
-
-
-class ReplicaActor:
-    """One replica's engine, in its own Ray actor process (an async actor: these
-    methods run on the actor's event loop; the engine steps on its own thread).
-
-    Requests come in through `add` and `abort`, each under a key the front gives it
-    (unique for the actor's life: a request id the client reuses is another request);
-    every request's outputs go out through one stream, `outputs`, as (key, payload)
-    pairs in batches of all that are ready: one Ray object for a step's outputs, not
-    one a token, whose cost would take the CPU the engines need."""
-
-    def __init__(self, config: EngineConfig, tokenizer_dir: str | None):
-        import ray
-
-        if config.compilation_cache_dir and not config.compiled_dir:
-            # This process's edge: the front's cache (an engine never sets it).
-            use_compilation_cache(config.compilation_cache_dir)
-        tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
-        self.engine = AsyncLLMEngine(LLMEngine(config, tokenizer))
-        self.step_timeout_s = config.parallel.step_timeout_s
-        self._progress = ProgressWatch(window_s=self.step_timeout_s)
-        node = ray.get_runtime_context().get_node_id()
-        self.where = f"{socket.gethostname()} pid {os.getpid()} node {node[:12]}"
-        self.node_id = node
-        self._outbox: asyncio.Queue | None = None  # made on the actor's event loop
-        self._tasks: dict[int, asyncio.Task] = {}
-        # Keys aborted before their add ran (Ray does not order an async actor's
-        # calls); a few stay behind when an abort crosses the request's end.
-        self._early_aborts: collections.OrderedDict[int, None] = collections.OrderedDict()
-
-    def describe(self) -> tuple[ModelInfo, int, str, str]:
-        """(model info, the pool's pages, where it runs, its Ray node id)."""
-        return self.engine.model_info, self.engine.engine.pool.capacity, self.where, self.node_id
-
-    def _queue(self) -> asyncio.Queue:
-        if self._outbox is None:
-            self._outbox = asyncio.Queue()
-        return self._outbox
-
-    async def add(self, key: int, request: GenerateRequest) -> None:
-        if key in self._early_aborts:
-            del self._early_aborts[key]
-            self._queue().put_nowait((key, None))
-            return
-        task = asyncio.create_task(self._run(key, request))
-        self._tasks[key] = task
-        task.add_done_callback(functools.partial(self._done, key))
-
-    async def _run(self, key: int, request: GenerateRequest) -> None:
-        outbox = self._queue()
-        # Unique in the engine, the client's id readable.
-        request = dataclasses.replace(request, request_id=f"{request.request_id}#{key}")
-        try:
-            async for out in self.engine.generate(request):
-                outbox.put_nowait((key, out))
-        except asyncio.CancelledError:  # aborted: the engine dropped it
-            outbox.put_nowait((key, None))
-        except Exception as e:  # this request's error, or the engine's end
-            outbox.put_nowait((key, e))
-
-    def _done(self, key: int, task: asyncio.Task) -> None:
-        self._tasks.pop(key, None)
-        if task.cancelled():  # aborted before it started: _run said nothing
-            self._queue().put_nowait((key, None))
-
-    async def abort(self, key: int) -> None:
-        task = self._tasks.get(key)
-        if task is not None:
-            task.cancel()
-            return
-        self._early_aborts[key] = None
-        while len(self._early_aborts) > 10_000:
-            self._early_aborts.popitem(last=False)
-
-    async def outputs(self) -> AsyncIterator[list]:
-        """Every request's (key, RequestOutput | error | None for aborted) pairs, in
-        batches of all that are ready."""
-        outbox = self._queue()
-        while True:
-            batch = [await outbox.get()]
-            while not outbox.empty():
-                batch.append(outbox.get_nowait())
-            yield batch
-
-    def stats(self) -> StatsSnapshot:
-        return self.engine.stats()
-
-    def health(self) -> None:
-        """Raises if the engine loop died, or showed no progress for step_timeout_s: its
-        loop did not come round and its process did not compute (a step that hangs; one
-        that is only long, a compile or a long prefill, goes on)."""
-        if not self.engine.healthy:
-            raise EngineDeadError(f"the engine loop stopped: {self.engine.error!r}")
-        stuck = self._progress.stalled_for(self.engine.last_round)
-        if stuck > self.step_timeout_s:
-            raise EngineDeadError(
-                f"the engine loop has not come round, nor its process computed, for "
-                f"{stuck:.0f}s (step_timeout_s={self.step_timeout_s:g}): stalled"
-            )
-
-    def shutdown(self, timeout: float) -> None:
-        self.engine.close(timeout)
 
 
 class RayReplica:
@@ -186,6 +83,8 @@ class RayReplica:
         self._keys = itertools.count()
         self._streams: dict[int, OutputStream] = {}  # key -> its stream
         self._key_of: dict[str, int] = {}  # request id -> its key, while it runs
+        # Set through this handle only (its calls are the actor's only pause and sleep).
+        self.is_paused = self.is_sleeping = False
         self._last_stats: StatsSnapshot = ray.get(actor.stats.remote())
         self._stats_at = time.monotonic()
         self._stop = threading.Event()
@@ -272,6 +171,42 @@ class RayReplica:
 
     async def import_pages(self, pages: list[bytes]) -> int:
         raise NotImplementedError(cannot_transfer_kv(self))
+
+    # ---------------------------------------------------------- pause and sleep
+
+    def unavailable(self) -> EngineUnavailableError | None:
+        """Sleeping, or paused with `pause_wait_s` 0 (the actor's engine holds requests
+        sent while paused, and gives up on them, itself)."""
+        if self.is_sleeping:
+            return EngineUnavailableError(
+                f"data-parallel replica {self.index} is sleeping: it takes requests again "
+                "after wake_up"
+            )
+        if self.is_paused and self.config.pause_wait_s <= 0:
+            return paused_error(0)
+        return None
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        check_pause_mode(mode)
+        was, self.is_paused = self.is_paused, True  # (at once: the actor holds new requests)
+        try:
+            await self.actor.pause_generation.remote(mode)
+        except BaseException:
+            self.is_paused = was
+            raise
+
+    async def resume_generation(self) -> None:
+        await self.actor.resume_generation.remote()
+        self.is_paused = False
+
+    async def sleep(self, level: int = 1, keep_host_copy: bool = True) -> None:
+        check_sleep_level(level)
+        await self.actor.sleep.remote(level, keep_host_copy)
+        self.is_sleeping = True
+
+    async def wake_up(self) -> None:
+        await self.actor.wake_up.remote()
+        self.is_sleeping = False
 
     def close(self, timeout: float = 10.0) -> None:
         """Closes the actor's engine (at most about `timeout` seconds), kills the actor,

@@ -11,6 +11,7 @@ One job per module:
 - `grammars`: structured-output requests held until their grammar compiles;
 - `disagg_io`: KV pages exported to and imported from another instance;
 - `weight_sync`: new weights swapped in, the KV the old ones computed dropped.
+- `lifecycle`: pause and sleep (RL rollouts beside a trainer), `LLMEngine`'s base.
 
 `LLMEngine` is loaded on first use (`__getattr__`), so that the host-side modules of
 the package (all but `core` and `startup`) import without JAX.

@@ -25,6 +25,7 @@ from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine import disagg_io, reporting
 from jaxserve.engine.emission import Emitter
 from jaxserve.engine.grammars import GrammarAdmission
+from jaxserve.engine.lifecycle import EngineLifecycle, LifecycleState
 from jaxserve.engine.pipeline import StepPipeline
 from jaxserve.engine.startup import kv_keepers, load_or_warm_up, make_proposer
 from jaxserve.engine.validation import validate_request
@@ -44,7 +45,7 @@ from jaxserve.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineLifecycle):  # pause and sleep: `lifecycle`
     def __init__(
         self,
         config: EngineConfig,
@@ -82,6 +83,7 @@ class LLMEngine:
         )
         self.drafter = self.runner.drafter  # the draft model's runner, if any
         self.requests: dict[str, RequestState] = {}
+        self.life = LifecycleState()  # paused, asleep (`lifecycle`)
         self.eos_token_ids = set(config.model.eos_token_ids)
         if not self.eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids = {tokenizer.eos_token_id}
@@ -310,6 +312,7 @@ class LLMEngine:
                 "this engine was built to compile for a target that is not here "
                 f"({self.runner.compile_device.device_kind}); it runs no request"
             )
+        self._check_available()  # asleep, or awake without weights
         request_id, params, resume = request.request_id, request.params, request.resume
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -350,11 +353,7 @@ class LLMEngine:
         try:
             if resume is not None:
                 self.requests[request_id].resume(resume)
-            if grammar is not None:
-                self.grammars.waiting.append(self.requests[request_id])  # scheduled once compiled
-            else:
-                for seq in seqs:
-                    self.scheduler.add(seq)
+            self._schedule(self.requests[request_id])  # (held while paused)
         except BaseException:  # nothing of it stays behind
             self.abort(request_id)
             raise
@@ -364,8 +363,7 @@ class LLMEngine:
         req = self._forget(request_id)
         if req is None:
             return False
-        if req in self.grammars.waiting:  # never reached the scheduler
-            self.grammars.waiting.remove(req)
+        if self._unscheduled(req):  # held by a pause, or waiting for its grammar
             for seq in req.seqs:
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
         for seq in req.seqs:
@@ -385,11 +383,16 @@ class LLMEngine:
         self.pipeline.inflight = None  # its sequences are all finished: nothing to apply
 
     def has_unfinished(self) -> bool:
+        """Whether `step` has work: outputs to return, or requests to step (none while
+        paused or asleep: a loop waits instead of spinning)."""
+        if self.life.finals or self.pipeline.ready:
+            return True
+        if not self._stepping():
+            return False
         return (
             self.scheduler.has_unfinished()
             or bool(self.grammars.waiting)
             or self.pipeline.inflight is not None
-            or bool(self.pipeline.ready)
         )
 
     # ------------------------------------------------------------- the one loop
@@ -445,7 +448,12 @@ class LLMEngine:
         self._check_open()
         t0 = time.perf_counter()
         pipeline = self.pipeline
-        early = pipeline.take_ready()  # applied by `update_weights`
+        # A pause's final outputs (`lifecycle`) and those of the step in flight that
+        # `update_weights` applied: returned whether or not the engine steps now.
+        early, self.life.finals = self.life.finals, []
+        early += pipeline.take_ready()
+        if not self._stepping():
+            return early
         early += self.grammars.admit_compiled() if self.grammars.waiting else []
         if self._async and not self._num_sync_only:
             return early + pipeline.step_async(t0)

@@ -91,6 +91,12 @@ flags.DEFINE_float(
     "does not answer a health check in time, or whose engine shows no progress that long "
     "(its loop does not come round and its process does not compute), fails.",
 )
+flags.DEFINE_float(
+    "pause_wait_s",
+    30.0,
+    "A request sent while generation is paused (POST /pause, PauseGeneration) waits this "
+    "long for the resume, then is refused (HTTP 503, gRPC UNAVAILABLE); 0: refused at once.",
+)
 flags.DEFINE_bool("enable_prefix_caching", True, "Reuse the KV pages of shared prefixes.")
 flags.DEFINE_integer(
     "kv_offload_bytes",
@@ -204,6 +210,7 @@ ENGINE_FLAGS = (
     "num_processes",
     "process_id",
     "step_timeout_s",
+    "pause_wait_s",
     "attention_backend",
     "seed",
     "logprobs_mode",

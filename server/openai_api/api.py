@@ -5,11 +5,14 @@ Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
 (streamed as server-sent events with `stream`), `POST /v1/responses` (OpenAI's
 Responses API, stateless: `responses.py`), `POST /inference/v1/generate` (vLLM's
 tokens in, tokens out: `tokens.py`), `POST /tokenize`,
-`POST /detokenize`, `GET /health`, `GET /metrics`. Errors are OpenAI's
+`POST /detokenize`, `GET /health`, `GET /metrics`, and pause and sleep beside a
+trainer (`/pause`, `/resume`, `/is_paused`, `/sleep`, `/wake_up`, `/is_sleeping`:
+`lifecycle_routes.py`). Errors are OpenAI's
 `{"error": {"message", "type", "param", "code"}}`: 400 for an invalid field
 (naming it in `param`), 401 without the API key, 404 for an unknown model or
-route, 429 past the pending-request bound, 503 while loading, draining or after
-the engine died. With an API key, every route but /health and /metrics needs
+route, 409 for a sleep while requests run, 429 past the pending-request bound, 503
+while loading, draining, paused (past `pause_wait_s`), asleep, or after the engine
+died. With an API key, every route but /health and /metrics needs
 `Authorization: Bearer KEY` (or `X-API-Key: KEY`, as gRPC accepts).
 """
 
@@ -34,6 +37,7 @@ from jaxserve.inputs import parse_prompt
 from server import auth, serving
 from server.openai_api.chat_output import ChatParsers
 from server.openai_api.completions import OpenAIServing, error_body, status_of
+from server.openai_api.lifecycle_routes import lifecycle_router
 from server.openai_api.protocol import (
     BadField,
     ChatCompletionRequest,
@@ -239,6 +243,7 @@ def build_app(
             )
         return {"prompt": tok.decode(body.tokens)}
 
+    api.include_router(lifecycle_router(state, metrics))
     app.include_router(api)
     return app
 

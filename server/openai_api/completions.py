@@ -392,6 +392,7 @@ _ERROR_TYPES = {
     Reason.INVALID: (400, "invalid_request_error"),
     Reason.OVERLOADED: (429, "rate_limit_exceeded"),
     Reason.UNAVAILABLE: (503, "service_unavailable"),
+    Reason.CONFLICT: (409, "conflict_error"),
     Reason.FAILED: (500, "server_error"),
 }
 

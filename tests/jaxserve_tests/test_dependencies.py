@@ -34,17 +34,20 @@ DEVICE_SIDE = {
     "jaxserve.checkpoint.orbax_io",
     "jaxserve.distributed.data_parallel",
     "jaxserve.engine.core",  # LLMEngine builds the model runner
+    "jaxserve.engine.lifecycle",  # sleep and wake-up free and allocate device buffers
     "jaxserve.engine.startup",  # sets JAX's compilation cache; warms up
     "jaxserve.llm",
     "jaxserve.distributed.multihost",
     "jaxserve.distributed.meshes",
     "jaxserve.preflight",  # builds the engine for a compile-only target
     "jaxserve.distributed.ray_replicas",  # its actors build and drive an LLMEngine
+    "jaxserve.distributed.ray_actor",  # (those actors)
     "jaxserve.runner.bundle",  # serializes and loads compiled programs
     "jaxserve.runner.compile_counter",  # JAX's monitoring listeners
     "jaxserve.runner.draft",
     "jaxserve.runner.kv_io",
     "jaxserve.runner.model_runner",
+    "jaxserve.runner.residency",  # device buffers deleted and allocated again (sleep)
     "jaxserve.runner.sampler",
     "jaxserve.runner.step",
     "jaxserve.runner.warmup",

@@ -15,7 +15,7 @@ import types
 from mock_runner import expected_tokens
 from test_scheduler import VOCAB, make_engine, params
 
-from jaxserve.distributed import progress_watch, ray_replicas
+from jaxserve.distributed import progress_watch, ray_actor
 from jaxserve.distributed.progress_watch import ProgressWatch
 from jaxserve.front import EngineDeadError
 from jaxserve.generate_request import GenerateRequest
@@ -75,7 +75,7 @@ class FakeCPU:
         self.total, self.since = self(), None
 
 
-def replica(monkeypatch, first_step) -> ray_replicas.ReplicaActor:
+def replica(monkeypatch, first_step) -> ray_actor.ReplicaActor:
     """A ReplicaActor over a mock engine (step_timeout_s=1) whose first step first
     calls `first_step()`."""
     fake_ray = types.ModuleType("ray")
@@ -91,8 +91,8 @@ def replica(monkeypatch, first_step) -> ray_replicas.ReplicaActor:
         return dispatch(*args)
 
     engine.runner.dispatch = first_slow
-    monkeypatch.setattr(ray_replicas, "LLMEngine", lambda config, tokenizer: engine)
-    return ray_replicas.ReplicaActor(engine.config, None)
+    monkeypatch.setattr(ray_actor, "LLMEngine", lambda config, tokenizer: engine)
+    return ray_actor.ReplicaActor(engine.config, None)
 
 
 async def check_health(actor, seconds: float):

@@ -22,8 +22,9 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "A B C D E F G H I J K L",
 def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(tiny_model_dir):
     """Streams over gRPC and completions over HTTP equal the offline engine's greedy
     tokens, spread over both replicas; /metrics shows each; a cancelled stream frees its
-    pages on its replica; killing a replica's process turns health NOT_SERVING within
-    the bound and new requests UNAVAILABLE."""
+    pages on its replica; pause and sleep reach both replicas' actors; killing a
+    replica's process turns health NOT_SERVING within the bound and new requests
+    UNAVAILABLE."""
     ray = pytest.importorskip("ray")
     import httpx
 
@@ -70,6 +71,19 @@ def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(tiny_mod
         ):
             assert time.monotonic() < deadline, (front.num_requests, front.replica_stats())
             time.sleep(0.1)
+
+        # Pause and sleep reach every replica's actor; the front answers their state.
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.server.http_port}") as http:
+            assert http.post("/pause", params={"mode": "keep"}, timeout=60).json()["is_paused"]
+            assert all(r.is_paused for r in front.replicas)
+            assert http.post("/sleep", params={"level": 2}, timeout=60).json()["is_sleeping"]
+            body = dict(model="tiny", prompt=PROMPTS[0], return_token_ids=True, **params)
+            r = http.post("/v1/completions", json=body, timeout=60)
+            assert r.status_code == 503 and "sleeping" in r.json()["error"]["message"]
+            assert not http.post("/wake_up", timeout=60).json()["is_sleeping"]
+            assert not http.post("/resume", timeout=60).json()["is_paused"]
+            choice = http.post("/v1/completions", json=body, timeout=60).json()["choices"][0]
+            assert choice["token_ids"] == want[0]
 
         pid = int(front.replicas[0].where.split(" pid ")[1].split()[0])
         os.kill(pid, signal.SIGKILL)
