@@ -272,9 +272,13 @@ class LLMEngine(EngineLifecycle):  # pause and sleep: `lifecycle`
         sampled it), every running sequence is preempted, keeping its tokens, to
         recompute its KV with the new weights, and the prefix cache and KV tier drop
         every page: no KV of the old weights is ever reused (`engine.weight_sync`).
-        Call it between steps, on the thread that steps the engine."""
+        Asleep (either level), the weights are placed now and kept at the wake-up; a
+        "keep" pause's requests are preempted the same. Call it between steps, on the
+        thread that steps the engine."""
         self._check_open()
-        return self._weights.update(params, path, weight_version)
+        version = self._weights.update(params, path, weight_version)
+        self.weights_loaded()  # (woken without weights: serving again)
+        return version
 
     def reset_prefix_cache(self) -> bool:
         """Drops every page of the prefix cache (running requests keep theirs, no longer

@@ -114,6 +114,48 @@ def test_weights_given_while_asleep_stay_at_the_wake_up(engine):
     assert greedy(engine, PROMPTS, 8) == want
 
 
+def other_weights(engine: LLMEngine):
+    """Other weights for `engine`'s model (float32, served as they are): its own with
+    noise, as a trainer's step would change them."""
+    rng = np.random.default_rng(0)
+    state = engine.runner.model_def.state(jax.device_get(engine.runner.weights))
+    return jax.tree.map(lambda x: x + rng.normal(0, 0.5 * x.std() + 1e-3, x.shape), state)
+
+
+@pytest.mark.parametrize("level, keep_host_copy", [(1, True), (2, True), (2, False)])
+def test_an_update_while_asleep_is_served_after_the_wake_up(engine, level, keep_host_copy):
+    """The first update comes while the engine sleeps (at level 2 the runner's weights
+    are deleted arrays: only their shapes, dtypes and placements are read); after the
+    wake-up the engine gives what an engine updated awake gives, compiling nothing."""
+    old = greedy(engine, PROMPTS, 8)
+    compiles = engine.runner.compiles.count
+    params = other_weights(engine)
+    with LLMEngine(engine.config) as awake:
+        assert awake.update_weights(params) == 1
+        want = greedy(awake, PROMPTS, 8)
+    assert want != old
+    engine.sleep(level, keep_host_copy)
+    assert engine.update_weights(params) == 1
+    assert engine.is_sleeping and engine.device_memory()["kv_cache_bytes"] == 0
+    engine.wake_up()
+    assert not engine.needs_weights and engine.device_memory()["host_weights_bytes"] == 0
+    assert greedy(engine, PROMPTS, 8) == want
+    assert engine.runner.compiles.count == compiles
+
+
+def test_an_update_after_a_wake_up_without_weights_serves_again(engine):
+    """Woken from sleep(2, keep_host_copy=False), the engine refuses requests until
+    `update_weights` has loaded weights; then it serves them."""
+    want = greedy(engine, PROMPTS, 8)
+    trained = engine.runner.model_def.state(jax.device_get(engine.runner.weights))
+    engine.sleep(2, keep_host_copy=False)
+    engine.wake_up()
+    assert engine.needs_weights
+    assert engine.update_weights(trained, weight_version=5) == 5
+    assert not engine.needs_weights and engine.refusal() is None
+    assert greedy(engine, PROMPTS, 8) == want
+
+
 def test_sleep_is_refused_while_requests_run_and_preempts_kept_ones(engine):
     want = greedy(engine, PROMPTS, 8)
     for i, p in enumerate(PROMPTS):

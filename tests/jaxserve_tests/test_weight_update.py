@@ -10,6 +10,7 @@ weights it updates to.
 import glob
 import os
 import shutil
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -133,18 +134,15 @@ def test_the_comparison_sees_kv_of_the_old_weights(tiny_model_dir, new_dir, want
     assert tokens(llm) != want_new
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_an_update_mid_generation(tiny_model_dir, new_dir, fresh_new, async_scheduling):
-    """Requests running when the weights change finish: their tokens up to the update
-    are W's greedy ones, the rest W''s greedy continuation of them (their KV
-    recomputed), and each output says which weights sampled it."""
-    llm = make(tiny_model_dir, async_scheduling=async_scheduling)
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = [p["prompt_token_ids"] for p in PROMPTS[:4]]
+MID = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def start_mid_generation(engine, prompts) -> tuple[dict, dict, Callable]:
+    """`prompts` running on `engine` with 3 tokens or more each; what each output said
+    (its new tokens and their weight version), the final outputs, and the recorder."""
     for i, p in enumerate(prompts):
-        engine.add_request(GenerateRequest(str(i), p, params))
-    seen: dict[str, list] = {str(i): [] for i in range(5)}
+        engine.add_request(GenerateRequest(str(i), p, MID))
+    seen: dict[str, list] = {str(i): [] for i in range(len(prompts) + 1)}
     finals = {}
 
     def record(out):
@@ -152,34 +150,88 @@ def test_an_update_mid_generation(tiny_model_dir, new_dir, fresh_new, async_sche
         if out.finished:
             finals[out.request_id] = out
 
-    while min(sum(len(d) for d, _ in s) for s in list(seen.values())[:4]) < 3:
+    while min(sum(len(d) for d, _ in seen[str(i)]) for i in range(len(prompts))) < 3:
         for out in engine.step():
             record(out)
-    before = sum(len(d) for s in seen.values() for d, _ in s)
-    assert engine.update_weights(state_of(new_dir)) == 1
-    assert not engine.scheduler.running  # all preempted, to recompute their KV
-    engine.add_request(GenerateRequest("4", prompts[0], params))
-    engine.run(record)
+    return seen, finals, record
 
-    old = make(tiny_model_dir, enable_prefix_caching=False)
+
+def assert_switched(seen, finals, prompts, old: LLM, fresh_new: LLM) -> int:
+    """Each request's tokens sampled by W (version 0) are W's greedy ones, the rest W''s
+    greedy continuation of them (their KV recomputed); returns how many W sampled."""
     drained = 0
-    for i in range(4):
+    for i in range(len(prompts)):
         rid = str(i)
         versions = [v for d, v in seen[rid] if d]
         assert versions == sorted(versions) and set(versions) == {0, 1}
         got = [t for d, _ in seen[rid] for t in d]
-        assert got == finals[rid].outputs[0].token_ids and len(got) == 12
+        assert got == finals[rid].outputs[0].token_ids and len(got) == MID.max_tokens
         k = sum(len(d) for d, v in seen[rid] if v == 0)
         drained += k
-        assert got[:k] == tokens(old, [{"prompt_token_ids": prompts[i]}], params)[0][:k]
-        rest = SamplingParams(temperature=0.0, max_tokens=12 - k, ignore_eos=True)
+        assert got[:k] == tokens(old, [{"prompt_token_ids": prompts[i]}], MID)[0][:k]
+        rest = SamplingParams(temperature=0.0, max_tokens=MID.max_tokens - k, ignore_eos=True)
         assert got[k:] == tokens(fresh_new, [{"prompt_token_ids": prompts[i] + got[:k]}], rest)[0]
         assert (finals[rid].weight_version, finals[rid].first_weight_version) == (1, 0)
+    return drained
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_update_mid_generation(tiny_model_dir, new_dir, fresh_new, async_scheduling):
+    """Requests running when the weights change finish: their tokens up to the update
+    are W's greedy ones, the rest W''s greedy continuation of them (their KV
+    recomputed), and each output says which weights sampled it."""
+    llm = make(tiny_model_dir, async_scheduling=async_scheduling)
+    engine = llm.engine
+    prompts = [p["prompt_token_ids"] for p in PROMPTS[:4]]
+    seen, finals, record = start_mid_generation(engine, prompts)
+    before = sum(len(d) for s in seen.values() for d, _ in s)
+    assert engine.update_weights(state_of(new_dir)) == 1
+    assert not engine.scheduler.running  # all preempted, to recompute their KV
+    engine.add_request(GenerateRequest("4", prompts[0], MID))
+    engine.run(record)
+
+    old = make(tiny_model_dir, enable_prefix_caching=False)
+    drained = assert_switched(seen, finals, prompts, old, fresh_new)
     if async_scheduling:  # the step in flight at the update: applied, returned after it
         assert drained > before
     late = finals["4"]
     assert (late.weight_version, late.first_weight_version) == (1, 1)
-    assert late.outputs[0].token_ids == tokens(fresh_new, [PROMPTS[0]], params)[0]
+    assert late.outputs[0].token_ids == tokens(fresh_new, [PROMPTS[0]], MID)[0]
+    engine.pool.check_invariant()
+    assert engine.pool.num_free == engine.pool.capacity
+
+
+@pytest.mark.parametrize("asleep", [False, True], ids=["paused", "paused and asleep"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_update_during_a_keep_pause(
+    tiny_model_dir, new_dir, fresh_new, async_scheduling, asleep
+):
+    """The requests a "keep" pause froze are preempted by an update (their KV, W's, is
+    dropped); nothing steps until the resume, then they finish as W' continues them
+    -- also when the engine slept meanwhile and woke without a host copy of W."""
+    llm = make(tiny_model_dir, async_scheduling=async_scheduling)
+    engine = llm.engine
+    prompts = [p["prompt_token_ids"] for p in PROMPTS[:4]]
+    seen, finals, record = start_mid_generation(engine, prompts)
+    engine.pause_generation("keep")
+    for out in engine.step():  # (a step in flight: applied by the pause)
+        record(out)
+    assert engine.scheduler.running and not engine.has_unfinished()
+    if asleep:
+        engine.sleep(2, keep_host_copy=False)
+    preempted = engine.scheduler.num_preemptions
+    assert engine.update_weights(state_of(new_dir)) == 1
+    assert not engine.scheduler.running and engine.pool.num_cached == 0
+    if not asleep:  # (asleep, the sleep preempted them)
+        assert engine.scheduler.num_preemptions > preempted
+    assert not engine.has_unfinished() and engine.step() == []  # still paused
+    if asleep:
+        engine.wake_up()
+        assert not engine.needs_weights
+    engine.resume_generation()
+    engine.run(record)
+    old = make(tiny_model_dir, enable_prefix_caching=False)
+    assert_switched(seen, finals, prompts, old, fresh_new)
     engine.pool.check_invariant()
     assert engine.pool.num_free == engine.pool.capacity
 
