@@ -9,8 +9,8 @@ stream, even one that reuses the id of a request aborted a moment earlier. A
 stream that is closed or cancelled before its request finished aborts the
 request, which frees its pages within a step.
 
-Pause and sleep (`jaxserve.engine.lifecycle`) run on the engine thread like any
-command. A request that arrives while generation is paused is held by the engine
+Pause and sleep (`jaxserve.engine.lifecycle`) and weight updates run on the engine
+thread like any command. A request that arrives while generation is paused is held by the engine
 until the resume; the engine thread gives up on it after `pause_wait_s` (aborting it,
 its stream ending with EngineUnavailableError). While paused or asleep the loop waits
 for commands; it does not spin.
@@ -215,6 +215,24 @@ class AsyncLLMEngine:
 
     async def wake_up(self) -> None:
         await self.call(lambda e: e.wake_up())
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version  # (an int the engine thread sets)
+
+    async def update_weights(
+        self, params=None, *, path: str | None = None, weight_version: int | None = None
+    ) -> int:
+        """`LLMEngine.update_weights` on the engine thread between two steps: the
+        conversion too (a checkpoint read from `path` holds the steps up meanwhile)."""
+        return await self.call(
+            lambda e: e.update_weights(params, path=path, weight_version=weight_version)
+        )
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.call(lambda e: e.reset_prefix_cache())
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the engine thread, waiting at most about `timeout` seconds for the step

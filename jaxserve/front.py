@@ -9,7 +9,8 @@ server refuses at start-up a role it could not serve (`server.disagg.check_role`
 
 Beside a trainer (RL rollouts), a front pauses generation around a weight update and
 gives the device memory back (`pause_generation`, `sleep`; `jaxserve.engine.lifecycle`
-says what each mode and level does). A request sent while the engine is paused waits
+says what each mode and level does), and takes new weights (`update_weights`:
+`jaxserve.engine.weight_sync` says what becomes of the requests running and of the KV). A request sent while the engine is paused waits
 for `resume_generation`, at most `EngineConfig.pause_wait_s`; one sent while it sleeps
 is refused at once: both with `EngineUnavailableError` (HTTP 503, gRPC UNAVAILABLE).
 """
@@ -17,7 +18,7 @@ is refused at once: both with `EngineUnavailableError` (HTTP 503, gRPC UNAVAILAB
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol, Self, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.generate_request import GenerateRequest
@@ -151,6 +152,29 @@ class EngineFront(Protocol):
     async def wake_up(self) -> None:
         """Takes the device memory again (the KV cache zeroed, the weights from their
         host copy); no program is compiled again."""
+        ...
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights served (`update_weights`; 0: those loaded at
+        start-up). Data-parallel: the oldest any replica serves."""
+        ...
+
+    async def update_weights(
+        self, params: Any = None, *, path: str | None = None, weight_version: int | None = None
+    ) -> int:
+        """Serves new weights from the next step on (every replica); returns their
+        version (`weight_version`, else the previous one + 1). Exactly one of `params`
+        (the float model's state or HF-named tensors) and `path` (a model directory);
+        `LLMEngine.update_weights` says what each may be. Requests running go on, their
+        KV recomputed with the new weights; paused or asleep, the weights are served
+        from the resume or wake-up. Raises ValueError naming the first mismatch, the
+        weights unchanged."""
+        ...
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drops every cached KV page (prefix cache and KV tier, every replica); True
+        once done. Running requests keep theirs."""
         ...
 
     def close(self, timeout: float = 10.0) -> None:

@@ -209,29 +209,24 @@ class LLM:
     ) -> int:
         """Serves new weights from the next `generate` on; returns their version.
         `LLMEngine.update_weights` says what `params` and `path` (a model directory, or
-        an embedded model's name) may be, and what happens to cached KV. For one engine
-        in this process: data-parallel replicas and multi-host engines refuse it (the
-        other replicas' or processes' weights would not change)."""
+        an embedded model's name) may be, and what happens to cached KV. Data-parallel
+        replicas are all updated, to one version (`DataParallelEngine.update_weights`;
+        Ray replicas take a `path` only); a multi-host engine refuses it (the other
+        processes' weights would not change)."""
         if path is not None:
             path = EMBEDDED_MODELS.get(os.fspath(path), os.fspath(path))
+        if isinstance(self.engine, DataParallelEngine):
+            update = self.engine.update_weights(params, path=path, weight_version=weight_version)
+            return self.engine.run_sync(update)
         engine = self._one_engine("update_weights")
         return engine.update_weights(params, path=path, weight_version=weight_version)
 
     def reset_prefix_cache(self) -> bool:
-        """Drops the prefix cache's pages and the KV tier's (`LLMEngine.reset_prefix_cache`);
-        True once done."""
+        """Drops the prefix cache's pages and the KV tier's (`LLMEngine.reset_prefix_cache`;
+        every data-parallel replica's); True once done."""
+        if isinstance(self.engine, DataParallelEngine):
+            return self.engine.run_sync(self.engine.reset_prefix_cache())
         return self._one_engine("reset_prefix_cache").reset_prefix_cache()
-
-    def _one_engine(self, what: str) -> LLMEngine:
-        if self.closed:
-            raise RuntimeError("this LLM is closed")
-        if not isinstance(self.engine, LLMEngine):
-            raise ValueError(
-                f"{what} is for one engine in this process, not data-parallel replicas "
-                f"(data_parallel_size={self.config.parallel.data_parallel_size}) or a "
-                "multi-host follower"
-            )
-        return self.engine
 
     def sleep(self, level: int = 1, keep_host_copy: bool = True) -> None:
         """Gives the device memory back between `generate` calls (beside a trainer):
@@ -252,10 +247,17 @@ class LLM:
             self._one_engine("wake_up").wake_up()
 
     def _one_engine(self, what: str) -> LLMEngine:
+        """The engine in this process; refused for data-parallel replicas (where the
+        caller does not go through their front) and a multi-host follower."""
         if self.closed:
             raise RuntimeError("this LLM is closed")
         if self.engine is None:
             raise ValueError(f"{what}() is the leader's (process_id 0); this is a follower")
+        if not isinstance(self.engine, LLMEngine):
+            raise ValueError(
+                f"{what}() is for one engine in this process, not data-parallel replicas "
+                f"(data_parallel_size={self.config.parallel.data_parallel_size})"
+            )
         return self.engine
 
     def follow(self) -> int:

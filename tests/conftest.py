@@ -57,6 +57,18 @@ def tiny_model_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir_new(tmp_path_factory):
+    """W': `tiny_model_dir`'s architecture, shapes and tokenizer with other weights (a
+    weight update's target: their greedy outputs differ from the first token)."""
+    from hf_models import make_hf_model, save_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_chat_new")
+    make_hf_model(path, "LlamaForCausalLM", dict(vocab_size=320), seed=1)
+    save_tokenizer(path, vocab_size=320)
+    return str(path)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _no_persistent_compilation_cache():
     """In-process tests never use JAX's persistent compilation cache: they would write

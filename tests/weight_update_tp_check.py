@@ -7,7 +7,8 @@ what a fresh engine of NEW_DIR gives, and compiles nothing, whether the new arra
 come on one device (each re-sharded onto the engine's sharding), already sharded as
 the engine's (used as they are), or from an orbax directory (each device reading its
 shard); int8 weights are quantized again from the float ones. Data-parallel replicas
-refuse an update. Prints one "ok ..." line per check.
+are each updated onto their own devices (`LLM.update_weights` through their front).
+Prints one "ok ..." line per check.
 """
 
 import os
@@ -63,14 +64,18 @@ def main(old_dir: str, new_dir: str) -> None:
             assert all(a is b for a, b in zip(runner.weights, jax.tree.leaves(state), strict=True))
             assert tokens(llm) == want
             print("ok adopted as sharded")
+    want = tokens(LLM(new_dir, **SMALL_LLM_IDS))
     dp = LLM(old_dir, **SMALL_LLM_IDS, data_parallel_size=2)
     try:
-        dp.update_weights(one_device)
-    except ValueError as e:
-        assert "data_parallel_size=2" in str(e), e
-        print("ok data parallel refused")
-    else:
-        raise AssertionError("data-parallel replicas took an update")
+        engines = [r.engine for r in dp.engine.replicas]
+        shardings = [[w.sharding for w in e.runner.weights] for e in engines]
+        assert dp.update_weights(one_device) == 1
+        assert [e.weight_version for e in engines] == [1, 1]
+        # Each replica's copy on its own device, placed as its weights were.
+        assert [[w.sharding for w in e.runner.weights] for e in engines] == shardings
+        assert tokens(dp) == want
+        assert dp.reset_prefix_cache() and not any(e.pool.num_cached for e in engines)
+        print("ok data parallel updated")
     finally:
         dp.close()
 

@@ -15,7 +15,8 @@ has siblings. `DataParallelEngine` routes each request to a replica:
   than `max_imbalance` requests) the replica with the fewest requests in flight.
 
 Metrics come per replica (`replica_stats()`) and in total (`stats()`). Pause, resume,
-sleep and wake-up go to every replica, and return once all have done it.
+sleep, wake-up, weight updates and prefix-cache resets go to every replica, and return
+once all have done it; every replica gets the same weight version.
 """
 
 from __future__ import annotations
@@ -278,15 +279,40 @@ class DataParallelEngine:
     async def wake_up(self) -> None:
         await self._on_every_replica(lambda r: r.wake_up())
 
-    async def _on_every_replica(self, call: Callable[[EngineFront], Awaitable[None]]) -> None:
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def weight_version(self) -> int:
+        """The oldest version a replica serves (all the same once an update returned)."""
+        return min(r.weight_version for r in self.replicas)
+
+    async def update_weights(
+        self, params=None, *, path: str | None = None, weight_version: int | None = None
+    ) -> int:
+        """Every replica's weights (each places `params` on its own devices) under one
+        version: `weight_version`, else the newest a replica serves + 1 (so they agree
+        again after an update that failed on some). A replica that failed serves its
+        old weights; the error names it."""
+        if weight_version is None:
+            weight_version = max(r.weight_version for r in self.replicas) + 1
+        versions = await self._on_every_replica(
+            lambda r: r.update_weights(params, path=path, weight_version=weight_version)
+        )
+        return versions[0]
+
+    async def reset_prefix_cache(self) -> bool:
+        return all(await self._on_every_replica(lambda r: r.reset_prefix_cache()))
+
+    async def _on_every_replica(self, call: Callable[[EngineFront], Awaitable[T]]) -> list[T]:
         """Runs `call` on every replica at once and waits for all of them (none is left
-        running when one fails); raises the first replica's error, naming it."""
+        running when one fails); their results, or the first replica's error, naming it."""
         results = await asyncio.gather(*(call(r) for r in self.replicas), return_exceptions=True)
         for i, result in enumerate(results):
             if isinstance(result, BaseException):
                 if len(self.replicas) > 1:
                     result.add_note(f"(data-parallel replica {i} of {len(self.replicas)})")
                 raise result
+        return results  # type: ignore[return-value]  (no exception among them)
 
     def close(self, timeout: float = 10.0) -> None:
         """Closes every replica (each waits at most about `timeout` seconds), then the

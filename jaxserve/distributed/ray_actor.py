@@ -124,8 +124,9 @@ class ReplicaActor:
                 f"{stuck:.0f}s (step_timeout_s={self.step_timeout_s:g}): stalled"
             )
 
-    # Pause and sleep: the replica's engine does them (`AsyncLLMEngine`); the front's
-    # handle keeps their state (`RayReplica.is_paused`), so that reading it asks no actor.
+    # Pause, sleep and weight updates: the replica's engine does them (`AsyncLLMEngine`);
+    # the front's handle keeps their state (`RayReplica.is_paused`, `weight_version`), so
+    # that reading it asks no actor.
 
     async def pause_generation(self, mode: str) -> None:
         await self.engine.pause_generation(mode)
@@ -138,6 +139,12 @@ class ReplicaActor:
 
     async def wake_up(self) -> None:
         await self.engine.wake_up()
+
+    async def update_weights(self, path: str | None, weight_version: int | None) -> int:
+        return await self.engine.update_weights(path=path, weight_version=weight_version)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine.reset_prefix_cache()
 
     def shutdown(self, timeout: float) -> None:
         self.engine.close(timeout)

@@ -54,6 +54,7 @@ from jaxserve.front import (
 )
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.outputs import ModelInfo, RequestOutput
+from jaxserve.sampling_params import ParamError
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,10 @@ class RayReplica:
         self._keys = itertools.count()
         self._streams: dict[int, OutputStream] = {}  # key -> its stream
         self._key_of: dict[str, int] = {}  # request id -> its key, while it runs
-        # Set through this handle only (its calls are the actor's only pause and sleep).
+        # Set through this handle only (its calls are the actor's only pause, sleep and
+        # weight update; the actor's engine starts with the weights of version 0).
         self.is_paused = self.is_sleeping = False
+        self.weight_version = 0
         self._last_stats: StatsSnapshot = ray.get(actor.stats.remote())
         self._stats_at = time.monotonic()
         self._stop = threading.Event()
@@ -207,6 +210,24 @@ class RayReplica:
     async def wake_up(self) -> None:
         await self.actor.wake_up.remote()
         self.is_sleeping = False
+
+    async def update_weights(
+        self, params=None, *, path: str | None = None, weight_version: int | None = None
+    ) -> int:
+        """From `path` only, a model directory at the same path on every machine (as the
+        model's): arrays in this process are not shipped to the actors."""
+        if params is not None:
+            raise ParamError(
+                "params",
+                f"params: data-parallel replica {self.index} runs in a Ray actor and takes "
+                "new weights from path= (a model directory every machine reads), not params",
+            )
+        version = await self.actor.update_weights.remote(path, weight_version)
+        self.weight_version = version
+        return version
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.actor.reset_prefix_cache.remote()
 
     def close(self, timeout: float = 10.0) -> None:
         """Closes the actor's engine (at most about `timeout` seconds), kills the actor,
