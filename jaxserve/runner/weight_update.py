@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, Sharding
+from safetensors import SafetensorError
 
 from jaxserve.checkpoint import abstract_model, load_model
 from jaxserve.checkpoint.hf import ignored_tensor, tensor_names
@@ -222,29 +223,29 @@ class WeightConverter:
         return arrays
 
     def from_path(self, path: str) -> list[jax.Array]:
-        """A Hugging Face safetensors or orbax model directory, read as loading does."""
+        """A Hugging Face safetensors or orbax model directory, read as loading does, of
+        the served model (its config.json's architecture the same: `_same_model`). A
+        directory that cannot be read is a ValueError naming it too."""
         if not isinstance(path, str) or not os.path.isdir(path):
             raise ValueError(f"path must be a model directory, got {path!r}")
-        found = ModelConfig.from_pretrained(path)
-        mine = self.config.model
-        if found.architecture != mine.architecture:
-            raise ValueError(
-                f"path {path!r}: architecture {found.architecture!r}, this engine serves "
-                f"{mine.architecture!r}"
+        try:
+            found = ModelConfig.from_pretrained(path)
+            _same_model(path, found, self.config.model)
+            if found.quantization not in (None, self.form.quantization):
+                raise ValueError(
+                    f"path {path!r} stores {found.quantization} weights; this engine serves "
+                    f"quantization={self.form.quantization!r}"
+                )
+            model = load_model(
+                path,
+                dataclasses.replace(self.config.model, quantization=found.quantization),
+                dtype=self.config.dtype,
+                attention_backend=self.config.attention_backend,
+                quantization=self.form.quantization,
+                mesh=self.mesh,
             )
-        if found.quantization not in (None, self.form.quantization):
-            raise ValueError(
-                f"path {path!r} stores {found.quantization} weights; this engine serves "
-                f"quantization={self.form.quantization!r}"
-            )
-        model = load_model(
-            path,
-            dataclasses.replace(mine, quantization=found.quantization),
-            dtype=self.config.dtype,
-            attention_backend=self.config.attention_backend,
-            quantization=self.form.quantization,
-            mesh=self.mesh,
-        )
+        except (OSError, SafetensorError) as e:  # (missing files, a truncated one)
+            raise ValueError(f"path {path!r}: {e}") from e
         if self.form.rows:
             model = store_rows(model)
         model_def, weights = ModelDef.split(model)
@@ -272,6 +273,26 @@ class WeightConverter:
                 )
             out.append(_place(x, placement))
         return out
+
+
+# What a checkpoint's config.json may say otherwise than the served model's: how it was
+# stored, its special tokens and context length. The rest describes the architecture,
+# which an update keeps (an extra layer's tensors, say, would be ignored unread).
+_MAY_DIFFER = ("max_position_embeddings", "bos_token_id", "eos_token_ids", "checkpoint_dtype")
+
+
+def _same_model(path: str, found: ModelConfig, mine: ModelConfig) -> None:
+    """Raises ValueError naming `path` and the first field of `found` (its config.json)
+    that differs from the served model's `mine`."""
+    for field in dataclasses.fields(ModelConfig):
+        if field.name in (*_MAY_DIFFER, "quantization"):  # (quantization: checked apart)
+            continue
+        theirs, ours = getattr(found, field.name), getattr(mine, field.name)
+        if theirs != ours:
+            raise ValueError(
+                f"path {path!r}: config.json has {field.name}={theirs!r}, the served model "
+                f"{ours!r}: an update changes the weights, not the architecture"
+            )
 
 
 def _dotted(tree_path) -> str:

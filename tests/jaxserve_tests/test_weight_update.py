@@ -344,7 +344,29 @@ def _without(d: dict, name: str) -> dict:
     return {k: v for k, v in d.items() if k != name}
 
 
-def test_bad_updates_are_refused_by_name_and_change_nothing(tiny_model_dir, new_dir, want_old):
+def bad_model_dirs(tiny_model_dir: str, root) -> dict[str, str]:
+    """Directories an update from `path` must refuse, naming them: another architecture
+    (a layer more: its tensors would be ignored unread), no config.json, a truncated
+    safetensors file."""
+    from hf_models import make_hf_model
+
+    dirs = {name: os.path.join(root, name) for name in ("deeper", "no_config", "truncated")}
+    make_hf_model(dirs["deeper"], "LlamaForCausalLM", dict(vocab_size=320, num_hidden_layers=3))
+    for name in ("no_config", "truncated"):
+        shutil.copytree(tiny_model_dir, dirs[name])
+    os.remove(os.path.join(dirs["no_config"], "config.json"))
+    weights = os.path.join(dirs["truncated"], "model.safetensors")
+    with open(weights, "rb") as f:
+        head = f.read(5000)
+    with open(weights, "wb") as f:
+        f.write(head)
+    return dirs
+
+
+def test_bad_updates_are_refused_by_name_and_change_nothing(
+    tiny_model_dir, new_dir, want_old, tmp_path
+):
+    bad = bad_model_dirs(tiny_model_dir, tmp_path)
     llm = make(tiny_model_dir)
     runner = llm.engine.runner
     weights = list(runner.weights)
@@ -368,6 +390,9 @@ def test_bad_updates_are_refused_by_name_and_change_nothing(tiny_model_dir, new_
         (dict(), "exactly one of params and path, got neither"),
         (dict(params=state, weight_version="2"), "weight_version must be an integer"),
         (dict(path=os.path.join(new_dir, "missing")), "path must be a model directory"),
+        (dict(path=bad["deeper"]), r"deeper': config.json has num_layers=3, the served model 2"),
+        (dict(path=bad["no_config"]), r"path '.*no_config': no config.json"),
+        (dict(path=bad["truncated"]), r"path '.*truncated': .*deserializing header"),
     ]
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):
