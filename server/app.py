@@ -217,7 +217,9 @@ class JaxServeServer:
 
     def _lifecycle(self):
         engine = self.state.engine
-        return None if engine is None else (engine.is_paused, engine.is_sleeping)
+        if engine is None:
+            return None
+        return engine.is_paused, engine.is_sleeping, engine.weight_version
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):

@@ -240,7 +240,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "index", "text", "token_ids", "finish_reason", "stop_reason", "logprobs", "usage", "prompt_logprobs", "content", "reasoning", "tool_calls")
+    __slots__ = ("request_id", "index", "text", "token_ids", "finish_reason", "stop_reason", "logprobs", "usage", "prompt_logprobs", "content", "reasoning", "tool_calls", "weight_version", "first_weight_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,8 @@ class GenerateResponse(_message.Message):
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     text: str
@@ -265,10 +267,12 @@ class GenerateResponse(_message.Message):
     content: str
     reasoning: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., content: _Optional[str] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+    weight_version: int
+    first_weight_version: int
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., content: _Optional[str] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., weight_version: _Optional[int] = ..., first_weight_version: _Optional[int] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("index", "text", "token_ids", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob", "content", "reasoning", "tool_calls")
+    __slots__ = ("index", "text", "token_ids", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob", "content", "reasoning", "tool_calls", "weight_version", "first_weight_version")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +283,8 @@ class Completion(_message.Message):
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -289,7 +295,9 @@ class Completion(_message.Message):
     content: str
     reasoning: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., cumulative_logprob: _Optional[float] = ..., content: _Optional[str] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+    weight_version: int
+    first_weight_version: int
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., cumulative_logprob: _Optional[float] = ..., content: _Optional[str] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., weight_version: _Optional[int] = ..., first_weight_version: _Optional[int] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
     __slots__ = ("request_id", "completions", "usage", "prompt_logprobs")
@@ -387,10 +395,20 @@ class EngineStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("path", "weight_version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    weight_version: int
+    def __init__(self, path: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
 class EngineState(_message.Message):
-    __slots__ = ("is_paused", "is_sleeping")
+    __slots__ = ("is_paused", "is_sleeping", "weight_version")
     IS_PAUSED_FIELD_NUMBER: _ClassVar[int]
     IS_SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     is_paused: bool
     is_sleeping: bool
-    def __init__(self, is_paused: _Optional[bool] = ..., is_sleeping: _Optional[bool] = ...) -> None: ...
+    weight_version: int
+    def __init__(self, is_paused: _Optional[bool] = ..., is_sleeping: _Optional[bool] = ..., weight_version: _Optional[int] = ...) -> None: ...

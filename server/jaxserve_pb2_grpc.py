@@ -99,6 +99,16 @@ class JaxServeStub:
                 request_serializer=server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
                 response_deserializer=server_dot_jaxserve__pb2.EngineState.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/UpdateWeights',
+                request_serializer=server_dot_jaxserve__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=server_dot_jaxserve__pb2.EngineState.FromString,
+                _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/ResetPrefixCache',
+                request_serializer=server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
+                response_deserializer=server_dot_jaxserve__pb2.EngineState.FromString,
+                _registered_method=True)
 
 
 class JaxServeServicer:
@@ -198,6 +208,23 @@ class JaxServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeights(self, request, context):
+        """New weights from a model directory (every replica), served from the next step
+        on: requests running go on, their KV recomputed with them. A bad path or a
+        checkpoint that does not match the served model is INVALID_ARGUMENT naming
+        `path` (the weights unchanged). The state answered has the new weight_version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetPrefixCache(self, request, context):
+        """Drops every cached KV page (prefix cache and KV tier); running requests keep theirs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JaxServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -263,6 +290,16 @@ def add_JaxServeServicer_to_server(servicer, server):
             ),
             'IsSleeping': grpc.unary_unary_rpc_method_handler(
                     servicer.IsSleeping,
+                    request_deserializer=server_dot_jaxserve__pb2.EngineStateRequest.FromString,
+                    response_serializer=server_dot_jaxserve__pb2.EngineState.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=server_dot_jaxserve__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=server_dot_jaxserve__pb2.EngineState.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
                     request_deserializer=server_dot_jaxserve__pb2.EngineStateRequest.FromString,
                     response_serializer=server_dot_jaxserve__pb2.EngineState.SerializeToString,
             ),
@@ -616,6 +653,60 @@ class JaxServe:
             request,
             target,
             '/jaxserve.v1.JaxServe/IsSleeping',
+            server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
+            server_dot_jaxserve__pb2.EngineState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/UpdateWeights',
+            server_dot_jaxserve__pb2.UpdateWeightsRequest.SerializeToString,
+            server_dot_jaxserve__pb2.EngineState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/ResetPrefixCache',
             server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
             server_dot_jaxserve__pb2.EngineState.FromString,
             options,

@@ -109,12 +109,15 @@ class _EngineCollector:
         yield from self._mesh()
         lifecycle = self._lifecycle_fn()
         if lifecycle is not None:
-            paused, sleeping = lifecycle
+            paused, sleeping, version = lifecycle
             yield self._family(
                 g, "jaxserve:engine_paused", "1 while generation is paused.", int(paused)
             )
             yield self._family(
                 g, "jaxserve:engine_sleeping", "1 while the engine sleeps.", int(sleeping)
+            )
+            yield self._family(
+                g, "jaxserve:weight_version", "The version of the weights served.", version
             )
 
     def _mesh(self):
@@ -184,7 +187,7 @@ class ServerMetrics:
         """`stats_fn()` returns the engine's StatsSnapshot, or None before it exists;
         `info_fn()` its ModelInfo (the mesh), `replicas_fn()` each data-parallel
         replica's StatsSnapshot (None: one engine), `lifecycle_fn()` whether it is
-        (paused, sleeping)."""
+        (paused, sleeping) and the version of its weights."""
         self.registry = CollectorRegistry()
         self.registry.register(
             _EngineCollector(stats_fn, model_name, info_fn, replicas_fn, lifecycle_fn)

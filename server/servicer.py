@@ -245,6 +245,8 @@ class JaxServeServicer(LifecycleRPCs, pb_grpc.JaxServeServicer):  # pause, sleep
             msg.finish_reason = c.finish_reason
             if c.stop_reason is not None:
                 msg.stop_reason = str(c.stop_reason)
+            msg.weight_version = out.weight_version
+            msg.first_weight_version = out.first_weight_version
         if c.logprobs is not None and c.delta_token_ids:
             n = len(c.delta_token_ids)
             msg.logprobs.extend(_logprobs_proto(c.logprobs[-n:], c.delta_token_ids))
@@ -262,6 +264,8 @@ class JaxServeServicer(LifecycleRPCs, pb_grpc.JaxServeServicer):  # pause, sleep
                 token_ids=c.token_ids,
                 finish_reason=c.finish_reason or "",
                 stop_reason="" if c.stop_reason is None else str(c.stop_reason),
+                weight_version=final.weight_version,
+                first_weight_version=final.first_weight_version,
             )
             if c.logprobs is not None:
                 comp.logprobs.extend(_logprobs_proto(c.logprobs, c.token_ids))

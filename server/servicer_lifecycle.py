@@ -1,7 +1,7 @@
-"""The gRPC RPCs of pause and sleep (`PauseGeneration`, `ResumeGeneration`, `IsPaused`,
-`Sleep`, `WakeUp`, `IsSleeping`), a base of `JaxServeServicer`: each runs the front's
-call through `serving.lifecycle`, as the HTTP routes do, and answers the engine's
-state after it."""
+"""The gRPC RPCs of pause, sleep and weight updates (`PauseGeneration`,
+`ResumeGeneration`, `IsPaused`, `Sleep`, `WakeUp`, `IsSleeping`, `UpdateWeights`,
+`ResetPrefixCache`), a base of `JaxServeServicer`: each runs the front's call through
+`serving.lifecycle`, as the HTTP routes do, and answers the engine's state after it."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class LifecycleRPCs:
     metrics: ServerMetrics
     _abort: Callable  # (JaxServeServicer's: Refused -> the status code)
 
-    async def _run(self, context, call: Callable[[EngineFront], Awaitable[None]]):
+    async def _run(self, context, call: Callable[[EngineFront], Awaitable[object]]):
         try:
             engine = await serving.lifecycle(self.state, self.metrics, call)
         except Refused as e:
@@ -53,6 +53,17 @@ class LifecycleRPCs:
     async def IsSleeping(self, request, context):
         return await self._read(context)
 
+    async def UpdateWeights(self, request, context):
+        version = request.weight_version if request.HasField("weight_version") else None
+        return await self._run(context, serving.update_weights(request.path, version))
+
+    async def ResetPrefixCache(self, request, context):
+        return await self._run(context, lambda e: e.reset_prefix_cache())
+
 
 def _state(engine: EngineFront) -> pb.EngineState:
-    return pb.EngineState(is_paused=engine.is_paused, is_sleeping=engine.is_sleeping)
+    return pb.EngineState(
+        is_paused=engine.is_paused,
+        is_sleeping=engine.is_sleeping,
+        weight_version=engine.weight_version,
+    )

@@ -24,6 +24,7 @@ from jaxserve.front import (
 )
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import ParamError
 from jaxserve.tokenizer import Tokenizer
 from server.prometheus import ServerMetrics
 
@@ -133,12 +134,13 @@ async def stream(
 
 
 async def lifecycle(
-    state: ServingState, metrics: ServerMetrics, call: Callable[[EngineFront], Awaitable[None]]
+    state: ServingState, metrics: ServerMetrics, call: Callable[[EngineFront], Awaitable[object]]
 ) -> EngineFront:
-    """Runs `call(engine)`, a pause, resume, sleep or wake-up of the ready engine, for
-    either protocol; returns the engine. Raises Refused: INVALID for a bad mode or
-    level (naming it), CONFLICT where the engine's state forbids it (sleep with
-    requests running), UNAVAILABLE if the engine is not ready or dies meanwhile."""
+    """Runs `call(engine)`, a pause, resume, sleep, wake-up, weight update or prefix-cache
+    reset of the ready engine, for either protocol; returns the engine. Raises Refused:
+    INVALID for a bad mode, level or path (naming it), CONFLICT where the engine's state
+    forbids it (sleep with requests running), UNAVAILABLE if the engine is not ready or
+    dies meanwhile."""
     engine = ready(state)
     try:
         await call(engine)
@@ -149,6 +151,28 @@ async def lifecycle(
     except (EngineDeadError, EngineUnavailableError) as e:
         raise Refused(Reason.UNAVAILABLE, str(e)) from None
     return engine
+
+
+def update_weights(
+    path: str, weight_version: int | None
+) -> Callable[[EngineFront], Awaitable[int]]:
+    """A weight update from the model directory `path`, for `lifecycle`: a server takes a
+    path only (a trainer writes a checkpoint the server can read), and the engine's
+    refusal (a bad directory, a checkpoint of another model) names `path`."""
+
+    async def call(engine: EngineFront) -> int:
+        if not path:
+            raise ParamError("path", "path is required: a model directory of the served model")
+        try:
+            return await engine.update_weights(path=path, weight_version=weight_version)
+        except ValueError as e:
+            if getattr(e, "field", None) is not None:
+                raise
+            message = str(e) if str(e).startswith("path") else f"path {path!r}: {e}"
+            notes = getattr(e, "__notes__", [])  # (which data-parallel replica)
+            raise ParamError("path", " ".join([message, *notes])) from None
+
+    return call
 
 
 def deltas(out: RequestOutput, reported: set[int]) -> Iterator[CompletionOutput]:

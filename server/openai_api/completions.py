@@ -6,6 +6,11 @@ numbered prompt by prompt (`prompt_index * n + sample`), as OpenAI does. Every
 prompt is validated before any is queued, so a stream either fails with its
 status code up front or starts; an engine that dies mid-stream ends it with an
 error event.
+
+Each choice's last JSON (the choice, or its stream's chunk with the finish_reason)
+also says which weights sampled it, beside vLLM's `stop_reason`: `weight_version` (the
+last token's) and `first_weight_version` (the first's); they differ when the weights
+were updated while it ran (`LLMEngine.update_weights`).
 """
 
 from __future__ import annotations
@@ -125,6 +130,7 @@ class OpenAIServing:
                     "logprobs": None,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
+                    **_versions(out),
                 }
                 if c.logprobs is not None:
                     tokens, entries = list(c.token_ids), list(c.logprobs)
@@ -225,6 +231,7 @@ class OpenAIServing:
                 "logprobs": None,
                 "finish_reason": chat_output.finish_reason(c.finish_reason, reader),
                 "stop_reason": c.stop_reason,
+                **_versions(out),
             }
             if c.logprobs is not None:
                 choice["logprobs"] = {"content": self._chat_logprobs(c.token_ids, c.logprobs, body)}
@@ -309,7 +316,10 @@ class OpenAIServing:
             async for i, out in self._streams(job):
                 for c in serving.deltas(out, reported[i]):
                     index = i * n + c.index
-                    yield _event(chunk(i, c, out, index not in started))
+                    event = chunk(i, c, out, index not in started)
+                    if c.finished:
+                        event["choices"][0].update(_versions(out))
+                    yield _event(event)
                     started.add(index)
                 if out.finished:
                     finals.append(out)
@@ -404,6 +414,10 @@ def status_of(e: Refused) -> tuple[int, str]:
 def error_body(message: str, type_: str, param: str | None, code: str | None = None) -> dict:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _versions(out: RequestOutput) -> dict[str, int]:
+    return {"weight_version": out.weight_version, "first_weight_version": out.first_weight_version}
 
 
 def _event(data: dict) -> str:

@@ -1,15 +1,21 @@
-"""Pause and sleep over HTTP, with vLLM's routes (RL rollouts beside a trainer), behind
-the API key like every route but /health and /metrics:
+"""Pause, sleep and weight updates over HTTP, with vLLM's routes (RL rollouts beside a
+trainer), behind the API key like every route but /health and /metrics:
 
 - `POST /pause` (`mode`: "abort", the default, "wait" or "keep"; in the query or a
   JSON body), `POST /resume`, `GET /is_paused`;
 - `POST /sleep` (`level`: 1, the default, or 2; `keep_host_copy`: true, the default),
-  `POST /wake_up`, `GET /is_sleeping`.
+  `POST /wake_up`, `GET /is_sleeping`;
+- `POST /update_weights` (`path`: a model directory, required; `weight_version`: an
+  int, default the one served + 1), `GET /weight_version` (SGLang's
+  `get_weight_version`), `POST /reset_prefix_cache`.
 
-Each answers `{"is_paused": ..., "is_sleeping": ...}`, the engine's state after it
-(`jaxserve.engine.lifecycle` says what each does). A bad mode or level is 400 naming it;
-a sleep the engine's state forbids (requests running unpaused) 409; an engine not
-ready 503. `POST /pause?mode=wait` answers once the requests in flight have finished.
+Each POST answers `{"is_paused": ..., "is_sleeping": ..., "weight_version": ...}`, the
+engine's state after it (`jaxserve.engine.lifecycle` and `weight_sync` say what each
+does). A bad mode, level or path (a checkpoint of another model too) is 400 naming it,
+the engine serving on as before; a sleep the engine's state forbids (requests running
+unpaused) 409; an engine not ready 503. `POST /pause?mode=wait` answers once the
+requests in flight have finished; `POST /update_weights` once the new weights are in
+place (requests running go on, their KV recomputed with them).
 """
 
 from __future__ import annotations
@@ -29,8 +35,11 @@ def lifecycle_router(state: ServingState, metrics: ServerMetrics) -> APIRouter:
     """The routes, for the caller to include under its API-key dependency."""
     router = APIRouter()
 
-    async def args(request: Request, defaults: dict[str, Any]) -> dict[str, Any]:
-        """`defaults`' names, from the query (as text) or a JSON object body."""
+    async def args(
+        request: Request, defaults: dict[str, Any], kinds: dict[str, type] | None = None
+    ) -> dict[str, Any]:
+        """`defaults`' names, from the query (as text) or a JSON object body, of their
+        default's type (or `kinds`' where the default is None: given or None)."""
         body: Any = {}
         raw = await request.body()
         if raw.strip():
@@ -43,10 +52,11 @@ def lifecycle_router(state: ServingState, metrics: ServerMetrics) -> APIRouter:
         out = dict(defaults)
         for name, default in defaults.items():
             value = request.query_params.get(name, body.get(name, default))
-            out[name] = _parse(value, type(default), name, metrics)
+            kind = type(default) if default is not None else (kinds or {})[name]
+            out[name] = None if value is None else _parse(value, kind, name, metrics)
         return out
 
-    async def run(call) -> dict[str, bool]:
+    async def run(call) -> dict[str, Any]:
         engine = await serving.lifecycle(state, metrics, call)
         return _state(engine)
 
@@ -76,11 +86,28 @@ def lifecycle_router(state: ServingState, metrics: ServerMetrics) -> APIRouter:
     async def is_sleeping():
         return {"is_sleeping": serving.ready(state).is_sleeping}
 
+    @router.post("/update_weights")
+    async def update_weights(request: Request):
+        a = await args(request, {"path": "", "weight_version": None}, {"weight_version": int})
+        return await run(serving.update_weights(a["path"], a["weight_version"]))
+
+    @router.get("/weight_version")
+    async def weight_version():
+        return {"weight_version": serving.ready(state).weight_version}
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        return await run(lambda e: e.reset_prefix_cache())
+
     return router
 
 
-def _state(engine: EngineFront) -> dict[str, bool]:
-    return {"is_paused": engine.is_paused, "is_sleeping": engine.is_sleeping}
+def _state(engine: EngineFront) -> dict[str, Any]:
+    return {
+        "is_paused": engine.is_paused,
+        "is_sleeping": engine.is_sleeping,
+        "weight_version": engine.weight_version,
+    }
 
 
 def _parse(value: Any, kind: type, name: str, metrics: ServerMetrics) -> Any:

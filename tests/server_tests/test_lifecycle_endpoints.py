@@ -1,7 +1,10 @@
-"""Pause and sleep over HTTP (`/pause`, `/resume`, `/is_paused`, `/sleep`, `/wake_up`,
-`/is_sleeping`) and gRPC (`PauseGeneration`, ...), behind the API key, against one live
-server whose requests are refused at once while paused (`pause_wait_s=0`)."""
+"""Pause, sleep and weight updates over HTTP (`/pause`, `/resume`, `/is_paused`, `/sleep`,
+`/wake_up`, `/is_sleeping`, `/update_weights`, `/weight_version`, `/reset_prefix_cache`)
+and gRPC (`PauseGeneration`, ..., `UpdateWeights`, `ResetPrefixCache`), behind the API
+key, against one live server whose requests are refused at once while paused
+(`pause_wait_s=0`). A test that updates the weights puts W back (version 0) after it."""
 
+import json
 import threading
 import time
 
@@ -64,11 +67,15 @@ def test_http_routes_need_the_api_key(served):
         ("POST", "/sleep"),
         ("POST", "/wake_up"),
         ("GET", "/is_sleeping"),
+        ("POST", "/update_weights"),
+        ("GET", "/weight_version"),
+        ("POST", "/reset_prefix_cache"),
     ]:
         r = httpx.request(method, base + path, headers={"authorization": "Bearer wrong"})
         assert r.status_code == 401, path
         assert r.json()["error"]["code"] == "invalid_api_key"
-    assert not served.server.state.engine.is_paused and not served.server.state.engine.is_sleeping
+    front = served.server.state.engine
+    assert not front.is_paused and not front.is_sleeping and front.weight_version == 0
 
 
 def test_http_pause_refuses_requests_until_resume(http):
@@ -76,6 +83,7 @@ def test_http_pause_refuses_requests_until_resume(http):
     assert http.post("/pause", params={"mode": "keep"}).json() == {
         "is_paused": True,
         "is_sleeping": False,
+        "weight_version": 0,
     }
     assert http.get("/is_paused").json() == {"is_paused": True}
     assert gauge(http, "engine_paused") == 1.0
@@ -85,7 +93,11 @@ def test_http_pause_refuses_requests_until_resume(http):
         error = r.json()["error"]
         assert error["type"] == "service_unavailable" and "paused" in error["message"]
         assert "pause_wait_s=0" in error["message"]
-    assert http.post("/resume").json() == {"is_paused": False, "is_sleeping": False}
+    assert http.post("/resume").json() == {
+        "is_paused": False,
+        "is_sleeping": False,
+        "weight_version": 0,
+    }
     assert gauge(http, "engine_paused") == 0.0
     assert http.post("/v1/completions", json=COMPLETION).status_code == 200
     # A JSON body names the mode as well as the query.
@@ -117,12 +129,17 @@ def test_http_sleep_and_wake_up(http):
     assert http.post("/sleep", params={"level": 2}).json() == {
         "is_paused": False,
         "is_sleeping": True,
+        "weight_version": 0,
     }
     assert gauge(http, "engine_sleeping") == 1.0
     r = http.post("/v1/completions", json=COMPLETION)
     assert r.status_code == 503 and "sleeping (level 2)" in r.json()["error"]["message"]
     assert http.get("/is_sleeping").json() == {"is_sleeping": True}
-    assert http.post("/wake_up").json() == {"is_paused": False, "is_sleeping": False}
+    assert http.post("/wake_up").json() == {
+        "is_paused": False,
+        "is_sleeping": False,
+        "weight_version": 0,
+    }
     assert http.post("/v1/completions", json=COMPLETION).status_code == 200
 
 
@@ -205,3 +222,182 @@ def test_grpc_bad_mode_or_level_is_invalid_argument_naming_it(stub, rpc, message
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
     assert (FIELD_METADATA, field) in tuple(e.value.trailing_metadata())
     assert stub.IsPaused(pb.EngineStateRequest(), metadata=GRPC_AUTH) == pb.EngineState()
+
+
+# ------------------------------------------------------------------ weight updates
+
+GREEDY_IDS = {**COMPLETION, "max_tokens": 8, "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def want_new(tiny_model_dir_new):
+    """The greedy token ids of COMPLETION's prompt from a fresh engine of W'."""
+    from jaxserve import LLM, SamplingParams
+
+    with LLM(tiny_model_dir_new, max_model_len=128, block_size=8, warmup=False) as llm:
+        params = SamplingParams(temperature=0, max_tokens=GREEDY_IDS["max_tokens"])
+        return llm.generate([COMPLETION["prompt"]], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.fixture
+def back_to_w(served, tiny_model_dir):
+    """After the test: W again, version 0, as every other test expects."""
+    yield
+    front = served.server.state.engine
+    served.call(front.resume_generation())
+    served.call(front.update_weights(path=tiny_model_dir, weight_version=0))
+
+
+def greedy_ids(http) -> list[int]:
+    r = http.post("/v1/completions", json=GREEDY_IDS)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_http_update_weights_serves_the_new_weights(
+    served, http, tiny_model_dir_new, want_new, back_to_w
+):
+    old = greedy_ids(http)
+    assert old != want_new
+    assert http.get("/weight_version").json() == {"weight_version": 0}
+    r = http.post("/update_weights", json={"path": tiny_model_dir_new})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"is_paused": False, "is_sleeping": False, "weight_version": 1}
+    assert http.get("/weight_version").json() == {"weight_version": 1}
+    assert gauge(http, "weight_version") == 1.0
+    r = http.post("/v1/completions", json=GREEDY_IDS)
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == want_new
+    assert (choice["weight_version"], choice["first_weight_version"]) == (1, 1)
+    # The query names them as well as a JSON body.
+    r = http.post("/update_weights", params={"path": tiny_model_dir_new, "weight_version": 9})
+    assert r.json()["weight_version"] == 9 and greedy_ids(http) == want_new
+
+
+@pytest.mark.parametrize("paused", [False, True], ids=["streaming", "keep pause"])
+def test_a_stream_running_at_an_http_update_goes_on_under_the_new_weights(
+    served, http, tiny_model_dir_new, monkeypatch, back_to_w, paused
+):
+    """A stream running when the weights change (or frozen by a "keep" pause) goes on:
+    its KV recomputed with them, its last chunk says both versions."""
+    runner = served.engine.runner
+    dispatch = runner.dispatch
+
+    def slow(*args, **kwargs):  # (the stream is still running when the update lands)
+        time.sleep(0.02)
+        return dispatch(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "dispatch", slow)
+    body = {**COMPLETION, "max_tokens": 40, "stream": True, "ignore_eos": True}
+    chunks = []
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+                break
+        if paused:
+            http.post("/pause", params={"mode": "keep"})
+        r2 = http.post("/update_weights", json={"path": tiny_model_dir_new})
+        assert r2.status_code == 200 and r2.json()["weight_version"] == 1
+        if paused:
+            http.post("/resume")
+        chunks += [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    last = chunks[-1]["choices"][0]
+    assert last["finish_reason"] == "length"
+    assert (last["weight_version"], last["first_weight_version"]) == (1, 0)
+    assert "weight_version" not in chunks[0]["choices"][0]  # (the last chunk's only)
+
+
+def test_an_update_during_a_keep_pause_then_resume(
+    served, http, tiny_model_dir_new, want_new, back_to_w
+):
+    http.post("/pause", params={"mode": "keep"})
+    r = http.post("/update_weights", json={"path": tiny_model_dir_new, "weight_version": 4})
+    assert r.json() == {"is_paused": True, "is_sleeping": False, "weight_version": 4}
+    assert http.post("/resume").json()["weight_version"] == 4
+    assert greedy_ids(http) == want_new
+
+
+def test_an_update_while_asleep_without_weights_then_wake_up(
+    served, http, tiny_model_dir_new, want_new, back_to_w
+):
+    """The trainer's loop: sleep level 2 without a host copy, new weights, wake up."""
+    http.post("/sleep", params={"level": 2, "keep_host_copy": "false"})
+    assert http.post("/update_weights", json={"path": tiny_model_dir_new}).status_code == 200
+    assert http.post("/wake_up").json() == {
+        "is_paused": False,
+        "is_sleeping": False,
+        "weight_version": 1,
+    }
+    assert greedy_ids(http) == want_new
+
+
+@pytest.fixture(scope="module")
+def deeper_dir(tmp_path_factory):
+    """A checkpoint of another model: a layer more than `tiny_model_dir`."""
+    from hf_models import make_hf_model
+
+    path = tmp_path_factory.mktemp("deeper")
+    make_hf_model(path, "LlamaForCausalLM", dict(vocab_size=320, num_hidden_layers=3))
+    return str(path)
+
+
+def test_http_bad_update_is_400_naming_path_and_the_engine_serves_on(http, deeper_dir):
+    old = greedy_ids(http)
+    cases = [
+        ({}, "path is required"),
+        ({"path": deeper_dir + "/missing"}, "path must be a model directory"),
+        ({"path": deeper_dir}, "config.json has num_layers=3, the served model 2"),
+        ({"path": 3}, "path must be str"),
+    ]
+    for body, message in cases:
+        r = http.post("/update_weights", json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "path" and message in error["message"], error
+    r = http.post("/update_weights", json={"path": deeper_dir, "weight_version": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "weight_version"
+    assert http.get("/weight_version").json() == {"weight_version": 0}
+    assert greedy_ids(http) == old
+
+
+def test_http_reset_prefix_cache(served, http):
+    greedy_ids(http)
+    assert served.engine.pool.num_cached > 0
+    r = http.post("/reset_prefix_cache")
+    assert r.json() == {"is_paused": False, "is_sleeping": False, "weight_version": 0}
+    assert served.engine.pool.num_cached == 0
+
+
+def test_grpc_update_weights_and_reset_prefix_cache(
+    served, stub, tiny_model_dir_new, want_new, deeper_dir, back_to_w
+):
+    request = pb.GenerateRequest(
+        prompt=COMPLETION["prompt"],
+        sampling_params=pb.SamplingParams(max_tokens=8, temperature=0),
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        stub.UpdateWeights(pb.UpdateWeightsRequest(path=tiny_model_dir_new))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    for path, message in [("", "path is required"), (deeper_dir, "num_layers=3")]:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.UpdateWeights(pb.UpdateWeightsRequest(path=path), metadata=GRPC_AUTH)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in e.value.details()
+        assert (FIELD_METADATA, "path") in tuple(e.value.trailing_metadata())
+    assert stub.IsPaused(pb.EngineStateRequest(), metadata=GRPC_AUTH).weight_version == 0
+    state = stub.UpdateWeights(
+        pb.UpdateWeightsRequest(path=tiny_model_dir_new, weight_version=7), metadata=GRPC_AUTH
+    )
+    assert state == pb.EngineState(weight_version=7)
+    (done,) = stub.Complete(request, metadata=GRPC_AUTH).completions
+    assert list(done.token_ids) == want_new
+    assert (done.weight_version, done.first_weight_version) == (7, 7)
+    last = [m for m in stub.Generate(request, metadata=GRPC_AUTH) if m.finish_reason][-1]
+    assert (last.weight_version, last.first_weight_version) == (7, 7)
+    assert served.engine.pool.num_cached > 0
+    state = stub.ResetPrefixCache(pb.EngineStateRequest(), metadata=GRPC_AUTH)
+    assert state == pb.EngineState(weight_version=7) and served.engine.pool.num_cached == 0
+    state = stub.UpdateWeights(pb.UpdateWeightsRequest(path=tiny_model_dir_new), metadata=GRPC_AUTH)
+    assert state.weight_version == 8
