@@ -19,12 +19,14 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "A B C D E F G H I J K L",
 
 
 @pytest.mark.slow
-def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(tiny_model_dir):
+def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(
+    tiny_model_dir, tiny_model_dir_new
+):
     """Streams over gRPC and completions over HTTP equal the offline engine's greedy
     tokens, spread over both replicas; /metrics shows each; a cancelled stream frees its
-    pages on its replica; pause and sleep reach both replicas' actors; killing a
-    replica's process turns health NOT_SERVING within the bound and new requests
-    UNAVAILABLE."""
+    pages on its replica; pause, sleep and a weight update reach both replicas' actors;
+    killing a replica's process turns health NOT_SERVING within the bound and new
+    requests UNAVAILABLE."""
     ray = pytest.importorskip("ray")
     import httpx
 
@@ -84,6 +86,18 @@ def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(tiny_mod
             assert not http.post("/resume", timeout=60).json()["is_paused"]
             choice = http.post("/v1/completions", json=body, timeout=60).json()["choices"][0]
             assert choice["token_ids"] == want[0]
+            # New weights from a path, on both actors under one version.
+            r = http.post("/update_weights", json={"path": tiny_model_dir + "/missing"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "path", r.text
+            r = http.post("/update_weights", json={"path": tiny_model_dir_new}, timeout=60)
+            assert r.json()["weight_version"] == 1, r.text
+            assert [r.weight_version for r in front.replicas] == [1, 1]
+            new = LLM(tiny_model_dir_new, max_model_len=128, warmup=False).generate(
+                PROMPTS[:1], SamplingParams(**params), use_tqdm=False
+            )
+            choice = http.post("/v1/completions", json=body, timeout=60).json()["choices"][0]
+            assert choice["token_ids"] == new[0].outputs[0].token_ids != want[0]
+            assert http.post("/reset_prefix_cache", timeout=60).status_code == 200
 
         pid = int(front.replicas[0].where.split(" pid ")[1].split()[0])
         os.kill(pid, signal.SIGKILL)
