@@ -10,9 +10,10 @@ server refuses at start-up a role it could not serve (`server.disagg.check_role`
 Beside a trainer (RL rollouts), a front pauses generation around a weight update and
 gives the device memory back (`pause_generation`, `sleep`; `jaxserve.engine.lifecycle`
 says what each mode and level does), and takes new weights (`update_weights`:
-`jaxserve.engine.weight_sync` says what becomes of the requests running and of the KV). A request sent while the engine is paused waits
-for `resume_generation`, at most `EngineConfig.pause_wait_s`; one sent while it sleeps
-is refused at once: both with `EngineUnavailableError` (HTTP 503, gRPC UNAVAILABLE).
+`jaxserve.engine.weight_sync` says what becomes of the requests running and of the
+KV). A request sent while the engine is paused waits for `resume_generation`, at most
+`EngineConfig.pause_wait_s`; one sent while it sleeps is refused at once: both with
+`EngineUnavailableError` (HTTP 503, gRPC UNAVAILABLE).
 """
 
 from __future__ import annotations
