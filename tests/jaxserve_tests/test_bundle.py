@@ -34,7 +34,13 @@ STEP_PROGRAMS = {
 # What loading the weights and allocating the KV caches compile, bundle or not (no
 # step program): `jnp.array`'s staging copy per weight shape, the caches' zero fill
 # (on a mesh: `parallel.zeros_kv`'s jitted lambda).
-LOAD_HELPERS = {"jit(stage)", "jit(convert_element_type)", "jit(broadcast_in_dim)", "jit(<lambda>)"}
+LOAD_HELPERS = {
+    "jit(stage)",
+    "jit(convert_element_type)",
+    "jit(broadcast_in_dim)",
+    "jit(<lambda>)",
+    "jit(_zeros)",  # the KV caches allocated on a mesh (`meshes.zeros_kv`)
+}
 
 # Runs in a fresh process: `make` compiles (warm-up), writes the bundle and serves;
 # `load` loads the bundle and serves. Both print the outputs and counters as JSON.

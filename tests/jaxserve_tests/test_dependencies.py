@@ -53,6 +53,7 @@ DEVICE_SIDE = {
     "jaxserve.runner.warmup",
     "jaxserve.runner.weight_update",
     "jaxserve.targets",  # compile-only devices of TPUs and GPUs
+    "jaxserve.training",  # the served model's differentiable forward (RL loops)
 }
 # Function-level imports that close a cycle, (importer, imported): each runs after
 # both modules have loaded. No other import may close one.
