@@ -34,6 +34,7 @@ class MockRunner:
         self.config = config
         self.num_pages = num_pages
         self.kv_tokens = (num_pages - 1) * config.cache.page_size
+        self.max_concurrency = self.kv_tokens / config.max_model_len
         self.vocab = config.model.vocab_size
         self.shapes = StepShapes.for_config(config)
         self.weight_bytes = 0

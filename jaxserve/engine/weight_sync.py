@@ -85,7 +85,8 @@ class WeightSync:
         self.pool.take_evicted()  # (not copied to the tier: it is cleared)
         if self.connector is not None:
             self.connector.flush()  # a copy in flight lands before the tier is cleared
-        self.pool.reset_prefix_cache()
+        for pool in self.scheduler.kv.pools:  # (every layer group's)
+            pool.reset_prefix_cache()
         if self.tier is not None:
             self.tier.clear(layout)
 
