@@ -121,9 +121,7 @@ class KVGroups:
         freed_total = 0
         for g in self.windowed:
             table = self.tables(seq)[g]
-            dead = min(
-                len(seq.page_uids), (seq.num_computed - self.windows[g] + 1) // self.page_size
-            )
+            dead = self._dead(seq, g)
             freed, j = [], dead - 1
             while j >= 0 and table[j] != NULL_PAGE:  # (those before were freed earlier)
                 freed.append(table[j])
