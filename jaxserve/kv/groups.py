@@ -91,12 +91,16 @@ class KVGroups:
     def grow(self, seq: SequenceState, num_tokens: int) -> bool:
         """Gives `seq` pages for `num_tokens` tokens in every group; False (and nothing
         taken) if some group cannot."""
-        if not self.fits(seq, num_tokens):
-            return False
         need = self._need(seq, num_tokens)
-        if need > 0:
-            for table, pool in zip(self.tables(seq), self.pools, strict=True):
-                table.extend(pool.allocate(need))
+        if need <= 0:
+            return True
+        if any(need > pool.num_free for pool in self.pools):
+            return False
+        if len(self.pools) == 1:  # (one group: the step's common case, kept short)
+            seq.pages.extend(self.pools[0].allocate(need))
+            return True
+        for table, pool in zip(self.tables(seq), self.pools, strict=True):
+            table.extend(pool.allocate(need))
         return True
 
     def release(self, seq: SequenceState) -> None:
