@@ -110,7 +110,7 @@ def split_pages(
     per_seq = sum(n * k for n, k in zip(layers, need, strict=True))
     seqs = max(0, (layer_pages - fixed) // per_seq)
     capped = max_num_seqs is not None and seqs >= max_num_seqs
-    if capped:
+    if max_num_seqs is not None and capped:
         seqs = max_num_seqs
     pages = [seqs * k + r + 1 for k, r in zip(need, reserve, strict=True)]
     if not capped:

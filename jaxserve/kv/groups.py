@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import sys
 from collections.abc import Sequence
+from typing import cast
 
 from jaxserve.kv.page_pool import NULL_PAGE, ROOT_UID, PagePool
 from jaxserve.kv.transfer import ROOT_DIGEST, page_digest
@@ -138,7 +139,7 @@ class KVGroups:
     def _dead(self, seq: SequenceState, g: int) -> int:
         """How many of the sequence's first pages windowed group g may give back: those
         wholly before what a query at `num_computed` sees, and cached."""
-        seen = seq.num_computed - self.windows[g] + 1  # the first position it sees
+        seen = seq.num_computed - self._window(g) + 1  # the first position it sees
         return min(len(seq.page_uids), seen // self.page_size)
 
     # -------------------------------------------------------------- prefix cache
@@ -150,19 +151,17 @@ class KVGroups:
         (as though it had computed them); returns its length in pages."""
         pool, page = self.pools[0], self.page_size
         if not self.windowed:
-            pages, uids = pool.lookup(seq.token_ids, page, seq.salt, max_tokens=limit)
-            seq.pages, seq.page_uids = pages, uids
-            seq.page_digests = [pool.digest(p) for p in pages]
-            return len(pages)
+            seq.pages, seq.page_uids = pool.lookup(seq.token_ids, page, seq.salt, max_tokens=limit)
+            seq.page_digests = cast(list[bytes], [pool.digest(p) for p in seq.pages])
+            return len(seq.pages)
         full: list[int] = []
         uids: list[int] = []
+        digests: list[bytes] = []
         if self.windows[0] is None:
             full, uids = pool.lookup(seq.token_ids, page, seq.salt, max_tokens=limit)
-            digests = [pool.digest(p) for p in full]
+            digests = [d for d in map(pool.digest, full) if d is not None]  # (all named)
         elif pool.enable_prefix_caching:
             digests = self._digests(seq, limit)
-        else:
-            digests = []
         found = {g: [self.pools[g].page_of_digest(d) for d in digests] for g in self.windowed}
         h = self._longest_hit(found, len(digests))
         tables: list[list[int]] = []
@@ -172,7 +171,7 @@ class KVGroups:
                 tables.append(full[:h])
                 continue
             first = self._first_seen(g, h)
-            kept = found[g][first:h]
+            kept = [p for p in found[g][first:h] if p is not None]  # (all: `_longest_hit`)
             for p in kept:
                 group_pool.take(p)
             tables.append([NULL_PAGE] * first + kept)
@@ -181,12 +180,19 @@ class KVGroups:
             # Only the last uid is read (the parent of the next page's key).
             last = pool.uid(tables[0][h - 1])
             uids = [ROOT_UID] * (h - 1) + [ROOT_UID if last is None else last]
-        seq.page_uids, seq.page_digests = uids[:h], digests[:h]
+        seq.page_uids = uids[:h]
+        seq.page_digests = list(digests[:h])
         return h
+
+    def _window(self, g: int) -> int:
+        window = self.windows[g]
+        if window is None:
+            raise ValueError(f"group {g} is full attention, not windowed")
+        return window
 
     def _first_seen(self, g: int, h: int) -> int:
         """The first page that a query at position h * P sees in windowed group g."""
-        return max(0, h * self.page_size - self.windows[g] + 1) // self.page_size
+        return max(0, h * self.page_size - self._window(g) + 1) // self.page_size
 
     def _longest_hit(self, found: dict[int, list[int | None]], bound: int) -> int:
         """The largest h <= bound for which every windowed group has the pages a hit
@@ -247,9 +253,9 @@ class KVGroups:
             for g, table in enumerate(tables):
                 holders[g].update(p for p in table if p != NULL_PAGE)
             for g in self.windowed:
-                dead = min(
-                    len(seq.page_uids), (seq.num_computed - self.windows[g] + 1) // self.page_size
-                )
+                # (Written out again, not `_dead`: a check of it, not a copy.)
+                seen = seq.num_computed - self._window(g) + 1
+                dead = min(len(seq.page_uids), seen // self.page_size)
                 kept = [j for j in range(max(dead, 0)) if tables[g][j] != NULL_PAGE]
                 if kept:
                     raise AssertionError(

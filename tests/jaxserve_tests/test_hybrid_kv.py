@@ -335,3 +335,42 @@ def test_a_windowed_hit_needs_the_window_not_the_start():
     assert kv.lookup(third, 24) == 0 and third.pages == third.group_pages[0] == []
     kv.check_invariant([third])
     assert pools[0].num_free == pools[0].capacity  # the full group's 6 hit pages let go
+
+
+# ------------------------------------------------------------------ step inputs
+
+
+def test_each_group_gets_its_table_and_slots_and_each_layer_its_group():
+    from jaxserve.runner.input_batch import SeqWork, build_batch
+    from jaxserve.runner.step import StepInput
+    from pallas_kernels import GroupedMetadata, layer_metadata
+
+    # 10 tokens computed, 3 more now: pages of 4; the windowed table let page 0 go.
+    work = [SeqWork([7, 8, 9], 10, [5, 6, 7, 8], group_pages=[[0, 3, 4, 9]])]
+    b = build_batch(work, page_size=4, pages_per_seq=6, token_bucket=4, seq_bucket=2, num_groups=2)
+    assert b.page_indices[0].tolist() == [5, 6, 7, 8, 0, 0]
+    assert b.group_page_indices.shape == (1, 2, 6)
+    assert b.group_page_indices[0, 0].tolist() == [0, 3, 4, 9, 0, 0]
+    assert b.slot_mapping.tolist() == [7 * 4 + 2, 7 * 4 + 3, 8 * 4 + 0, 0]
+    assert b.group_slot_mapping[0].tolist() == [4 * 4 + 2, 4 * 4 + 3, 9 * 4 + 0, 0]
+    step = StepInput.from_host(b, layer_group=(1, 0, 1))
+    md = step.attention
+    assert isinstance(md, GroupedMetadata)
+    assert layer_metadata(md, 1) is md.groups[0] and layer_metadata(md, 2) is md.groups[1]
+    assert md.groups[1].kv_lens is b.kv_lens  # the same lengths and offsets for every group
+    with pytest.raises(ValueError, match="a batch of 2 layer groups for layers in groups"):
+        StepInput.from_host(b, layer_group=(0, 0, 0))
+    # One group: the metadata the programs always had (no second table, same pytree).
+    dense = build_batch(work[:0], page_size=4, pages_per_seq=6, token_bucket=4, seq_bucket=2)
+    assert dense.group_page_indices.shape[0] == 0
+    assert not isinstance(StepInput.from_host(dense).attention, GroupedMetadata)
+
+
+def test_the_flag_is_vllms_and_reaches_the_command_line():
+    from jaxserve.config import ENGINE_ARGS
+    from server.cli import engine_flags
+
+    assert "disable_hybrid_kv_cache_manager" in ENGINE_ARGS
+    assert "disable_hybrid_kv_cache_manager" in engine_flags.ENGINE_FLAGS
+    with pytest.raises(ValueError, match="disable_hybrid_kv_cache_manager must be a bool"):
+        engine_config("mock", BASE, disable_hybrid_kv_cache_manager="yes")
