@@ -16,10 +16,10 @@ windowed group's share of one step's chunk (a prefill chunk writes all its pages
 before the window moves past them), with `N` the most that the budget holds; both
 groups run out together at max_model_len. The price of a static split: sequences
 much shorter than max_model_len find the windowed group full first, and hold
-fewer at once than one group would (Gemma 3 at max_model_len 32k: about 0.16x
-for sequences within the window; 8k: 0.46x). Serve such a workload with a
-max_model_len near its lengths (the split follows it), or with
-`disable_hybrid_kv_cache_manager`. vLLM's hybrid manager avoids that trade by
+fewer at once than one group would (Gemma 3 at max_model_len 32k: 0.2x as many
+sequences of 1k tokens, 0.35x of 2k; at 8k, 0.5x of 1k: benchmarks/README.md).
+Serve such a workload with a max_model_len near its lengths (the split follows
+it), or with `disable_hybrid_kv_cache_manager`. vLLM's hybrid manager avoids that trade by
 sharing one pool between groups of equal layer counts (a page id is one group's
 page in every layer slot), at the price of one page table per group of equal
 size (Gemma 3's 5:1 becomes six tables a step) and padding where the counts do

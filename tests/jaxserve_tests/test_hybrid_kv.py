@@ -374,3 +374,33 @@ def test_the_flag_is_vllms_and_reaches_the_command_line():
     assert "disable_hybrid_kv_cache_manager" in engine_flags.ENGINE_FLAGS
     with pytest.raises(ValueError, match="disable_hybrid_kv_cache_manager must be a bool"):
         engine_config("mock", BASE, disable_hybrid_kv_cache_manager="yes")
+
+
+def test_the_start_up_log_gives_each_groups_capacity():
+    from jaxserve.runner.kv_plan import KVPlan
+
+    config = engine_config(
+        "mock",
+        model("gemma3"),
+        block_size=PAGE,
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        kv_cache_memory_bytes=1 << 20,
+    )
+    plan = KVPlan.make(config, config.kv_group_pages())
+    full, local = plan.group_pages
+    text = plan.describe(config)
+    assert (
+        f"group 0 (full attention, 1 layers): {full - 1} pages = {(full - 1) * PAGE} tokens" in text
+    )
+    assert f"group 1 (window 8, 2 layers): {local - 1} pages" in text
+    # Capped by max_num_seqs, as one group's pool is; and what a group holds is logged.
+    assert plan.max_concurrency(config) == 4.0 and "4.00 sequences of max_model_len" in text
+    dense = dataclasses.replace(
+        config, cache=dataclasses.replace(config.cache, disable_hybrid=True)
+    )
+    one = KVPlan.make(dense, dense.kv_group_pages())
+    assert (
+        not one.hybrid and one.layer_group == () and one.layer_pages == [dense.num_kv_pages()] * 3
+    )
