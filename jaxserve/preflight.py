@@ -79,6 +79,7 @@ class PreflightReport:
     kv_copies: dict[str, list[str]]  # program -> its KV-sized copies (none expected)
     bundle_dir: str | None = None  # where the programs were written (`output`)
     bundle_bytes: int = 0
+    kv_groups: str = ""  # a hybrid KV cache's groups (`KVPlan.describe`); "": one pool
 
     @property
     def hbm_bytes(self) -> int:
@@ -99,8 +100,14 @@ class PreflightReport:
             f"{self.temp_bytes / gib:.2f} GiB (free {self.free_bytes / gib:.2f})",
             f"KV cache: {self.kv_pages - 1} pages x {c.cache.page_size} = {self.kv_tokens} "
             f"tokens; maximum concurrency at max_model_len {c.max_model_len}: "
-            f"{self.max_concurrency:.2f}x (serve with --num_kv_pages={self.kv_pages} for "
-            "this pool, and the same engine flags)",
+            f"{self.max_concurrency:.2f}x "
+            + (
+                f"(hybrid: {self.kv_groups}; serve with the same KV budget and engine flags: "
+                "--num_kv_pages would give every group that many)"
+                if self.kv_groups
+                else f"(serve with --num_kv_pages={self.kv_pages} for this pool, and the "
+                "same engine flags)"
+            ),
             f"decode steps at max_model_len context (estimate = max(bytes / "
             f"{t.chip.hbm_bandwidth / 1e9:.0f} GB/s, flops / {t.chip.peak_flops / 1e12:.0f} "
             "TFLOP/s); not XLA's optimal_seconds)"
@@ -232,7 +239,8 @@ def preflight(
         temp_bytes=temp,
         kv_pages=runner.num_pages,
         kv_tokens=runner.kv_tokens,
-        max_concurrency=runner.kv_tokens / config.max_model_len,
+        max_concurrency=runner.max_concurrency,
+        kv_groups=runner.kv_plan.describe(config) if runner.kv_plan.hybrid else "",
         decode=tuple(decode),
         kv_copies={n: kv_sized_copies(c.as_text(), kv_shards) for n, c in compiled.items()},
         bundle_dir=output,
@@ -309,7 +317,8 @@ def kernel_cost(runner, token_bucket: int) -> tuple[float, float]:
     from jaxserve.runner.warmup import abstract_tree
     from jaxserve.targets import compiling_for
 
-    batch = abstract_tree(StepInput.from_host(runner.build([], token_bucket=token_bucket)))
+    batch = runner.build([], token_bucket=token_bucket)
+    batch = abstract_tree(StepInput.from_host(batch, layer_group=runner.layer_group))
     with meshes.on_mesh(runner.mesh), compiling_for(runner.compile_device):
         traced = runner.programs.forward.trace(
             runner.model_def, runner.weights, runner.kv_caches, batch

@@ -8,6 +8,11 @@ running sequence needs a page and none is left, the lowest-priority, newest
 running sequence is preempted: its pages are released (its full pages stay in
 the prefix cache) and it is recomputed later.
 
+A hybrid KV cache (`kv`: sliding-window layers in groups of their own pages,
+`jaxserve.kv.groups`) changes only where pages come from: a sequence is admitted,
+and grows, only if every group has its pages; a preempted or finished one gives
+back every group's; a windowed group's pages go back once out of the window.
+
 Speculative decoding: a decoding sequence with proposed tokens
 (`SequenceState.spec_token_ids`) takes them as extra query tokens, from the budget
 and the pages left once every running sequence has its real tokens, unless more
@@ -38,6 +43,7 @@ import dataclasses
 import random
 
 from jaxserve.config import SchedulerConfig
+from jaxserve.kv.groups import KVGroups
 from jaxserve.kv.page_pool import ROOT_UID, PagePool
 from jaxserve.kv.tier import KVTier
 from jaxserve.kv.transfer import ROOT_DIGEST, Page, page_digest
@@ -99,8 +105,14 @@ class Scheduler:
         spec_max_batch: int = 0,
         tier: KVTier | None = None,
         token_buckets: tuple[int, ...] = (),
+        kv: KVGroups | None = None,
     ):
+        """`kv`: the KV cache's layer groups (a hybrid cache), `pool` their group 0's;
+        by default one group, `pool`."""
         self.pool = pool
+        self.kv = KVGroups.single(pool, page_size) if kv is None else kv
+        if self.kv.pools[0] is not pool:
+            raise ValueError("the scheduler's pool must be its KV groups' group 0")
         self.tier = tier
         # The step programs' token counts (the runner pads a step to the next one): a
         # step is fitted to them by `_fit_to_bucket`; empty: steps are not fitted.
@@ -134,8 +146,8 @@ class Scheduler:
             self.waiting.remove(seq)
         else:
             return
-        self.pool.free(seq.pages)
-        seq.pages, seq.page_uids, seq.page_digests = [], [], []
+        self.kv.release(seq)
+        seq.page_uids, seq.page_digests = [], []
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
@@ -228,31 +240,28 @@ class Scheduler:
                 continue
             # Prompt logprobs need every prompt position's logits: no cached prefix.
             cacheable = seq.num_tokens - 1 if seq.params.prompt_logprobs is None else 0
-            pages, uids = self.pool.lookup(
-                seq.token_ids, self.page_size, seq.salt, max_tokens=cacheable
-            )
-            digests = [self.pool.digest(p) for p in pages]
+            hit = self.kv.lookup(seq, cacheable)  # (references taken: seq.pages)
+            uids, digests = seq.page_uids, seq.page_digests
             in_tier = self._in_tier(seq, digests, cacheable) if self.tier is not None else []
-            computed = (len(pages) + len(in_tier)) * self.page_size
+            computed = (hit + len(in_tier)) * self.page_size
             n = min(seq.num_tokens - computed, budget)
-            need = -(-(computed + n) // self.page_size) - len(pages)
-            if need > self.pool.num_free:
-                self.pool.free(pages)
+            if not self.kv.fits(seq, computed + n):
+                self.kv.release(seq)
+                seq.page_uids, seq.page_digests = [], []
                 break
             if in_tier:  # read and checked now: a page refused ends the run there
                 in_tier = self.tier.load(in_tier, seq.salt)
-                computed = (len(pages) + len(in_tier)) * self.page_size
+                computed = (hit + len(in_tier)) * self.page_size
                 n = min(seq.num_tokens - computed, budget)
-                need = -(-(computed + n) // self.page_size) - len(pages)
             self.waiting.pop(0)
-            seq.pages = pages + self.pool.allocate(need)
-            for page_id, page in zip(seq.pages[len(pages) :], in_tier, strict=False):
+            if not self.kv.grow(seq, computed + n):  # (fits above, and needs no more now)
+                raise RuntimeError(f"{seq.request_id}: pages checked free were not")
+            for page_id, page in zip(seq.pages[hit:], in_tier, strict=False):
                 parent = uids[-1] if uids else ROOT_UID
                 name = (page.digest, page.parent)
                 uids.append(self.pool.cache_page(page_id, parent, page.tokens, seq.salt, name))
                 digests.append(page.digest)
                 loads.append((page_id, page))
-            seq.page_uids, seq.page_digests = uids, digests
             seq.num_computed = computed
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = computed
@@ -299,14 +308,8 @@ class Scheduler:
         return budget
 
     def _grow(self, seq: SequenceState, num_tokens: int) -> bool:
-        """Gives `seq` pages for `num_tokens` tokens; False if the pool cannot."""
-        need = -(-num_tokens // self.page_size) - len(seq.pages)
-        if need <= 0:
-            return True
-        if need > self.pool.num_free:
-            return False
-        seq.pages.extend(self.pool.allocate(need))
-        return True
+        """Gives `seq` pages for `num_tokens` tokens; False if a group's pool cannot."""
+        return self.kv.grow(seq, num_tokens)
 
     def preempt_all(self) -> int:
         """Preempts every running sequence (its pages freed, its work recomputed when
@@ -319,8 +322,8 @@ class Scheduler:
 
     def _preempt(self, seq: SequenceState) -> None:
         self.running.remove(seq)
-        self.pool.free(seq.pages)
-        seq.pages, seq.page_uids, seq.page_digests = [], [], []
+        self.kv.release(seq)
+        seq.page_uids, seq.page_digests = [], []
         seq.num_computed = seq.draft_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -336,16 +339,15 @@ class Scheduler:
         page = self.page_size
         if item.draft:
             # The rejected drafts' pages: those past the sequence's tokens.
-            keep = -(-seq.num_tokens // page)
-            self.pool.free(seq.pages[keep:])
-            del seq.pages[keep:]
+            self.kv.truncate(seq, -(-seq.num_tokens // page))
             seq.draft_computed = min(seq.draft_computed, seq.num_computed)
         self.cache_pages(seq)
 
     def cache_pages(self, seq: SequenceState) -> None:
         """Caches the sequence's full pages whose tokens are computed and known (under
         asynchronous scheduling a computed token may not be back on the host yet: its
-        page is cached once it is)."""
+        page is cached once it is), in every layer group; then windowed groups give
+        back the cached pages out of the sequence's window (`KVGroups.free_dead`)."""
         page = self.page_size
         for j in range(len(seq.page_uids), min(seq.num_computed, seq.num_tokens) // page):
             parent = seq.page_uids[-1] if seq.page_uids else ROOT_UID
@@ -354,3 +356,7 @@ class Scheduler:
             name = (page_digest(parent_digest, tokens, seq.salt), parent_digest)
             seq.page_uids.append(self.pool.cache_page(seq.pages[j], parent, tokens, seq.salt, name))
             seq.page_digests.append(name[0])
+            if seq.group_pages:
+                self.kv.cache_group_pages(seq, j, parent, tokens, name)
+        if self.kv.windowed:
+            self.kv.free_dead(seq)

@@ -38,6 +38,9 @@ class SequenceState:
     status: Status = Status.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
+    # A hybrid KV cache's other layer groups' tables (`jaxserve.kv.groups`), as long as
+    # `pages`; a windowed group's entries are the null page (0) once out of its window.
+    group_pages: list[list[int]] = dataclasses.field(default_factory=list)
     page_uids: list[int] = dataclasses.field(default_factory=list)  # of cached full pages
     page_digests: list[bytes] = dataclasses.field(default_factory=list)  # their digests
     num_computed: int = 0  # tokens whose K/V are in the cache

@@ -25,7 +25,7 @@ from models.layers import (
     soft_cap,
 )
 from models.registry import register
-from pallas_kernels import AttentionMetadata, get_backend
+from pallas_kernels import AttentionMetadata, GroupedMetadata, get_backend, layer_metadata
 
 
 class Attention(nnx.Module):
@@ -152,8 +152,9 @@ class Decoder(nnx.Module):
         if self.embed_scale:  # as HF: the scale rounded to the weights' dtype first
             x = x * jnp.asarray(x.shape[-1] ** 0.5, x.dtype)
         new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, kv_cache = layer(x, positions, kv_cache, md)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            # A hybrid KV cache: each layer reads its own group's page table.
+            x, kv_cache = layer(x, positions, kv_cache, layer_metadata(md, i))
             new_caches.append(kv_cache)
         return self.norm(x), new_caches
 
@@ -187,10 +188,10 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(
         self,
-        kv_caches: list[jax.Array],  # per layer [P, S, 2K, H]
+        kv_caches: list[jax.Array],  # per layer [P, S, 2K, H] (P: its group's pages)
         input_ids: jax.Array,  # [T] int32
         positions: jax.Array,  # [T] int32
-        attention_metadata: AttentionMetadata,
+        attention_metadata: AttentionMetadata | GroupedMetadata,
     ) -> tuple[jax.Array, list[jax.Array]]:  # [T, D], the updated caches
         return self.model(kv_caches, input_ids, positions, attention_metadata)
 

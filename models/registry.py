@@ -32,6 +32,8 @@ def check_interface(cls: Any) -> None:
       cls(config: ModelConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs)
       model(kv_caches, input_ids [T], positions [T], attention_metadata)
           -> (hidden [T, D], kv_caches)
+        (a hybrid KV cache's metadata is a `pallas_kernels.GroupedMetadata`: layer i
+        attends with `layer_metadata(attention_metadata, i)`, its group's page table)
       model.compute_logits(hidden [B, D]) -> logits [B, V] float32
       cls.checkpoint_key(path: tuple) -> (hf_tensor_name, transpose: bool)
     """

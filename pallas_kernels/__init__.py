@@ -5,6 +5,13 @@ every attention call; `get_backend(name)` returns the functions a model calls.
 """
 
 from pallas_kernels.backends import BACKENDS, AttentionBackend, get_backend
-from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.metadata import AttentionMetadata, GroupedMetadata, layer_metadata
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "get_backend"]
+__all__ = [
+    "BACKENDS",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "GroupedMetadata",
+    "get_backend",
+    "layer_metadata",
+]

@@ -4,6 +4,10 @@ Each sequence's next token is (sum of all its tokens so far) mod vocab, so the
 right output depends on the whole history: a token lost, duplicated or mixed
 between sequences by the scheduler changes every later token. It also checks,
 at every step, that the plan only computes tokens that follow what is cached.
+
+With `group_pages` it stands for a hybrid KV cache (`config.kv_groups`): each layer
+group's pages hold their own copy of the tokens, and each row checks, in every
+group, the positions that group's attention reads (a windowed group: its window).
 """
 
 from __future__ import annotations
@@ -30,10 +34,16 @@ def expected_tokens(prompt: list[int], n: int, vocab: int) -> list[int]:
 
 
 class MockRunner:
-    def __init__(self, config, num_pages: int):
+    def __init__(self, config, num_pages: int, group_pages: tuple[int, ...] | None = None):
         self.config = config
         self.num_pages = num_pages
+        self.windows: list[int | None] = [None]
+        if group_pages is not None:  # a hybrid KV cache: a pool per layer group
+            self.group_pages = group_pages
+            self.windows = [g.window for g in config.kv_groups]
+            assert len(group_pages) == len(self.windows)
         self.kv_tokens = (num_pages - 1) * config.cache.page_size
+        self.max_concurrency = self.kv_tokens / config.max_model_len
         self.vocab = config.model.vocab_size
         self.shapes = StepShapes.for_config(config)
         self.weight_bytes = 0
@@ -45,7 +55,7 @@ class MockRunner:
         self.kv_bytes_per_device = 0
         self.compiles = types.SimpleNamespace(count=0)
         # What each page slot holds: (page, offset) -> token id; checks the KV bookkeeping.
-        self.slots: dict[int, int] = {}
+        self.slots: dict = {}
         self.steps = 0
         self.closed = False
 
@@ -63,6 +73,7 @@ class MockRunner:
             token_bucket=t,
             seq_bucket=self.shapes.max_seqs,  # the fixed sizes, as the real runner
             num_rows=self.shapes.max_rows,
+            num_groups=len(getattr(self, "group_pages", (num_tokens,))),
         )
 
     def build_sampling(self, rows, row_bucket, errors=None) -> SamplingMetadata:
@@ -101,6 +112,13 @@ class MockRunner:
             for i, tok in enumerate(a["kv"]):
                 self.slots[p * page + i] = int(tok)
 
+    def _slot(self, group: int, table, pos: int):
+        """Where position `pos` sits in group `group`'s pages (group 0: the plain slot
+        number, which the KV tier's gather and scatter read)."""
+        page = self.config.cache.page_size
+        slot = table[pos // page] * page + pos % page
+        return slot if group == 0 else (group, slot)
+
     @staticmethod
     def fetch(pending):
         return pending.out, pending.prompt_lp
@@ -119,15 +137,16 @@ class MockRunner:
             known = list(w.token_ids)
             if w.prev_row >= 0:
                 known[-1] = int(prev.tokens[w.prev_row])
+            tables = [w.pages, *w.group_pages]
             for j, tok in enumerate(known):
                 pos = w.start + j
-                self.slots[w.pages[pos // page_size] * page_size + pos % page_size] = tok
-            # The sequence's full history, read back through its page table; the last
-            # num_samples tokens each predict one (drafts are verified against them).
+                for g, table in enumerate(tables):
+                    assert table[pos // page_size] != 0, f"group {g} writes the null page"
+                    self.slots[self._slot(g, table, pos)] = tok
+            # The sequence's history, read back through each group's page table (a
+            # window: the positions it sees); the last num_samples tokens each predict
+            # one (drafts are verified against them).
             end = w.start + len(w.token_ids)
-            history = [
-                self.slots[w.pages[p // page_size] * page_size + p % page_size] for p in range(end)
-            ]
             for k in range(w.num_samples):
                 i, row = next(rows)
                 upto = end - w.num_samples + k + 1
@@ -135,8 +154,12 @@ class MockRunner:
                 # (a chunk short of the end has computed only its row's first `upto`)
                 known = row.token_ids[:upto]
                 expected = [t if t >= 0 else int(prev.tokens[-2 - t]) for t in known]
-                assert history[:upto] == expected, "KV holds wrong tokens"
-                token_ids[i] = sum(history[:upto]) % self.vocab
+                for g, table in enumerate(tables):
+                    window = self.windows[g]
+                    first = 0 if window is None else max(0, upto - window)
+                    seen = [self.slots.get(self._slot(g, table, p)) for p in range(first, upto)]
+                    assert seen == expected[first:upto], f"group {g}'s KV holds wrong tokens"
+                token_ids[i] = sum(expected) % self.vocab
                 accepted[i] = row.draft == token_ids[i]
         zeros = np.zeros((len(token_ids), 20))
         out = types.SimpleNamespace(

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
+from jaxserve.config.kv_groups import KVGroup, layer_groups, peak_pages, split_pages
 from jaxserve.config.sections import (
     QUANTIZATION_METHODS,
     CacheConfig,
@@ -120,6 +122,7 @@ class EngineConfig:
                 "followers yet; use 'ngram' across hosts"
             )
         self._check_compiled_dir()
+        self._check_hybrid()
         draft = self.speculative.draft if self.speculative else None
         if draft is not None and draft.vocab_size != self.model.vocab_size:
             raise ValueError(
@@ -142,6 +145,87 @@ class EngineConfig:
                 f"num_processes={p.num_processes}: compiled bundles serve one engine in one "
                 "process (data-parallel replicas and multi-host meshes compile at start-up)"
             )
+
+    def _check_hybrid(self) -> None:
+        """A hybrid KV cache (layer groups of their own pages) with what assumes one
+        page table for every layer: refused, naming both (the KV tier and a prefill
+        instance's exports move a page of every layer under one id; a draft model
+        shares the target's page table)."""
+        if not self.hybrid_kv:
+            return
+        windows = sorted({g.window for g in self.kv_groups if g.window is not None})
+        why = None
+        if self.cache.offload:
+            why = (
+                f"kv_offload_bytes={self.cache.offload_bytes}, kv_offload_dir="
+                f"{self.cache.offload_dir!r}: the KV tier moves one page of every layer"
+            )
+        elif self.speculative is not None and self.speculative.draft is not None:
+            why = (
+                f"speculative_config.model {self.speculative.model!r}: the draft model "
+                "shares the target's one page table"
+            )
+        if why is not None:
+            raise ValueError(
+                f"{why}, and {self.model_dir!r} has sliding-window layers (windows "
+                f"{windows}) whose pages a hybrid KV cache frees: set "
+                "disable_hybrid_kv_cache_manager=True to keep every layer's pages"
+            )
+
+    @functools.cached_property
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The KV cache's layer groups (`config.kv_groups`): one, of every layer, for a
+        model without sliding windows or with `disable_hybrid_kv_cache_manager`."""
+        everything = KVGroup(None, tuple(range(self.model.num_layers)))
+        if self.cache.disable_hybrid:
+            return (everything,)
+        return layer_groups(self.model.sliding_windows, self.max_model_len)
+
+    @property
+    def hybrid_kv(self) -> bool:
+        """Whether some layer group slides (its pages are freed as sequences advance)."""
+        return any(g.window is not None for g in self.kv_groups)
+
+    def kv_group_pages(self, device_memory: tuple[int, int] | None = None) -> tuple[int, ...]:
+        """Each layer group's pool size in pages, null page included (`kv_groups`'
+        order). One group: `num_kv_pages`. Several: `num_kv_pages`, where given, is
+        every group's (an override); else the budget `num_kv_pages` sizes, in bytes,
+        is split between them (`config.kv_groups.split_pages`). Raises ValueError
+        where a windowed group could not hold one sequence's peak."""
+        groups = self.kv_groups
+        if len(groups) == 1 and groups[0].window is None:
+            return (self.num_kv_pages(device_memory),)
+        page, per_seq = self.cache.page_size, self.pages_per_seq
+        chunk = self.scheduler.max_num_batched_tokens
+        if self.cache.num_pages is not None:
+            pages: tuple[int, ...] = (self.cache.num_pages,) * len(groups)
+            what = f"num_kv_pages={self.cache.num_pages}"
+        else:
+            budget_bytes, what = self._kv_budget(device_memory)
+            layer_bytes = self.kv_bytes_per_page(per_device=True) // self.model.num_layers
+            pages, _ = split_pages(
+                groups,
+                max(budget_bytes, 0) // layer_bytes,
+                page_size=page,
+                pages_per_seq=per_seq,
+                chunk=chunk,
+                max_num_seqs=self.scheduler.max_num_seqs,
+            )
+        if min(pages) < 2:
+            raise ValueError(
+                f"{what} holds {min(pages)} pages in a layer group (of {pages}); "
+                "at least 2 are needed"
+            )
+        for g, n in zip(groups, pages, strict=True):
+            peak = peak_pages(g.window, page, per_seq, chunk)
+            if g.window is not None and n - 1 < peak:
+                raise ValueError(
+                    f"{what} leaves the layers of sliding window {g.window} {n - 1} pages; "
+                    f"one sequence needs up to {peak} there (its window and a chunk of "
+                    f"max_num_batched_tokens={chunk}): raise the KV budget, or set "
+                    "disable_hybrid_kv_cache_manager=True"
+                )
+        return pages
 
     @property
     def num_lookahead(self) -> int:
@@ -203,16 +287,7 @@ class EngineConfig:
         if self.cache.num_pages is not None:
             return self.cache.num_pages
         useful = self.scheduler.max_num_seqs * self.pages_per_seq + 1
-        if self.cache.memory_fraction is not None and device_memory is not None:
-            limit, in_use = device_memory
-            budget_bytes = int(self.cache.memory_fraction * limit) - in_use
-            what = (
-                f"kv_cache_memory_fraction={self.cache.memory_fraction} of {limit} bytes, "
-                f"less {in_use} in use (the weights),"
-            )
-        else:
-            budget_bytes = self.cache.memory_bytes
-            what = f"kv_cache_memory_bytes={budget_bytes}"
+        budget_bytes, what = self._kv_budget(device_memory)
         page_bytes = self.kv_bytes_per_page(per_device=True)
         budget = max(budget_bytes, 0) // page_bytes
         if budget < 2:
@@ -221,6 +296,16 @@ class EngineConfig:
                 "at least 2 are needed"
             )
         return min(useful, budget)
+
+    def _kv_budget(self, device_memory: tuple[int, int] | None) -> tuple[int, str]:
+        """The KV cache's bytes per device, and what set them (for errors)."""
+        if self.cache.memory_fraction is not None and device_memory is not None:
+            limit, in_use = device_memory
+            return int(self.cache.memory_fraction * limit) - in_use, (
+                f"kv_cache_memory_fraction={self.cache.memory_fraction} of {limit} bytes, "
+                f"less {in_use} in use (the weights),"
+            )
+        return self.cache.memory_bytes, f"kv_cache_memory_bytes={self.cache.memory_bytes}"
 
 
 # vLLM's flat engine-argument names -> (sub-config, field) of EngineConfig.
@@ -233,6 +318,7 @@ _NESTED_ARGS: dict[str, tuple[str, str]] = {
     "kv_offload_bytes": ("cache", "offload_bytes"),
     "kv_offload_dir": ("cache", "offload_dir"),
     "kv_tier_disk_max_bytes": ("cache", "disk_max_bytes"),
+    "disable_hybrid_kv_cache_manager": ("cache", "disable_hybrid"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "enable_prefix_caching": ("scheduler", "enable_prefix_caching"),

@@ -46,6 +46,10 @@ class CacheConfig:
     offload_bytes: int = 0
     offload_dir: str | None = None
     disk_max_bytes: int | None = None
+    # vLLM's disable_hybrid_kv_cache_manager: sliding-window layers keep every page of
+    # a sequence in one pool with the others (off: a pool per layer group, the
+    # windowed ones freeing the pages that leave the window; `config.kv_groups`).
+    disable_hybrid: bool = False
 
     @property
     def offload(self) -> bool:
@@ -77,6 +81,10 @@ class CacheConfig:
         ):
             raise ValueError(f"kv_offload_dir must be a directory path, got {self.offload_dir!r}")
         self._check_disk_max_bytes()
+        if not isinstance(self.disable_hybrid, bool):
+            raise ValueError(
+                f"disable_hybrid_kv_cache_manager must be a bool, got {self.disable_hybrid!r}"
+            )
         key = "auto" if self.dtype is None else str(self.dtype).lower()
         key = _KV_DTYPE_ALIASES.get(key, key)
         if key not in ("auto", *QUANTIZED_KV_DTYPES):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -173,21 +173,36 @@ def _zeros(layout: CacheLayout, num_pages: int, kv_dtype: str):
     )
 
 
+def layer_pages(num_layers: int, num_pages: int | Sequence[int]) -> list[int]:
+    """Each layer's page count: `num_pages` for all, or one per layer (a hybrid KV
+    cache: each layer has its group's)."""
+    if isinstance(num_pages, int):
+        return [num_pages] * num_layers
+    if len(num_pages) != num_layers:
+        raise ValueError(f"{len(num_pages)} page counts for {num_layers} layers")
+    return list(num_pages)
+
+
 def zeros_kv(
-    mesh: Mesh | None, num_layers: int, layout: CacheLayout, num_pages: int, kv_dtype: str
+    mesh: Mesh | None,
+    num_layers: int,
+    layout: CacheLayout,
+    num_pages: int | Sequence[int],
+    kv_dtype: str,
 ) -> list[jax.Array | QuantizedKV]:
-    """One zeroed KV cache per layer of `num_pages` in the attention backend's
-    `layout` (its `shards` from `kv_shards`; for a quantized `kv_dtype`, int8 / fp8
-    pages with their scales), each created in place on its devices
-    (`kv_cache_sharding`, the scales split as the pages' heads), never whole on one
-    device first."""
+    """One zeroed KV cache per layer of `num_pages` (or of its own count: `layer_pages`)
+    in the attention backend's `layout` (its `shards` from `kv_shards`; for a
+    quantized `kv_dtype`, int8 / fp8 pages with their scales), each created in place
+    on its devices (`kv_cache_sharding`, the scales split as the pages' heads), never
+    whole on one device first."""
+    counts = layer_pages(num_layers, num_pages)
     if mesh is None:  # uncommitted, like the weights on one device (see StepPrograms)
-        return [_zeros(layout, num_pages, kv_dtype) for _ in range(num_layers)]
+        return [_zeros(layout, n, kv_dtype) for n in counts]
     sharding = kv_cache_shardings(
-        mesh, layout.num_kv_heads, kv_dtype, len(layout.scales_shape(num_pages))
+        mesh, layout.num_kv_heads, kv_dtype, len(layout.scales_shape(counts[0]))
     )
-    zeros = _zeros_program(layout, num_pages, kv_dtype, sharding)
-    return [zeros() for _ in range(num_layers)]
+    zeros = {n: _zeros_program(layout, n, kv_dtype, sharding) for n in set(counts)}
+    return [zeros[n]() for n in counts]
 
 
 @functools.lru_cache(maxsize=8)
@@ -219,21 +234,24 @@ def abstract_kv(
     device,
     num_layers: int,
     layout: CacheLayout,
-    num_pages: int,
+    num_pages: int | Sequence[int],
     kv_dtype: str,
 ) -> list:
     """`zeros_kv`'s caches as ShapeDtypeStructs on `mesh` or `device` (see `abstract_state`)."""
-    cache = jax.eval_shape(lambda: _zeros(layout, num_pages, kv_dtype))
-    if mesh is not None:
-        shardings = kv_cache_shardings(
-            mesh, layout.num_kv_heads, kv_dtype, len(layout.scales_shape(num_pages))
+    placed = {}
+    counts = layer_pages(num_layers, num_pages)
+    for n in set(counts):
+        cache = jax.eval_shape(functools.partial(_zeros, layout, n, kv_dtype))
+        if mesh is not None:
+            shardings = kv_cache_shardings(
+                mesh, layout.num_kv_heads, kv_dtype, len(layout.scales_shape(n))
+            )
+        else:
+            shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), cache)
+        placed[n] = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache, shardings
         )
-    else:
-        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), cache)
-    placed = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache, shardings
-    )
-    return [placed] * num_layers
+    return [placed[n] for n in counts]
 
 
 def total_bytes(arrays, *, per_device: bool = False) -> int:

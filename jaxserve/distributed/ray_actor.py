@@ -56,7 +56,12 @@ class ReplicaActor:
 
     def describe(self) -> tuple[ModelInfo, int, str, str]:
         """(model info, the pool's pages, where it runs, its Ray node id)."""
-        return self.engine.model_info, self.engine.engine.pool.capacity, self.where, self.node_id
+        return (
+            self.engine.model_info,
+            self.engine.engine.scheduler.kv.capacity,
+            self.where,
+            self.node_id,
+        )
 
     def _queue(self) -> asyncio.Queue:
         if self._outbox is None:

@@ -108,7 +108,7 @@ class LLMEngine(EngineLifecycle):  # pause and sleep: `lifecycle`
             self.pool.capacity,
             config.cache.page_size,
             config.max_model_len,
-            self.runner.kv_tokens / config.max_model_len,
+            self.runner.max_concurrency,
             "on" if config.scheduler.enable_prefix_caching else "off",
         )
         try:  # warm-up's programs by name
@@ -233,6 +233,12 @@ class LLMEngine(EngineLifecycle):  # pause and sleep: `lifecycle`
         up to the first it lacks: what a prefill instance pushes to a decode instance.
         Call it between steps (the engine's thread)."""
         page_size = self.config.cache.page_size
+        if self.scheduler.kv.windowed:
+            raise ValueError(
+                f"{self.config.model_dir!r} runs a hybrid KV cache (layer groups of their own "
+                "pages), whose pages do not travel: serve the prefill instance with "
+                "disable_hybrid_kv_cache_manager=True"
+            )
         return disagg_io.export_prefix(
             self.pool, self.runner, self.kv_layout, page_size, token_ids, salt
         )
@@ -300,7 +306,7 @@ class LLMEngine(EngineLifecycle):  # pause and sleep: `lifecycle`
         Raises ValueError naming the field and the value.
         """
         return validate_request(
-            self.config, self.pool.capacity, self.tokenizer is not None, request
+            self.config, self.scheduler.kv.capacity, self.tokenizer is not None, request
         )
 
     def add_request(self, request: GenerateRequest) -> None:

@@ -266,7 +266,7 @@ class EngineLifecycle:
             if self.kv_connector is not None:  # evicted pages still to offload: now or never
                 self.kv_connector.before_step(self.pool.take_evicted(), [])
                 self.kv_connector.flush()
-            self.pool.reset_prefix_cache()  # its pages' contents go with the caches
+            self.scheduler.kv.reset_prefix_cache()  # every group's: the contents go
             residency.delete(runner.kv_caches)
             if drafter is not None:
                 residency.delete(drafter.kv_caches)

@@ -175,6 +175,7 @@ class StepPipeline:
                     prompt_targets(s),
                     len(item_rows),
                     prev_row=prev_row,
+                    group_pages=s.seq.group_pages,
                 )
             )
             if s.samples:

@@ -37,7 +37,7 @@ def stats(scheduler, pool, runner, counters, tier) -> StatsSnapshot:
     return StatsSnapshot(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
-        kv_cache_usage=pool.usage,
+        kv_cache_usage=scheduler.kv.usage,  # (the fullest layer group's)
         prefix_cache_queries=scheduler.prefix_queries,
         prefix_cache_hits=scheduler.prefix_hits,
         num_preemptions=scheduler.num_preemptions,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.kv import PagePool
 from jaxserve.kv.connector import KVConnector
+from jaxserve.kv.groups import KVGroups
 from jaxserve.kv.tier import KVTier
 from jaxserve.kv.transfer import KVLayout
 from jaxserve.scheduler import Scheduler
@@ -44,18 +45,29 @@ def kv_keepers(
     config: EngineConfig, runner: ModelRunner, layout: Callable[[], KVLayout]
 ) -> tuple[KVTier | None, KVConnector | None, PagePool, Scheduler]:
     """The KV pages' keepers: the tier and its connector (with offload; `layout()`:
-    the engine's KV layout), the pool and the scheduler that hands its pages out."""
+    the engine's KV layout), the pool and the scheduler that hands its pages out.
+    A hybrid KV cache has a pool per layer group (`runner.group_pages`, the
+    scheduler's `kv`); the pool returned is group 0's."""
     spec = config.speculative
     tier = connector = None
     if config.cache.offload:
         cache = config.cache
         tier = KVTier(layout(), cache.offload_bytes, cache.offload_dir, cache.disk_max_bytes)
         connector = KVConnector(tier, runner)
-    pool = PagePool(
-        runner.num_pages,
-        enable_prefix_caching=config.scheduler.enable_prefix_caching,
-        track_evictions=tier is not None,
-    )
+    group_pages = getattr(runner, "group_pages", None)
+    if group_pages is None:  # a test double of a runner: one pool for every layer
+        group_pages, windows = (runner.num_pages,), [None]
+    else:
+        windows = [g.window for g in config.kv_groups]
+    pools = [
+        PagePool(
+            n,
+            enable_prefix_caching=config.scheduler.enable_prefix_caching,
+            track_evictions=tier is not None,
+        )
+        for n in group_pages
+    ]
+    pool = pools[0]
     scheduler = Scheduler(
         config.scheduler,
         pool,
@@ -64,6 +76,7 @@ def kv_keepers(
         spec_max_batch=spec.disable_by_batch_size if spec else 0,
         tier=tier,
         token_buckets=runner.shapes.token_buckets,
+        kv=KVGroups(pools, windows, config.cache.page_size),
     )
     return tier, connector, pool, scheduler
 

@@ -85,7 +85,7 @@ class WeightSync:
         self.pool.take_evicted()  # (not copied to the tier: it is cleared)
         if self.connector is not None:
             self.connector.flush()  # a copy in flight lands before the tier is cleared
-        self.pool.reset_prefix_cache()
+        self.scheduler.kv.reset_prefix_cache()  # (every layer group's)
         if self.tier is not None:
             self.tier.clear(layout)
 

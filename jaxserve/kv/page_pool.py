@@ -105,6 +105,20 @@ class PagePool:
             del self._lru[page]
         self._ref[page] += 1
 
+    def take(self, page: int) -> None:
+        """Adds a reference to a page in use or cached (found by `page_of_digest`)."""
+        if page == NULL_PAGE or (self._ref[page] == 0 and page not in self._key_of_page):
+            raise RuntimeError(f"page {page} is neither in use nor cached")
+        self._take(page)
+
+    def refs(self, page: int) -> int:
+        """How many holders the page has (0: free or cached)."""
+        return self._ref[page]
+
+    def uid(self, page: int) -> int | None:
+        """The chain uid of a cached page (what its next page is keyed under)."""
+        return self._uid_of_page.get(page)
+
     # -------------------------------------------------------------- prefix cache
 
     def lookup(

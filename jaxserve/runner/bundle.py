@@ -58,12 +58,14 @@ def manifest(
     weights: list,
     kv_transfer: bool,
     cpu_kernels: bool,
+    kv_groups: Sequence[tuple[int | None, int]] = (),
 ) -> dict:
     """What an engine's programs depend on (JSON-ready), for `check` to compare.
 
     `device`: one of the devices the programs run on (or are compiled for);
     `weights`: the target model's (arrays or shapes); `kv_transfer`: whether the KV
-    pages' gather/scatter programs are part of it (a KV tier)."""
+    pages' gather/scatter programs are part of it (a KV tier); `kv_groups`: a hybrid
+    KV cache's (window, pages) per layer group (its caches' shapes)."""
     target = {"platform": device.platform, "device_kind": device.device_kind}
     target["num_devices"] = num_devices
     if device.platform == "cpu":  # XLA:CPU compiles for this machine's CPU
@@ -99,6 +101,8 @@ def manifest(
         "kv_transfer": kv_transfer,
         "weights": _fingerprint([(tuple(w.shape), str(w.dtype)) for w in weights]),
     }
+    if kv_groups:
+        engine["kv_groups"] = [list(g) for g in kv_groups]
     versions = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "code": code_hash()}
     # Through JSON, so that it compares equal to a manifest read back (tuples -> lists).
     return json.loads(json.dumps({"target": target, "versions": versions, "engine": engine}))

@@ -111,6 +111,9 @@ class SeqWork:
     # Asynchronous scheduling: the last token is not known on the host yet; it is the
     # token the previous step sampled in this row (-1: every token is known).
     prev_row: int = -1
+    # A hybrid KV cache's other layer groups' tables, each as long as `pages` (null
+    # pages where a window has let them go); empty: `pages` in every group (tests).
+    group_pages: Sequence[Sequence[int]] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +130,14 @@ class HostBatch:
     logits_indices: np.ndarray  # [R] or [T] int32: the rows sampling reads
     prompt_targets: np.ndarray  # [T] int32: -1 where no prompt logprob is wanted
     prev_rows: np.ndarray  # [T] int32: the previous step's sampled row to read, -1 none
+    # A hybrid KV cache's layer groups after the first (G - 1 = 0 for one group): each
+    # group's own slots and page table; kv_lens and cu_q_lens are every group's.
+    group_slot_mapping: np.ndarray = dataclasses.field(  # [G - 1, T] int32
+        default_factory=lambda: np.zeros((0, 0), np.int32)
+    )
+    group_page_indices: np.ndarray = dataclasses.field(  # [G - 1, B, M] int32
+        default_factory=lambda: np.zeros((0, 0, 0), np.int32)
+    )
 
 
 def build_batch(
@@ -138,8 +149,10 @@ def build_batch(
     seq_bucket: int,
     num_rows: int | None = None,
     all_logits: bool = False,
+    num_groups: int = 1,
 ) -> HostBatch:
-    """Packs `work` into padded arrays.
+    """Packs `work` into padded arrays (`num_groups`: the KV cache's layer groups, each
+    with its page table and slot mapping).
 
     `logits_indices` [num_rows] (default: seq_bucket) selects each sequence's last
     `num_samples` tokens, in order (what sampling needs), or with `all_logits`
@@ -159,6 +172,9 @@ def build_batch(
     logits_indices = np.zeros(seq_bucket if num_rows is None else num_rows, np.int32)
     prompt_targets = np.full(token_bucket, -1, np.int32)
     prev_rows = np.full(token_bucket, -1, np.int32)
+    extra = num_groups - 1
+    group_slots = np.full((extra, token_bucket), NULL_PAGE * page_size, np.int32)
+    group_tables = np.full((extra, seq_bucket, pages_per_seq), NULL_PAGE, np.int32)
 
     t = r = 0
     for b, w in enumerate(work):
@@ -170,6 +186,11 @@ def build_batch(
             raise ValueError(
                 f"sequence {b} needs {-(-end // page_size)} pages for {end} tokens, "
                 f"has {len(w.pages)} (at most {pages_per_seq})"
+            )
+        if w.group_pages and len(w.group_pages) != extra:
+            raise ValueError(
+                f"sequence {b} has tables for {len(w.group_pages)} more layer groups, "
+                f"the batch {extra}"
             )
         pages = np.asarray(w.pages, np.int32)
         pos = np.arange(w.start, end, dtype=np.int32)
@@ -183,6 +204,10 @@ def build_batch(
         slot_mapping[t : t + n] = pages[pos // page_size] * page_size + pos % page_size
         kv_lens[b] = end
         page_indices[b, : len(pages)] = pages
+        for g in range(extra):
+            table = np.asarray(w.group_pages[g] if w.group_pages else w.pages, np.int32)
+            group_slots[g, t : t + n] = table[pos // page_size] * page_size + pos % page_size
+            group_tables[g, b, : len(table)] = table
         t += n
         cu_q_lens[b + 1] = t
         if not 1 <= w.num_samples <= n or r + w.num_samples > len(logits_indices):
@@ -206,6 +231,8 @@ def build_batch(
         logits_indices=logits_indices,
         prompt_targets=prompt_targets,
         prev_rows=prev_rows,
+        group_slot_mapping=group_slots,
+        group_page_indices=group_tables,
     )
 
 

@@ -29,6 +29,7 @@ from jaxserve.runner.input_batch import (
     build_sampling,
     pick_bucket,
 )
+from jaxserve.runner.kv_plan import KVPlan
 from jaxserve.runner.sampler import SamplerOutput
 from jaxserve.runner.step import ModelDef, StepInput, StepPrograms
 from jaxserve.runner.weight_update import WeightConverter, load_serving_model
@@ -104,25 +105,21 @@ class ModelRunner:
             meshes.total_bytes(nnx.state(draft), per_device=True) if draft else 0
         )
         memory = self._device_memory(target)
-        self.num_pages = config.num_kv_pages(memory)
-        if config.compiled_dir and config.cache.num_pages is None:
-            self.num_pages = _bundle_pages(config.compiled_dir, self.num_pages)
+        # The KV cache's layer groups (one, but for sliding-window layers of a hybrid
+        # cache), each of its own page count (`config.kv_groups`).
+        group_pages = config.kv_group_pages(memory)
+        if config.compiled_dir and config.cache.num_pages is None and len(group_pages) == 1:
+            group_pages = (_bundle_pages(config.compiled_dir, group_pages[0]),)
+        self.kv_plan = KVPlan.make(config, group_pages)
+        self.kv_groups, self.group_pages = self.kv_plan.groups, self.kv_plan.group_pages
+        self.num_pages = self.group_pages[0]
+        self.layer_group = self.kv_plan.layer_group  # (StepInput's)
         m = config.model
         # The attention backend decides how the cache is stored (`kv_layout`).
         self.cache_layout = config.cache_layout(m, meshes.kv_shards(mesh, m.num_kv_heads))
-        if target is None:
-            self.kv_caches = meshes.zeros_kv(
-                mesh, m.num_layers, self.cache_layout, self.num_pages, config.kv_dtype
-            )
-        else:
-            self.kv_caches = meshes.abstract_kv(
-                mesh,
-                self.compile_device,
-                m.num_layers,
-                self.cache_layout,
-                self.num_pages,
-                config.kv_dtype,
-            )
+        self.kv_caches = self.kv_plan.caches(
+            config, mesh, self.cache_layout, self.compile_device if target else None
+        )
         self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches, config.logprobs_mode)
         self.kv_programs = kv_io.jitted(self.cache_layout)
         self.shapes = StepShapes.for_config(config)
@@ -148,9 +145,9 @@ class ModelRunner:
         self._step_wait = step_wait
         self.warmed_up = False
         self.warmup_seconds = 0.0
-        page = config.cache.page_size
-        self.kv_tokens = (self.num_pages - 1) * page
-        self.kv_bytes_per_device = self.num_pages * config.kv_bytes_per_page(per_device=True)
+        self.kv_tokens = (self.num_pages - 1) * config.cache.page_size  # (group 0's)
+        self.kv_bytes_per_device = self.kv_plan.bytes_per_device
+        self.max_concurrency = self.kv_plan.max_concurrency(config)  # at max_model_len
         self.layout = meshes.describe(mesh)
         self._log_loaded()
 
@@ -173,8 +170,10 @@ class ModelRunner:
             self.kv_bytes_per_device / 2**20,
             config.kv_dtype,
             config.max_model_len,
-            self.kv_tokens / config.max_model_len,
+            self.max_concurrency,
         )
+        if self.kv_plan.hybrid:
+            logger.info("hybrid KV cache: %s", self.kv_plan.describe(config))
 
     def _device_memory(self, target: Target | None) -> tuple[int, int] | None:
         """(bytes a device has, bytes in use) for sizing the KV pool: the mesh's
@@ -265,6 +264,7 @@ class ModelRunner:
             seq_bucket=self.shapes.max_seqs,
             num_rows=self.shapes.max_rows,
             all_logits=all_logits,
+            num_groups=len(self.group_pages),
         )
 
     def build_sampling(
@@ -299,7 +299,7 @@ class ModelRunner:
                 self.model_def,
                 self.weights,
                 self.kv_caches,
-                StepInput.from_host(batch, prev_tokens),
+                StepInput.from_host(batch, prev_tokens, self.layer_group),
             )
         return selected, hidden
 
@@ -404,6 +404,7 @@ class ModelRunner:
             weights=self.weights,
             kv_transfer=kv_transfer,
             cpu_kernels=cpu_library.is_loaded(),
+            kv_groups=self.kv_plan.manifest() if self.kv_plan.hybrid else (),
         )
 
     def load_compiled(self, directory: str, *, kv_transfer: bool) -> dict[str, jax.stages.Compiled]:

@@ -40,7 +40,7 @@ from jax.tree_util import PyTreeDef
 
 from jaxserve.runner.input_batch import HostBatch, SamplingMetadata
 from jaxserve.runner.sampler import SamplerOutput, sample, token_logprobs
-from pallas_kernels import AttentionMetadata
+from pallas_kernels import AttentionMetadata, GroupedMetadata
 
 
 @jax.tree_util.register_dataclass
@@ -50,7 +50,8 @@ class StepInput:
 
     input_ids: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32
-    attention: AttentionMetadata  # per-sequence arrays of the fixed size S
+    # Per-sequence arrays of the fixed size S; a hybrid KV cache's, one per layer group.
+    attention: AttentionMetadata | GroupedMetadata
     logits_indices: jax.Array  # [R] int32: rows of the hidden states to sample from
     prompt_targets: jax.Array  # [T] int32: next prompt token per row for logprobs; -1 none
     #   (read by `prompt_logprobs_step`, not by `forward`)
@@ -60,20 +61,40 @@ class StepInput:
     prev_tokens: jax.Array  # [R] int32: the previous step's sampled ids (`sample_step`)
 
     @classmethod
-    def from_host(cls, b: HostBatch, prev_tokens: jax.Array | None = None) -> StepInput:
-        """`prev_tokens`: the previous step's padded sampled ids (default: none)."""
+    def from_host(
+        cls,
+        b: HostBatch,
+        prev_tokens: jax.Array | None = None,
+        layer_group: tuple[int, ...] = (),
+    ) -> StepInput:
+        """`prev_tokens`: the previous step's padded sampled ids (default: none).
+        `layer_group`: each layer's group, where the batch has several (a hybrid KV
+        cache: `ModelRunner.layer_group`)."""
         if prev_tokens is None:
             prev_tokens = np.zeros(len(b.logits_indices), np.int32)
+        attention: AttentionMetadata | GroupedMetadata = AttentionMetadata(
+            slot_mapping=b.slot_mapping,
+            kv_lens=b.kv_lens,
+            page_indices=b.page_indices,
+            cu_q_lens=b.cu_q_lens,
+            num_seqs=b.num_seqs,
+        )
+        if len(b.group_page_indices):
+            if len(set(layer_group)) != 1 + len(b.group_page_indices):
+                raise ValueError(
+                    f"a batch of {1 + len(b.group_page_indices)} layer groups for layers "
+                    f"in groups {layer_group}"
+                )
+            groups = [attention]
+            for slots, table in zip(b.group_slot_mapping, b.group_page_indices, strict=True):
+                groups.append(
+                    dataclasses.replace(attention, slot_mapping=slots, page_indices=table)
+                )
+            attention = GroupedMetadata(tuple(groups), tuple(layer_group))
         return cls(
             input_ids=b.input_ids,
             positions=b.positions,
-            attention=AttentionMetadata(
-                slot_mapping=b.slot_mapping,
-                kv_lens=b.kv_lens,
-                page_indices=b.page_indices,
-                cu_q_lens=b.cu_q_lens,
-                num_seqs=b.num_seqs,
-            ),
+            attention=attention,
             logits_indices=b.logits_indices,
             prompt_targets=b.prompt_targets,
             prev_rows=b.prev_rows,

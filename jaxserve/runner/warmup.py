@@ -31,7 +31,8 @@ def warm_up(
     # Traced in the context the steps run in (the mesh), for the device compiled for.
     with runner.on_mesh(), runner.on_target_device():
         for t in runner.token_buckets:
-            batch = abstract_tree(StepInput.from_host(runner.build([], token_bucket=t)))
+            batch = runner.build([], token_bucket=t)
+            batch = abstract_tree(StepInput.from_host(batch, layer_group=runner.layer_group))
             program = runner.programs.forward.lower(
                 runner.model_def, runner.weights, runner.kv_caches, batch
             )

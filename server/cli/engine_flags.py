@@ -116,6 +116,13 @@ flags.DEFINE_integer(
     "Most bytes of pages the disk tier keeps in --kv_offload_dir; least recently used "
     "pages are removed first (unset: no bound).",
 )
+flags.DEFINE_bool(
+    "disable_hybrid_kv_cache_manager",
+    False,
+    "Keep every page of a sequence in every layer (vLLM's flag). By default a model with "
+    "sliding-window layers (Gemma 2/3, Mistral) gives their layers pages of their own, "
+    "freed as they leave the window: more sequences fit at long contexts.",
+)
 flags.DEFINE_string(
     "attention_backend",
     "auto",
@@ -202,6 +209,7 @@ ENGINE_FLAGS = (
     "kv_offload_bytes",
     "kv_offload_dir",
     "kv_tier_disk_max_bytes",
+    "disable_hybrid_kv_cache_manager",
     "tensor_parallel_size",
     "data_parallel_size",
     "data_parallel_backend",

@@ -15,6 +15,7 @@ MoE, tensor parallelism over the target's devices.
 
 import json
 
+import jax
 import pytest
 
 from jaxserve.config import ModelConfig, engine_config
@@ -82,6 +83,21 @@ REAL = {
         rope_theta=1000000.0,
     ),
 }
+# A hybrid KV cache (Gemma 3's layout: local layers of window 128, then a global one):
+# two layer groups, each with its page table and its own KV page count.
+HYBRID = dict(
+    architectures=["Gemma3ForCausalLM"],
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    max_position_embeddings=1024,
+    sliding_window=128,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+)
 STEP = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, block_size=16)
 # Real sizes: the same kinds of programs, fewer buckets (each compiles for seconds).
 REAL_STEP = dict(max_num_seqs=2, max_num_batched_tokens=16)
@@ -91,7 +107,7 @@ REAL_STEP = dict(max_num_seqs=2, max_num_batched_tokens=16)
 def model_dirs(tmp_path_factory):
     """name -> a directory holding only config.json (2 layers of the real ones)."""
     dirs = {}
-    for name, hf in [("small", SMALL), *REAL.items()]:
+    for name, hf in [("small", SMALL), ("hybrid", HYBRID), *REAL.items()]:
         path = tmp_path_factory.mktemp(name)
         (path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, **hf}))
         dirs[name] = str(path)
@@ -166,6 +182,29 @@ SMALL_CASES = [
 )
 def test_small_model_warmup_compiles_for_the_target(model_dirs, target, args):
     engine = build(model_dirs["small"], target, **args)
+    check(engine, target)
+
+
+HYBRID_CASES = [
+    ("v5e", {}),
+    ("v6e-4", dict(tensor_parallel_size=4)),
+    ("h100", dict(kv_cache_dtype="int8")),
+]
+
+
+@pytest.mark.parametrize(
+    "target,args", HYBRID_CASES, ids=[f"{t}-{i}" for i, (t, _) in enumerate(HYBRID_CASES)]
+)
+def test_hybrid_kv_warmup_compiles_for_the_target(model_dirs, target, args):
+    engine = build(model_dirs["hybrid"], target, **args)
+    runner = engine.runner
+    windows = [g.window for g in runner.kv_groups]
+    assert windows == [None, 128] and runner.layer_group == (1, 1, 0)
+    # The windowed group's layers have fewer pages than the global one's.
+    full, local = runner.group_pages
+    assert local < full
+    pages = [jax.tree.leaves(c)[0].shape[0] for c in runner.kv_caches]
+    assert pages == [local, local, full]
     check(engine, target)
 
 

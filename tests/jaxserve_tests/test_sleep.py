@@ -277,3 +277,22 @@ def test_an_engine_on_a_mesh_sleeps_and_wakes_without_compiling():
     stdout = run_on_8_devices("sleep_sharded_check.py")
     for name in ("float32", "int8 KV", "draft"):
         assert f"tp=2 {name}: sleep(2) freed" in stdout and "same tokens, 0 compiles" in stdout
+
+
+def test_a_hybrid_kv_cache_forgets_every_groups_pages_at_sleep(hf_model_dir):
+    """Sliding-window layers keep their pages in pools of their own (a hybrid KV cache):
+    sleep empties every group's prefix cache, else a prompt after the wake-up would hit
+    windowed pages whose contents went with the caches."""
+    path, _ = hf_model_dir("gemma2_window_softcap")
+    engine = LLMEngine(engine_config(path, page_size=4, num_pages=96, max_num_batched_tokens=16))
+    try:
+        assert len(engine.scheduler.kv.pools) == 2  # a full group and a windowed one
+        prompts = [[(5 * i + 3) % 97 + 1 for i in range(30)]]
+        want = greedy(engine, prompts, 6)
+        assert all(pool.num_cached > 0 for pool in engine.scheduler.kv.pools)
+        engine.sleep(1)
+        assert all(pool.num_cached == 0 for pool in engine.scheduler.kv.pools)
+        engine.wake_up()
+        assert greedy(engine, prompts, 6) == want
+    finally:
+        engine.close()
