@@ -14,6 +14,7 @@ import time
 
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.generate_request import ResumedSample
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import SequenceState
@@ -44,6 +45,7 @@ class RequestState:
     resumed: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     # Why the engine failed it (`jaxserve.engine.failures`): its outputs carry it.
     error: str | None = None
+    lora: LoRARequest | None = None  # its adapter, if any
 
     @property
     def finished(self) -> bool:

@@ -41,6 +41,7 @@ from jaxserve.config import SchedulerConfig
 from jaxserve.kv.page_pool import ROOT_UID, PagePool
 from jaxserve.kv.tier import KVTier
 from jaxserve.kv.transfer import ROOT_DIGEST, Page, page_digest
+from jaxserve.lora import SlotTable
 from jaxserve.sequence import SequenceState, Status
 
 
@@ -82,6 +83,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     preempted: list[SequenceState]
     loads: list[tuple[int, Page]] = dataclasses.field(default_factory=list)  # tier -> page
+    # LoRA adapters to write into device slots before the step: (slot, adapter key)
+    lora_loads: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -99,8 +102,10 @@ class Scheduler:
         spec_max_batch: int = 0,
         tier: KVTier | None = None,
         token_buckets: tuple[int, ...] = (),
+        lora: SlotTable | None = None,
     ):
         self.pool = pool
+        self.lora = lora
         self.tier = tier
         # The step programs' token counts (the runner pads a step to the next one): a
         # step is fitted to them by `_fit_to_bucket`; empty: steps are not fitted.
@@ -129,7 +134,7 @@ class Scheduler:
     def finish(self, seq: SequenceState, reason: str) -> None:
         """Ends a sequence (finished or aborted) and releases its pages."""
         if seq.status is Status.RUNNING:
-            self.running.remove(seq)
+            self._stop_running(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         else:
@@ -178,7 +183,10 @@ class Scheduler:
         loads: list[tuple[int, Page]] = []
         if not preempted:
             budget = self._admit(budget, scheduled, loads)
-        return SchedulerOutput(self._fit_to_bucket(scheduled), preempted, loads)
+        plan = SchedulerOutput(self._fit_to_bucket(scheduled), preempted, loads)
+        if self.lora is not None:
+            plan.lora_loads = self.lora.take_loads()
+        return plan
 
     def _fit_to_bucket(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Shortens prefill chunks so the step fills the token bucket below it, when
@@ -214,6 +222,8 @@ class Scheduler:
         self, budget: int, scheduled: list[ScheduledSeq], loads: list[tuple[int, Page]]
     ) -> int:
         blocked = []
+        if self.lora is not None and self.waiting:
+            self.lora.keep_reservations({s.lora_key for s in self.waiting if s.lora_key})
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             leader = seq.leader
@@ -226,6 +236,12 @@ class Scheduler:
                 # prompt; a preempted sequence, for the token an in-flight step samples.
                 blocked.append(self.waiting.pop(0))
                 continue
+            slot = 0
+            if seq.lora_key is not None:
+                slot = self.lora.claim(seq.lora_key)  # (its adapter may be written now)
+                if slot is None:  # no slot for its adapter yet
+                    blocked.append(self.waiting.pop(0))
+                    continue
             # Prompt logprobs need every prompt position's logits: no cached prefix.
             cacheable = seq.num_tokens - 1 if seq.params.prompt_logprobs is None else 0
             pages, uids = self.pool.lookup(
@@ -260,6 +276,9 @@ class Scheduler:
                 self.prefix_hits += computed
             seq.status = Status.RUNNING
             self.running.append(seq)
+            seq.lora_slot = slot
+            if slot:
+                self.lora.pin(slot)
             scheduled.append(ScheduledSeq(seq, computed, n))
             budget -= n
         for seq in blocked:
@@ -308,8 +327,14 @@ class Scheduler:
         seq.pages.extend(self.pool.allocate(need))
         return True
 
-    def _preempt(self, seq: SequenceState) -> None:
+    def _stop_running(self, seq: SequenceState) -> None:
         self.running.remove(seq)
+        if seq.lora_slot:
+            self.lora.unpin(seq.lora_slot)
+            seq.lora_slot = 0
+
+    def _preempt(self, seq: SequenceState) -> None:
+        self._stop_running(seq)
         self.pool.free(seq.pages)
         seq.pages, seq.page_uids, seq.page_digests = [], [], []
         seq.num_computed = seq.draft_computed = 0

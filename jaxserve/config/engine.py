@@ -10,6 +10,7 @@ from typing import Any
 from jaxserve.config.sections import (
     QUANTIZATION_METHODS,
     CacheConfig,
+    LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -29,6 +30,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig = LoRAConfig()
     quantization: str | None = None  # vLLM's `quantization`: "int8" weights, or None
     attention_backend: str = "auto"  # pallas_tpu on TPU, pallas_gpu on GPU, else reference
     seed: int = 0
@@ -102,6 +104,7 @@ class EngineConfig:
                 "followers yet; use 'ngram' across hosts"
             )
         self._check_compiled_dir()
+        self._check_lora()
         draft = self.speculative.draft if self.speculative else None
         if draft is not None and draft.vocab_size != self.model.vocab_size:
             raise ValueError(
@@ -123,6 +126,22 @@ class EngineConfig:
                 f"compiled={value!r} with data_parallel_size={p.data_parallel_size}, "
                 f"num_processes={p.num_processes}: compiled bundles serve one engine in one "
                 "process (data-parallel replicas and multi-host meshes compile at start-up)"
+            )
+
+    def _check_lora(self) -> None:
+        """What LoRA adapters cannot be served with (yet)."""
+        if not self.lora.enable_lora:
+            return
+        if self.speculative is not None and self.speculative.model is not None:
+            raise ValueError(
+                f"enable_lora with speculative_config.method 'draft_model' "
+                f"({self.speculative.model!r}): the draft model would propose without the "
+                "request's adapter; use method 'ngram' with LoRA"
+            )
+        if self.parallel.num_processes > 1:
+            raise ValueError(
+                f"enable_lora with num_processes={self.parallel.num_processes}: adapter "
+                "loads are not sent to the followers yet"
             )
 
     @property
@@ -228,8 +247,17 @@ _NESTED_ARGS: dict[str, tuple[str, str]] = {
     "num_processes": ("parallel", "num_processes"),
     "process_id": ("parallel", "process_id"),
     "step_timeout_s": ("parallel", "step_timeout_s"),
+    "enable_lora": ("lora", "enable_lora"),
+    "max_loras": ("lora", "max_loras"),
+    "max_lora_rank": ("lora", "max_lora_rank"),
+    "max_cpu_loras": ("lora", "max_cpu_loras"),
 }
-_SUB_CONFIGS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+_SUB_CONFIGS = {
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "lora": LoRAConfig,
+}
 _TOP_LEVEL_ARGS = tuple(
     f.name
     for f in dataclasses.fields(EngineConfig)

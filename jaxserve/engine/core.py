@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine import disagg_io, reporting
+from jaxserve.engine.adapters import EngineAdapters
 from jaxserve.engine.emission import Emitter
 from jaxserve.engine.grammars import GrammarAdmission
 from jaxserve.engine.pipeline import StepPipeline
@@ -34,6 +35,7 @@ from jaxserve.kv import PagePool
 from jaxserve.kv.connector import KVConnector
 from jaxserve.kv.tier import KVTier
 from jaxserve.kv.transfer import KVLayout
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.request_state import RequestState
 from jaxserve.runner import bundle
@@ -80,6 +82,8 @@ class LLMEngine:
         self.runner = runner
         config = self.config = self.runner.config  # (the target's attention backend)
         spec = config.speculative
+        # Multi-LoRA: the adapters in memory and the device's slots (the scheduler's).
+        self.adapters = EngineAdapters(config, runner) if runner.lora is not None else None
         self._wire_kv(config)
         self.drafter = self.runner.drafter  # the draft model's runner, if any
         self.requests: dict[str, RequestState] = {}
@@ -141,6 +145,7 @@ class LLMEngine:
             spec_max_batch=spec.disable_by_batch_size if spec else 0,
             tier=self.tier,
             token_buckets=self.runner.shapes.token_buckets,
+            lora=self.adapters.slots if self.adapters is not None else None,
         )
 
     def _wire_step(self, config: EngineConfig, proposer) -> None:
@@ -175,6 +180,7 @@ class LLMEngine:
             self.eos_token_ids,
             forget=self._forget,
             snapshot=self.stats,
+            adapters=self.adapters,
         )
 
     @property
@@ -272,6 +278,24 @@ class LLMEngine:
         keeping none, or ValueError if this engine has no tier."""
         return disagg_io.import_pages(self.tier, self.kv_layout, pages)
 
+    # ------------------------------------------------- LoRA adapters (vLLM's API)
+
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Reads and checks an adapter before its requests come (ParamError if bad)."""
+        return self._lora_engine().add(lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forgets an adapter; False if unknown; ValueError while requests use it."""
+        return self._lora_engine().remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self._lora_engine().list() if self.adapters is not None else set()
+
+    def _lora_engine(self) -> EngineAdapters:
+        if self.adapters is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora")
+        return self.adapters
+
     # ---------------------------------------------------------------- requests
 
     def validate(self, request: GenerateRequest) -> int:
@@ -307,7 +331,8 @@ class LLMEngine:
             grammar = self.grammars.compiler().compile(params.structured_outputs)
             if grammar.done() and grammar.exception() is not None:
                 raise grammar.exception()  # a cached failure: a ValueError naming the field
-        seqs = samples_of(request, ids, max_tokens, indices, self._arrivals, self._rng)
+        lora_key = self.adapters.admit(request) if self.adapters is not None else None
+        seqs = samples_of(request, ids, max_tokens, indices, self._arrivals, self._rng, lora_key)
         self._arrivals += 1
         detoks = [
             IncrementalDetokenizer(self.tokenizer, ids, params)
@@ -329,6 +354,7 @@ class LLMEngine:
             # Structured output fills the next token's bitmask from the grammar's state
             # after the last token.
             sync_only=grammar is not None,
+            lora=request.lora,
         )
         self._num_sync_only += self.requests[request_id].sync_only
         self._stats.on_add()
@@ -362,6 +388,8 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is not None and req.sync_only:
             self._num_sync_only -= 1
+        if req is not None and req.lora is not None:
+            self.adapters.release(req.lora)  # its adapter may leave host memory now
         return req
 
     def abort_all(self) -> None:

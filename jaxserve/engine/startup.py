@@ -72,6 +72,8 @@ def load_or_warm_up(
             drafter.use_compiled(compiled)
     elif config.warmup or target is not None:
         extras = [drafter.lower_all] if drafter else []
+        if runner.lora is not None:  # the adapters' slot write
+            extras.append(lambda abstract: runner.lora.lower(runner.weights, abstract))
         if kv_transfer:
             extras.append(runner.lower_kv_io)
         compiled = runner.warmup(

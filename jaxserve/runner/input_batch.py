@@ -111,6 +111,9 @@ class SeqWork:
     # Asynchronous scheduling: the last token is not known on the host yet; it is the
     # token the previous step sampled in this row (-1: every token is known).
     prev_row: int = -1
+    # Multi-LoRA: the device slot of the sequence's adapter (0: none). A batch lists its
+    # sequences by slot, never decreasing (the TPU/GPU formulation groups rows by slot).
+    lora_slot: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +130,7 @@ class HostBatch:
     logits_indices: np.ndarray  # [R] or [T] int32: the rows sampling reads
     prompt_targets: np.ndarray  # [T] int32: -1 where no prompt logprob is wanted
     prev_rows: np.ndarray  # [T] int32: the previous step's sampled row to read, -1 none
+    lora_slots: np.ndarray  # [T] int32: each token's LoRA slot (padding: the last one's)
 
 
 def build_batch(
@@ -159,6 +163,7 @@ def build_batch(
     logits_indices = np.zeros(seq_bucket if num_rows is None else num_rows, np.int32)
     prompt_targets = np.full(token_bucket, -1, np.int32)
     prev_rows = np.full(token_bucket, -1, np.int32)
+    lora_slots = np.zeros(token_bucket, np.int32)
 
     t = r = 0
     for b, w in enumerate(work):
@@ -166,6 +171,11 @@ def build_batch(
         end = w.start + n
         if n == 0:
             raise ValueError(f"sequence {b} has no tokens to compute")
+        if b and w.lora_slot < work[b - 1].lora_slot:
+            raise ValueError(
+                f"sequence {b} has LoRA slot {w.lora_slot} after slot {work[b - 1].lora_slot}: "
+                "a batch lists its sequences by LoRA slot"
+            )
         if len(w.pages) * page_size < end or len(w.pages) > pages_per_seq:
             raise ValueError(
                 f"sequence {b} needs {-(-end // page_size)} pages for {end} tokens, "
@@ -180,6 +190,7 @@ def build_batch(
             input_ids[t + n - 1] = 0
             prev_rows[t + n - 1] = w.prev_row
         positions[t : t + n] = pos
+        lora_slots[t:] = w.lora_slot  # (the padding after the last sequence too)
         slot_mapping[t : t + n] = pages[pos // page_size] * page_size + pos % page_size
         kv_lens[b] = end
         page_indices[b, : len(pages)] = pages
@@ -206,6 +217,7 @@ def build_batch(
         logits_indices=logits_indices,
         prompt_targets=prompt_targets,
         prev_rows=prev_rows,
+        lora_slots=lora_slots,
     )
 
 

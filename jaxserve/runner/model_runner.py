@@ -17,7 +17,7 @@ from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.distributed import meshes
 from jaxserve.kv.transfer import KVLayout
-from jaxserve.runner import bundle, kv_io, warmup
+from jaxserve.runner import bundle, kv_io, lora_io, warmup
 from jaxserve.runner.compile_counter import CompileCounter
 from jaxserve.runner.draft import DraftRunner, load_draft
 from jaxserve.runner.input_batch import (
@@ -95,6 +95,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         model = _load_model(config, mesh, self.compile_device)
         self.model_def, self.weights = ModelDef.split(model)
+        # Multi-LoRA: which weights are the adapters' slot-stacked matrices, and their write.
+        self.lora = None
+        if config.lora.enable_lora:
+            self.lora = lora_io.LoRAWeights(self.model_def, self.weights, mesh, config)
         # A draft model's weights are placed now, before the KV pool takes the rest.
         spec = config.speculative
         draft = load_draft(config, mesh, self.compile_device) if spec and spec.draft else None
@@ -209,7 +213,9 @@ class ModelRunner:
     # ------------------------------------------------------- KV pages that travel
 
     def kv_layout(self) -> KVLayout:
-        return kv_io.kv_layout(self.config, self.weights)
+        # The base model's identity: LoRA slots change, and their pages are salted apart.
+        lora = self.lora.is_lora() if self.lora else lambda i: False
+        return kv_io.kv_layout(self.config, [w for i, w in enumerate(self.weights) if not lora(i)])
 
     def gather_pages(self, pages: list[int]) -> dict[str, jax.Array]:
         return kv_io.gather_pages(self.kv_caches, pages, self.kv_programs)
@@ -221,6 +227,11 @@ class ModelRunner:
         """The page gather/scatter programs, for `warmup(extra=...)`."""
         del abstract
         return kv_io.lower_all(self.kv_caches, self.num_pages, self.cache_layout)
+
+    def load_lora(self, slot: int, adapter) -> None:
+        """Writes a `jaxserve.lora.Adapter` (None: zeros) into device slot `slot`."""
+        with self.on_mesh():
+            self.weights = self.lora.write(self.weights, slot, adapter)
 
     # ------------------------------------------------------------------ inputs
 
@@ -394,6 +405,8 @@ class ModelRunner:
             directory, self.manifest(kv_transfer=kv_transfer), meshes.mesh_devices(self.mesh)
         )
         self.programs = bundle.step_programs(compiled, self.programs)
+        if self.lora is not None:
+            self.lora.use_compiled(compiled)
         if kv_transfer:
             self.kv_programs = kv_io.loaded(compiled)
         self.warmed_up = True
@@ -448,6 +461,8 @@ def _load_model(config: EngineConfig, mesh: Mesh | None, compile_device):
         and cpu_library.is_loaded()
     ):
         model = store_rows(model)  # decode steps' matmuls through the CPU kernel
+    if config.lora.enable_lora:
+        model = lora_io.add_adapters(model, config, mesh, compile_device)
     return model
 
 
