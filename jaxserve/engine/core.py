@@ -35,7 +35,6 @@ from jaxserve.kv import PagePool
 from jaxserve.kv.connector import KVConnector
 from jaxserve.kv.tier import KVTier
 from jaxserve.kv.transfer import KVLayout
-from jaxserve.lora import LoRARequest
 from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.request_state import RequestState
 from jaxserve.runner import bundle
@@ -82,7 +81,7 @@ class LLMEngine:
         self.runner = runner
         config = self.config = self.runner.config  # (the target's attention backend)
         spec = config.speculative
-        # Multi-LoRA: the adapters in memory and the device's slots (the scheduler's).
+        # Multi-LoRA: the adapters (add/remove/list) and the device's slots (the scheduler's).
         self.adapters = EngineAdapters(config, runner) if runner.lora is not None else None
         self._wire_kv(config)
         self.drafter = self.runner.drafter  # the draft model's runner, if any
@@ -277,24 +276,6 @@ class LLMEngine:
         (any thread). Raises KVTransferError (a ValueError) naming the first bad page,
         keeping none, or ValueError if this engine has no tier."""
         return disagg_io.import_pages(self.tier, self.kv_layout, pages)
-
-    # ------------------------------------------------- LoRA adapters (vLLM's API)
-
-    def add_lora(self, lora: LoRARequest) -> bool:
-        """Reads and checks an adapter before its requests come (ParamError if bad)."""
-        return self._lora_engine().add(lora)
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        """Forgets an adapter; False if unknown; ValueError while requests use it."""
-        return self._lora_engine().remove(lora_int_id)
-
-    def list_loras(self) -> set[int]:
-        return self._lora_engine().list() if self.adapters is not None else set()
-
-    def _lora_engine(self) -> EngineAdapters:
-        if self.adapters is None:
-            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora")
-        return self.adapters
 
     # ---------------------------------------------------------------- requests
 

@@ -13,11 +13,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.distributed import meshes
 from jaxserve.kv.transfer import KVLayout
-from jaxserve.runner import bundle, kv_io, lora_io, warmup
+from jaxserve.runner import bundle, kv_io, loading, lora_io, warmup
 from jaxserve.runner.compile_counter import CompileCounter
 from jaxserve.runner.draft import DraftRunner, load_draft
 from jaxserve.runner.input_batch import (
@@ -33,9 +32,7 @@ from jaxserve.runner.input_batch import (
 from jaxserve.runner.sampler import SamplerOutput
 from jaxserve.runner.step import ModelDef, StepInput, StepPrograms
 from jaxserve.targets import Target, compiling_for
-from models.layers import store_rows
 from pallas_kernels.backends import check_kv_dtype, resolve_backend_name
-from pallas_kernels.cpu import features as cpu_features
 from pallas_kernels.cpu import library as cpu_library
 
 logger = logging.getLogger(__name__)
@@ -76,7 +73,7 @@ class ModelRunner:
         and `warmup` compiles the same programs for it (returning them); no step runs.
 
         (Long because it sets every field the runner has, in the order they depend on
-        each other; the steps with logic of their own are `_load_model`,
+        each other; the steps with logic of their own are `loading.load_model_for`,
         `_device_memory` and `_log_loaded`.)
         """
         self.compile_device = None
@@ -93,7 +90,7 @@ class ModelRunner:
         self.mesh = mesh
         check_kv_dtype(config.attention_backend, config.kv_dtype, self.compile_device)
         t0 = time.perf_counter()
-        model = _load_model(config, mesh, self.compile_device)
+        model = loading.load_model_for(config, mesh, self.compile_device)
         self.model_def, self.weights = ModelDef.split(model)
         # Multi-LoRA: which weights are the adapters' slot-stacked matrices, and their write.
         self.lora = None
@@ -424,46 +421,6 @@ class ModelRunner:
         if self.compile_device is None:
             return contextlib.nullcontext()
         return compiling_for(self.compile_device)
-
-
-def _load_model(config: EngineConfig, mesh: Mesh | None, compile_device):
-    """The model with its weights placed on `mesh` (shapes only for a compile-only
-    `compile_device`). On the CPU: warns about a slow dtype, and builds the C++
-    kernels that the CPU attention backend and decode steps' int8 / bfloat16 matmuls
-    call (without them, or with native_cpu_kernels off, XLA's slower formulations)."""
-    on_cpu = compile_device is None and jax.default_backend() == "cpu"
-    if on_cpu and not cpu_features.fast_dtype(config.dtype):
-        logger.warning(
-            "dtype=%s is slow on this CPU: XLA:CPU runs its matmuls several times "
-            "slower than float32 (bfloat16 is fast with AMX or AVX512-BF16); "
-            "dtype=float32 is the fast one",
-            config.dtype,
-        )
-    if on_cpu:
-        # The CPU attention backend and decode steps' int8 / bfloat16 matmuls call
-        # C++ kernels (built once per user and CPU); without them they run XLA's slower
-        # formulations (or when native_cpu_kernels is off).
-        cpu_library.prepare(enabled=config.native_cpu_kernels, cache_dir=config.native_kernels_dir)
-    model = load_model(
-        config.model_dir,
-        config.model,
-        dtype=config.dtype,
-        attention_backend=config.attention_backend,
-        quantization=config.quantization,
-        mesh=mesh,
-        compile_only=compile_device,
-    )
-    if (
-        on_cpu
-        and config.dtype == "bfloat16"
-        and config.quantization is None
-        and (mesh is None or mesh.devices.size == 1)
-        and cpu_library.is_loaded()
-    ):
-        model = store_rows(model)  # decode steps' matmuls through the CPU kernel
-    if config.lora.enable_lora:
-        model = lora_io.add_adapters(model, config, mesh, compile_device)
-    return model
 
 
 def _bundle_pages(directory: str, budget: int) -> int:

@@ -2,7 +2,7 @@
 so decode steps' matmuls run in the few-row kernel; generation is unchanged."""
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runner import model_runner
+from jaxserve.runner import loading
 from models import layers
 from pallas_kernels.cpu import library as cpu_library
 
@@ -22,7 +22,7 @@ def test_bfloat16_linears_are_stored_in_rows_and_generate_the_same(monkeypatch):
     rows = LLM(**KW)
     assert linears(rows)  # every projection
     got = [o.outputs[0] for o in rows.generate(PROMPTS, params, use_tqdm=False)]
-    monkeypatch.setattr(model_runner, "store_rows", lambda model: model)
+    monkeypatch.setattr(loading, "store_rows", lambda model: model)
     plain = LLM(**KW)
     assert not linears(plain)
     want = [o.outputs[0] for o in plain.generate(PROMPTS, params, use_tqdm=False)]
