@@ -65,7 +65,7 @@ class AdapterCache:
             self.num_reads += 1
             self._entries[i] = adapter
         self._entries.move_to_end(i)
-        self._shrink()
+        self._shrink(keep=i)  # (not the one asked for: its request takes it next)
         return adapter
 
     def acquire(self, lora_int_id: int) -> None:
@@ -101,8 +101,8 @@ class AdapterCache:
         """The adapters in memory, least recently used first."""
         return list(self._entries.values())
 
-    def _shrink(self) -> None:
-        for i in [i for i in self._entries if not self._refs[i]]:
+    def _shrink(self, keep: int | None = None) -> None:
+        for i in [i for i in self._entries if not self._refs[i] and i != keep]:
             if len(self._entries) <= self.capacity:
                 return
             del self._entries[i]

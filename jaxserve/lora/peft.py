@@ -229,6 +229,8 @@ def _check_module(module: str, a: np.ndarray, b: np.ndarray, layout: LoRALayout,
         leaf = module.rsplit(".", 1)[-1]
         if ".experts." in f".{module}." or leaf == "experts":
             why = "an MoE expert weight: adapters on experts are not supported"
+        elif leaf in ("lm_head", "embed_tokens"):
+            why = "the embeddings or the LM head: adapters there are not supported"
         elif leaf in SUPPORTED_TARGETS:
             why = "a projection this model does not have"
         else:
