@@ -112,7 +112,7 @@ def bind_slots(model: nnx.Module, slots: jax.Array) -> None:
     slot per token row, [T] int32 (0: no adapter)."""
     for _, module in nnx.iter_modules(model):
         if isinstance(module, LoRALinear):
-            module.slots = slots
+            module.slots = nnx.data(slots)  # (an array: data, not the graph's structure)
 
 
 def lora_modules(model: nnx.Module) -> dict[str, LoRALinear]:
