@@ -96,6 +96,7 @@ def manifest(
             "draft_model": dataclasses.asdict(spec.draft) if spec.draft else None,
         },
         "kv_transfer": kv_transfer,
+        "lora": dataclasses.asdict(config.lora) if config.lora.enable_lora else None,
         "weights": _fingerprint([(tuple(w.shape), str(w.dtype)) for w in weights]),
     }
     versions = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "code": code_hash()}

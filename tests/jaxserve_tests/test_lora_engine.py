@@ -4,6 +4,10 @@ while the engine serves on, and the combinations refused at start-up. (Parity wi
 PEFT: tests/models_tests/test_lora_parity.py; tensor parallelism: lora_tp_check.py.)"""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -182,3 +186,57 @@ def test_tensor_parallel_lora_equals_one_device(tmp_path):
     make_hf_model(tmp_path, arch, base)
     stdout = run_on_8_devices("lora_tp_check.py", tmp_path, "2")
     assert "lora tp=2: ok" in stdout and "lora int8 tp=2: ok" in stdout, stdout
+
+
+# Runs in a fresh process: `make` warms up (the LoRA slot write among the programs) and
+# writes a bundle, `load` serves from it; both serve prompts under adapters swapping
+# through two slots and print the tokens and the compilations of the serving loop.
+BUNDLE_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[4])
+from lora_files import write_adapter
+from jaxserve import LLM, LoRARequest, SamplingParams
+mode, bundle_dir, adapter_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+kw = dict(compilation_cache_dir=None, compile_guard=True, skip_tokenizer_init=True,
+          max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=128,
+          enable_lora=True, max_loras=2, max_lora_rank=8)
+if mode == "make":
+    llm = LLM("demo-model-tiny", **kw)
+    llm.save_compiled(bundle_dir)
+    for i in range(3):
+        write_adapter(f"{adapter_dir}/a{i}", llm.engine.adapters.layout.modules, seed=i)
+else:
+    llm = LLM("demo-model-tiny", compiled=bundle_dir, **kw)
+before = llm.engine.runner.compiles.count
+loras = [None] + [LoRARequest(f"a{i}", i + 1, f"{adapter_dir}/a{i}") for i in range(3)]
+prompts = [{"prompt_token_ids": list(range(5 + i, 20 + 2 * i))} for i in range(8)]
+outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                    lora_request=[loras[i % 4] for i in range(8)], use_tqdm=False)
+print("RESULT " + json.dumps({
+    "tokens": [o.outputs[0].token_ids for o in outs],
+    "serving_compiles": llm.engine.runner.compiles.count - before,
+    "programs": sorted(llm.engine.compiled),
+    "swaps": llm.engine.adapters.slots.num_evictions,
+}))
+"""
+
+
+def _bundle_run(mode: str, tmp_path) -> dict:
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = [mode, str(tmp_path / "bundle"), str(tmp_path), tests]
+    proc = subprocess.run(
+        [sys.executable, "-c", BUNDLE_SCRIPT, *args], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.mark.slow
+def test_a_bundle_serves_adapters_compiling_nothing(tmp_path):
+    made = _bundle_run("make", tmp_path)
+    assert "lora slot write" in made["programs"] and made["swaps"] > 0
+    loaded = _bundle_run("load", tmp_path)
+    assert loaded["programs"] == made["programs"]
+    assert loaded["serving_compiles"] == made["serving_compiles"] == 0
+    assert loaded["tokens"] == made["tokens"]
