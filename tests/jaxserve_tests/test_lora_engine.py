@@ -240,3 +240,17 @@ def test_a_bundle_serves_adapters_compiling_nothing(tmp_path):
     assert loaded["programs"] == made["programs"]
     assert loaded["serving_compiles"] == made["serving_compiles"] == 0
     assert loaded["tokens"] == made["tokens"]
+
+
+def test_lora_flags_are_engine_flags_with_the_configs_defaults():
+    from absl import flags
+
+    from jaxserve.config import ENGINE_ARGS
+    from server.cli import engine_flags
+
+    names = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+    assert set(names) <= set(engine_flags.ENGINE_FLAGS) & set(ENGINE_ARGS)
+    defaults = LoRAConfig()
+    for name in names[:3]:
+        assert flags.FLAGS[name].default == getattr(defaults, name)
+    assert flags.FLAGS["max_cpu_loras"].default is None  # (max_loras, in the config)
