@@ -88,8 +88,14 @@ class LoRALinear(nnx.Module):
                 f"a LoRA projection takes one row per token: input {x.shape}, "
                 f"{self.slots.shape[0]} token slots"
             )
-        delta = lora_delta(x, self.lora_a[...], self.lora_b[...], self.slots)
-        return y + delta.astype(y.dtype)
+        a, b, slots = self.lora_a[...], self.lora_b[...], self.slots
+        # A step where no token has an adapter skips the term (a branch on the device).
+        delta = lax.cond(
+            jnp.any(slots > 0),
+            lambda: lora_delta(x, a, b, slots).astype(y.dtype),
+            lambda: jnp.zeros(y.shape, y.dtype),
+        )
+        return y + delta
 
 
 def add_lora(model: nnx.Module, *, num_slots: int, rank: int, abstract: bool = False):
