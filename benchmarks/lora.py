@@ -84,7 +84,13 @@ def main() -> None:
         skip_tokenizer_init=True,
         warmup=bool(args.warmup),
     )
-    lora_kw = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.rank)
+    # Every adapter stays in host memory: the mixed rounds measure slot writes, not reads.
+    lora_kw = dict(
+        enable_lora=True,
+        max_loras=args.max_loras,
+        max_lora_rank=args.rank,
+        max_cpu_loras=max(args.max_loras, args.num_adapters),
+    )
     llms = {"plain": LLM(args.model, **kw), "lora": LLM(args.model, **kw, **lora_kw)}
     root = tempfile.mkdtemp(prefix="lora-bench-")
     modules = llms["lora"].engine.adapters.layout.modules

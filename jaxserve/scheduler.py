@@ -221,9 +221,10 @@ class Scheduler:
     def _admit(
         self, budget: int, scheduled: list[ScheduledSeq], loads: list[tuple[int, Page]]
     ) -> int:
-        blocked = []
+        blocked, horizon = [], 0
         if self.lora is not None and self.waiting:
             self.lora.keep_reservations({s.lora_key for s in self.waiting if s.lora_key})
+            horizon = max(s.arrival for s in self.waiting)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             leader = seq.leader
@@ -238,7 +239,8 @@ class Scheduler:
                 continue
             slot = 0
             if seq.lora_key is not None:
-                slot = self.lora.claim(seq.lora_key)  # (its adapter may be written now)
+                # (its adapter may be written now, or a slot reserved for it)
+                slot = self.lora.claim(seq.lora_key, seq.arrival, horizon)
                 if slot is None:  # no slot for its adapter yet
                     blocked.append(self.waiting.pop(0))
                     continue

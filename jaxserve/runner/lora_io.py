@@ -88,7 +88,6 @@ class LoRAWeights:
         self.indices = [i for e in self.entries for i in (e.a, e.b)]
         self.rank = config.lora.max_lora_rank
         self.num_slots = config.lora.max_loras
-        self.dtypes = [np.dtype(weights[i].dtype) for i in self.indices]
         self._zeros: dict[tuple, np.ndarray] = {}
         if mesh is None:
             self.program: Callable = jax.jit(_write, donate_argnums=0)
@@ -112,14 +111,14 @@ class LoRAWeights:
         return indices.__contains__
 
     def _values(self, adapter: Adapter | None) -> list[np.ndarray]:
-        """Every matrix of one slot, padded to the rank and cast: the adapter's, zeros
-        where it adapts nothing (None: all zeros, an empty slot)."""
+        """Every matrix of one slot, float32, padded to the rank: the adapter's, zeros
+        where it adapts nothing (None: all zeros, an empty slot). The write casts them
+        on the device (numpy's bfloat16 cast took most of a write's time)."""
         out = []
-        for j, e in enumerate(self.entries):
-            dt_a, dt_b = self.dtypes[2 * j], self.dtypes[2 * j + 1]
+        for e in self.entries:
             pair = adapter.weights.get(e.name) if adapter is not None else None
-            a_pad = self._zero((e.d_in, self.rank), dt_a)
-            b_pad = self._zero((self.rank, e.d_out), dt_b)
+            a_pad = self._zero((e.d_in, self.rank))
+            b_pad = self._zero((self.rank, e.d_out))
             if pair is not None:
                 a, b = pair
                 r = a.shape[1]
@@ -128,11 +127,10 @@ class LoRAWeights:
             out += [a_pad, b_pad]
         return out
 
-    def _zero(self, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
-        key = (shape, dtype)
-        if key not in self._zeros:
-            self._zeros[key] = np.zeros(shape, dtype)
-        return self._zeros[key]
+    def _zero(self, shape: tuple[int, int]) -> np.ndarray:
+        if shape not in self._zeros:
+            self._zeros[shape] = np.zeros(shape, np.float32)
+        return self._zeros[shape]
 
     def write(self, weights: list, slot: int, adapter: Adapter | None) -> list:
         """`weights` with `adapter` written into `slot` (the old matrices donated)."""

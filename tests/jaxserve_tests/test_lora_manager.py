@@ -33,16 +33,19 @@ def test_empty_slots_first_then_the_least_recently_used_unpinned_one():
 
 def test_a_waiting_adapter_reserves_the_slot_that_drains_first():
     t = SlotTable(2)
-    t.pin(t.claim("a"))
-    t.pin(t.claim("a"))
-    t.pin(t.claim("b"))  # slot 1: two of a's running, slot 2: one of b's
-    assert t.claim("c") is None
+    t.pin(t.claim("a", arrival=0))
+    t.pin(t.claim("a", arrival=1))
+    t.pin(t.claim("b", arrival=2))  # slot 1: two of a's running, slot 2: one of b's
+    assert t.claim("c", arrival=3, horizon=4) is None
     assert t.reserved == {2: "c"}  # the fewest running
-    assert t.claim("b") is None  # a reserved slot admits no new sequence of its adapter
-    assert t.claim("a") == 1  # ... the others go on
-    assert t.claim("c") is None  # b's sequence still runs
+    # A reserved slot admits no sequence of its adapter that came after the reservation,
+    assert t.claim("b", arrival=5) is None
+    t.pin(t.claim("b", arrival=4))  # ... those queued before it still join
+    assert t.claim("a", arrival=6) == 1  # ... and the other slots go on
+    assert t.claim("c", arrival=3) is None  # b's sequences still run
     t.unpin(2)
-    assert t.claim("c") == 2 and t.reserved == {}
+    t.unpin(2)
+    assert t.claim("c", arrival=3) == 2 and t.reserved == {}
     assert t.take_loads()[-1] == (2, "c")
 
 
@@ -153,6 +156,7 @@ def lora_engine(*, max_loras, async_scheduling=False, **kw) -> LLMEngine:
     engine = LLMEngine(config, runner=LoRAMockRunner(config, config.cache.num_pages))
     dispatch = engine.pipeline.dispatch
     engine.steps = []  # per step: the adapter keys of its sequences
+    engine.sizes = []  # per step: how many sequences
 
     def checked(plan, rows, prev=None):
         # Every sequence's slot holds its adapter on the device when its step runs,
@@ -168,6 +172,7 @@ def lora_engine(*, max_loras, async_scheduling=False, **kw) -> LLMEngine:
         keys = {item.seq.lora_key for item in plan.scheduled} - {None}
         assert len(keys) <= max_loras
         engine.steps.append(keys)
+        engine.sizes.append(len(plan.scheduled))
         return dispatch(plan, rows, prev)
 
     engine.pipeline.dispatch = checked
@@ -206,8 +211,8 @@ def test_more_adapters_than_slots_all_run_and_slots_hold_theirs(adapter_dirs, as
 
 def test_an_adapter_waiting_for_a_slot_is_not_starved(adapter_dirs):
     """One slot; adapter A's requests keep coming, one each step; B's request arrives
-    early and gets the slot once the A requests running then finish, before the A
-    requests that came after it."""
+    early and gets the slot once the A requests queued when it reserved the slot
+    finish, before the A requests that came after."""
     engine = lora_engine(max_loras=1, max_num_seqs=4)
     a = LoRARequest("a", 1, adapter_dirs[0])
     b = LoRARequest("b", 2, adapter_dirs[1])
@@ -221,12 +226,29 @@ def test_an_adapter_waiting_for_a_slot_is_not_starved(adapter_dirs):
         finished += [o.request_id for o in engine.step() if o.finished]
     while engine.has_unfinished():
         finished += [o.request_id for o in engine.step() if o.finished]
-    # B (3 tokens) ran as soon as request 0, running when it came, finished: before
-    # every A request that came after it, alone in the slot.
-    assert finished[:2] == ["0", "1"] and len(finished) == 14
+    # B (3 tokens) reserved the slot at the step after it came, when A's request 2 was
+    # queued too: it ran as soon as requests 0 and 2 finished, before every A request
+    # that came after its reservation, alone in the slot.
+    assert finished[:3] == ["0", "2", "1"] and len(finished) == 14
     b_steps = [i for i, keys in enumerate(engine.steps) if b_key in keys]
     assert len(b_steps) == 3 and all(engine.steps[i] == {b_key} for i in b_steps)
-    assert b_steps[0] == 8  # request 0's 8 steps, then B's
+    assert b_steps[0] == 9  # request 2's 8 steps (from step 1), then B's
+
+
+def test_a_batch_over_more_adapters_than_slots_runs_in_two_waves(adapter_dirs, tmp_path):
+    """16 requests over 8 adapters, 4 slots, all queued at once: the first wave runs
+    every request of the 4 resident adapters (8), the second the other 8 (the slots'
+    reservations hold back only requests that come after them)."""
+    dirs = adapter_dirs + [write_adapter(tmp_path / f"b{i}", MODULES, seed=9 + i) for i in range(4)]
+    engine = lora_engine(max_loras=4, max_num_seqs=16, max_cpu_loras=8)
+    loras = [LoRARequest(f"x{i}", i + 1, d) for i, d in enumerate(dirs)]
+    for i in range(16):
+        engine.add_request(_request(i, loras[i % 8], max_tokens=4))
+    engine.run(lambda out: None)
+    # 8 at a time (not 4: one request per adapter); two waves of 4 tokens, a step
+    # more each where the 32-token budget chunks a prompt.
+    assert max(engine.sizes) == 8 and len(engine.sizes) <= 10
+    assert engine.adapters.slots.num_loads == 8
 
 
 def test_requests_without_adapters_pass_one_waiting_for_a_slot(adapter_dirs):
