@@ -29,11 +29,13 @@ when the step is traced (the platform, and the token count T, are static):
 - CPU, T <= GATHER_MAX_ROWS (decode steps): each row's matrices gathered (A[slot]).
 - CPU, more rows: every row against every slot's A at once (one dot with S * r
   columns), the other slots' columns zeroed, then one dot with the stacked B.
-  Measured on 2 cores of an AMD EPYC (Zen 4), float32, r = 16, S = 4, ms per
-  projection (gather / one-hot / ragged_dot as XLA:CPU decomposes it):
+  Measured on 2 cores of an AMD EPYC (family 26, Zen 5: AVX-512), float32,
+  r = 16, S = 4, ms per projection (gather / one-hot / ragged_dot as XLA:CPU
+  decomposes it):
   896x896 at T=1: 0.017 / 0.037 / 0.041; T=8: 0.053 / 0.040 / 0.131;
   T=256: 1.63 / 0.24 / 0.79; T=2048: 73 / 1.7 / 15. 4864x896 at T=1: 0.023 /
   0.159 / 0.147; T=16: 0.22 / 0.17 / 0.38; T=2048: 355 / 7.7 / 230.
+  On the CPU a step where no token has an adapter skips the term (`lax.cond`).
 """
 
 from __future__ import annotations
