@@ -4,10 +4,11 @@
 params) can be imported without pulling in JAX.
 """
 
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "LoRARequest", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):

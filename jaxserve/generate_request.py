@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -36,7 +37,8 @@ class GenerateRequest:
     `priority`: lower runs first (vLLM's convention). `cache_salt`: requests with
     different salts never share prefix-cache pages (tenants). `resume` (disaggregated
     decode): continue only these samples, from the tokens another instance sampled
-    for them, after it pushed the prompt's KV pages here.
+    for them, after it pushed the prompt's KV pages here. `lora`: serve it with this
+    LoRA adapter (an engine with enable_lora); None: the base model.
     """
 
     request_id: str
@@ -46,6 +48,7 @@ class GenerateRequest:
     priority: int = 0
     cache_salt: str | None = None
     resume: tuple[ResumedSample, ...] | None = None
+    lora: LoRARequest | None = None
 
     def __post_init__(self):
         # Integer-like ids (numpy's) become ints; anything else stays as it is, for

@@ -17,6 +17,7 @@ from jaxserve.engine import LLMEngine
 from jaxserve.engine.startup import use_compilation_cache
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.inputs import PromptType, parse_prompt
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import ParamError, SamplingParams
 from jaxserve.tokenizer import Tokenizer
@@ -30,6 +31,16 @@ DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jax
 def _prompt_error(i: int, e: ValueError) -> ParamError:
     """`e` about the call's prompt `i`: its message says which, its field stays."""
     return ParamError(getattr(e, "field", None), f"prompts[{i}]: {e}")
+
+
+def _per_prompt_loras(lora_request, num_prompts: int) -> list:
+    """`generate`'s lora_request as one adapter (or None) per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ParamError("lora", f"got {len(loras)} lora_requests for {num_prompts} prompts")
+    return loras
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> str:
@@ -283,8 +294,12 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; results come back in the prompts' order.
+
+        `lora_request` (an engine with enable_lora): the LoRA adapter of every prompt,
+        or a list of one per prompt (None: the base model), as in vLLM.
 
         A prompt is text, {"prompt": text}, {"prompt_token_ids": [...]} (optionally
         with "prompt") or {"messages": [...]} (`jaxserve.inputs`). All prompts are
@@ -308,6 +323,7 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        loras = _per_prompt_loras(lora_request, len(prompts))
         parsed = []
         for i, prompt in enumerate(prompts):
             try:
@@ -322,6 +338,7 @@ class LLM:
                 prompt=p.text,
                 priority=0 if priority is None else priority[i],
                 cache_salt=cache_salt,
+                lora=loras[i],
             )
             for i, (p, sp) in enumerate(zip(parsed, params, strict=True))
         ]

@@ -14,6 +14,7 @@ import time
 
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.generate_request import ResumedSample
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import SequenceState
@@ -48,6 +49,7 @@ class RequestState:
     # it arrived under), and the one that sampled its first output token.
     weight_version: int = 0
     first_weight_version: int | None = None
+    lora: LoRARequest | None = None  # its adapter, if any
 
     @property
     def finished(self) -> bool:

@@ -47,6 +47,7 @@ from jaxserve.kv.groups import KVGroups
 from jaxserve.kv.page_pool import ROOT_UID, PagePool
 from jaxserve.kv.tier import KVTier
 from jaxserve.kv.transfer import ROOT_DIGEST, Page, page_digest
+from jaxserve.lora import SlotTable
 from jaxserve.sequence import SequenceState, Status
 
 
@@ -88,6 +89,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     preempted: list[SequenceState]
     loads: list[tuple[int, Page]] = dataclasses.field(default_factory=list)  # tier -> page
+    # LoRA adapters to write into device slots before the step: (slot, adapter key)
+    lora_loads: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +109,7 @@ class Scheduler:
         tier: KVTier | None = None,
         token_buckets: tuple[int, ...] = (),
         kv: KVGroups | None = None,
+        lora: SlotTable | None = None,
     ):
         """`kv`: the KV cache's layer groups (a hybrid cache), `pool` their group 0's;
         by default one group, `pool`."""
@@ -113,6 +117,7 @@ class Scheduler:
         self.kv = KVGroups.single(pool, page_size) if kv is None else kv
         if self.kv.pools[0] is not pool:
             raise ValueError("the scheduler's pool must be its KV groups' group 0")
+        self.lora = lora
         self.tier = tier
         # The step programs' token counts (the runner pads a step to the next one): a
         # step is fitted to them by `_fit_to_bucket`; empty: steps are not fitted.
@@ -141,7 +146,7 @@ class Scheduler:
     def finish(self, seq: SequenceState, reason: str) -> None:
         """Ends a sequence (finished or aborted) and releases its pages."""
         if seq.status is Status.RUNNING:
-            self.running.remove(seq)
+            self._stop_running(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         else:
@@ -190,7 +195,10 @@ class Scheduler:
         loads: list[tuple[int, Page]] = []
         if not preempted:
             budget = self._admit(budget, scheduled, loads)
-        return SchedulerOutput(self._fit_to_bucket(scheduled), preempted, loads)
+        plan = SchedulerOutput(self._fit_to_bucket(scheduled), preempted, loads)
+        if self.lora is not None:
+            plan.lora_loads = self.lora.take_loads()
+        return plan
 
     def _fit_to_bucket(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Shortens prefill chunks so the step fills the token bucket below it, when
@@ -225,7 +233,10 @@ class Scheduler:
     def _admit(
         self, budget: int, scheduled: list[ScheduledSeq], loads: list[tuple[int, Page]]
     ) -> int:
-        blocked = []
+        blocked, horizon = [], 0
+        if self.lora is not None and self.waiting:
+            self.lora.keep_reservations({s.lora_key for s in self.waiting if s.lora_key})
+            horizon = max(s.arrival for s in self.waiting)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             leader = seq.leader
@@ -238,6 +249,13 @@ class Scheduler:
                 # prompt; a preempted sequence, for the token an in-flight step samples.
                 blocked.append(self.waiting.pop(0))
                 continue
+            slot = 0
+            if seq.lora_key is not None:
+                # (its adapter may be written now, or a slot reserved for it)
+                slot = self.lora.claim(seq.lora_key, seq.arrival, horizon)
+                if slot is None:  # no slot for its adapter yet
+                    blocked.append(self.waiting.pop(0))
+                    continue
             # Prompt logprobs need every prompt position's logits: no cached prefix.
             cacheable = seq.num_tokens - 1 if seq.params.prompt_logprobs is None else 0
             hit = self.kv.lookup(seq, cacheable)  # (references taken: seq.pages)
@@ -269,6 +287,9 @@ class Scheduler:
                 self.prefix_hits += computed
             seq.status = Status.RUNNING
             self.running.append(seq)
+            seq.lora_slot = slot
+            if slot:
+                self.lora.pin(slot)
             scheduled.append(ScheduledSeq(seq, computed, n))
             budget -= n
         for seq in blocked:
@@ -320,8 +341,14 @@ class Scheduler:
             self._preempt(seq)
         return len(running)
 
-    def _preempt(self, seq: SequenceState) -> None:
+    def _stop_running(self, seq: SequenceState) -> None:
         self.running.remove(seq)
+        if seq.lora_slot:
+            self.lora.unpin(seq.lora_slot)
+            seq.lora_slot = 0
+
+    def _preempt(self, seq: SequenceState) -> None:
+        self._stop_running(seq)
         self.kv.release(seq)
         seq.page_uids, seq.page_digests = [], []
         seq.num_computed = seq.draft_computed = 0

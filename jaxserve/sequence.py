@@ -6,6 +6,7 @@ import dataclasses
 import enum
 from collections.abc import Hashable
 
+from jaxserve.lora import adapter_salt
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -30,10 +31,11 @@ class SequenceState:
     max_tokens: int
     arrival: int  # admission order: FCFS ties and "newest" for preemption
     priority: int = 0  # lower runs first (vLLM's convention)
-    salt: Hashable = None  # cache_salt: tenants never share prefix-cache pages
+    salt: Hashable = None  # cache_salt (and adapter): never share prefix-cache pages
     seed: int = 0  # the sampling key's seed; fixed at arrival
     leader: SequenceState | None = None  # for n > 1 siblings
     prompt: str | None = None
+    lora_key: str | None = None  # its LoRA adapter's content key (`jaxserve.lora.Adapter`)
 
     status: Status = Status.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)
@@ -49,6 +51,7 @@ class SequenceState:
     num_placeholders: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     num_preemptions: int = 0
+    lora_slot: int = 0  # while running: the device slot of its adapter (0: none)
     # Speculative decoding: tokens proposed to follow token_ids, verified next step.
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
     draft_computed: int = 0  # the draft model's tokens whose K/V are in the pages
@@ -79,9 +82,10 @@ class SequenceState:
         return (self.priority, self.arrival)
 
 
-def samples_of(request, ids: list[int], max_tokens: int, indices, arrival: int, rng):
+def samples_of(request, ids: list[int], max_tokens: int, indices, arrival: int, rng, lora_key=None):
     """A new request's samples (`GenerateRequest` `request`, those of `indices`), each
-    with its own seed (from `rng` where the request sets none); `arrival` orders it."""
+    with its own seed (from `rng` where the request sets none); `arrival` orders it.
+    `lora_key`: its adapter's content key (None: the base model)."""
     params = request.params
     seqs: list[SequenceState] = []
     leader = None
@@ -95,10 +99,11 @@ def samples_of(request, ids: list[int], max_tokens: int, indices, arrival: int, 
             max_tokens=max_tokens,
             arrival=arrival,
             priority=request.priority,
-            salt=request.cache_salt,
+            salt=adapter_salt(request.cache_salt, lora_key),
             seed=(base + 7919 * i) & 0xFFFFFFFF,
             leader=leader,
             prompt=request.prompt,
+            lora_key=lora_key,
         )
         leader = leader or seq
         seqs.append(seq)

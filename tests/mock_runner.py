@@ -51,6 +51,7 @@ class MockRunner:
         self.mesh = None
         self.compile_device = None
         self.drafter = None
+        self.lora = None  # (serves no LoRA adapters)
         self.layout = {"tp": 1, "devices": 1, "processes": 1}
         self.kv_bytes_per_device = 0
         self.compiles = types.SimpleNamespace(count=0)

@@ -3,7 +3,8 @@
 `EngineConfig` bundles the model's architecture (`models.config.ModelConfig`,
 owned by the models layer), `CacheConfig` (the paged KV array),
 `SchedulerConfig` (the step budget and prefix caching), `ParallelConfig` (the
-device mesh) and the runtime choices (dtype, attention backend, compilation).
+device mesh), `LoRAConfig` (adapter slots) and the runtime choices (dtype,
+attention backend, compilation).
 All are frozen: a config never changes after start-up, so anything derived from
 it may be cached and anything static to compilation may read it.
 
@@ -22,6 +23,7 @@ from jaxserve.config.sections import (
     QUANTIZED_KV_DTYPES,
     SPECULATIVE_METHODS,
     CacheConfig,
+    LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -38,6 +40,7 @@ __all__ = [
     "SPECULATIVE_METHODS",
     "CacheConfig",
     "EngineConfig",
+    "LoRAConfig",
     "ModelConfig",
     "ParallelConfig",
     "RopeConfig",

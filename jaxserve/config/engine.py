@@ -12,6 +12,7 @@ from jaxserve.config.kv_groups import KVGroup, layer_groups, peak_pages, split_p
 from jaxserve.config.sections import (
     QUANTIZATION_METHODS,
     CacheConfig,
+    LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -36,6 +37,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig = LoRAConfig()
     quantization: str | None = None  # vLLM's `quantization`: "int8" weights, or None
     attention_backend: str = "auto"  # pallas_tpu on TPU, pallas_gpu on GPU, else reference
     seed: int = 0
@@ -123,6 +125,7 @@ class EngineConfig:
             )
         self._check_compiled_dir()
         self._check_hybrid()
+        self._check_lora()
         draft = self.speculative.draft if self.speculative else None
         if draft is not None and draft.vocab_size != self.model.vocab_size:
             raise ValueError(
@@ -226,6 +229,22 @@ class EngineConfig:
                     "disable_hybrid_kv_cache_manager=True"
                 )
         return pages
+
+    def _check_lora(self) -> None:
+        """What LoRA adapters cannot be served with (yet)."""
+        if not self.lora.enable_lora:
+            return
+        if self.speculative is not None and self.speculative.model is not None:
+            raise ValueError(
+                f"enable_lora with speculative_config.method 'draft_model' "
+                f"({self.speculative.model!r}): the draft model would propose without the "
+                "request's adapter; use method 'ngram' with LoRA"
+            )
+        if self.parallel.num_processes > 1:
+            raise ValueError(
+                f"enable_lora with num_processes={self.parallel.num_processes}: adapter "
+                "loads are not sent to the followers yet"
+            )
 
     @property
     def num_lookahead(self) -> int:
@@ -332,8 +351,17 @@ _NESTED_ARGS: dict[str, tuple[str, str]] = {
     "num_processes": ("parallel", "num_processes"),
     "process_id": ("parallel", "process_id"),
     "step_timeout_s": ("parallel", "step_timeout_s"),
+    "enable_lora": ("lora", "enable_lora"),
+    "max_loras": ("lora", "max_loras"),
+    "max_lora_rank": ("lora", "max_lora_rank"),
+    "max_cpu_loras": ("lora", "max_cpu_loras"),
 }
-_SUB_CONFIGS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+_SUB_CONFIGS = {
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "lora": LoRAConfig,
+}
 _TOP_LEVEL_ARGS = tuple(
     f.name
     for f in dataclasses.fields(EngineConfig)

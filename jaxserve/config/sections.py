@@ -297,3 +297,38 @@ class SpeculativeConfig:
             if name not in value:
                 raise ValueError(f"speculative_config needs {name!r}, got {value!r}")
         return cls(**value)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's engine arguments of the same names).
+
+    `max_loras` adapters are resident on the device at once, each in a slot of the
+    stacked LoRA weights (a step mixes any of them, and requests without one); up to
+    `max_cpu_loras` (default `max_loras`) more are kept read in host memory,
+    least recently used dropped first (an adapter that live requests use is never
+    dropped). Adapters of rank up to `max_lora_rank` are served; the device arrays
+    are that wide whatever the adapters' ranks.
+    """
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a bool, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_lora_rank > 512:
+            raise ValueError(f"max_lora_rank must be at most 512, got {self.max_lora_rank}")
+        cpu = self.max_cpu_loras
+        if cpu is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        elif not isinstance(cpu, int) or isinstance(cpu, bool) or cpu < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu!r}"
+            )

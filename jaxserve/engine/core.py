@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine import disagg_io, reporting
+from jaxserve.engine.adapters import EngineAdapters
 from jaxserve.engine.emission import Emitter
 from jaxserve.engine.grammars import GrammarAdmission
 from jaxserve.engine.lifecycle import EngineLifecycle, LifecycleState
@@ -78,8 +79,13 @@ class LLMEngine(EngineLifecycle):  # pause and sleep: `lifecycle`
         self.runner = runner
         config = self.config = self.runner.config  # (the target's attention backend)
         spec = config.speculative
+        # Multi-LoRA: the adapters (add/remove/list) and the device's slots (the scheduler's).
+        self.adapters = EngineAdapters(config, runner) if runner.lora is not None else None
         self.tier, self.kv_connector, self.pool, self.scheduler = kv_keepers(
-            config, self.runner, lambda: self.kv_layout
+            config,
+            self.runner,
+            lambda: self.kv_layout,
+            lora=self.adapters.slots if self.adapters is not None else None,
         )
         self.drafter = self.runner.drafter  # the draft model's runner, if any
         self.requests: dict[str, RequestState] = {}
@@ -150,6 +156,7 @@ class LLMEngine(EngineLifecycle):  # pause and sleep: `lifecycle`
             self.eos_token_ids,
             forget=self._forget,
             snapshot=self.stats,
+            adapters=self.adapters,
         )
         self._weights = WeightSync(self.pipeline, self.tier, self._relayout)
 
@@ -334,7 +341,8 @@ class LLMEngine(EngineLifecycle):  # pause and sleep: `lifecycle`
             grammar = self.grammars.compiler().compile(params.structured_outputs)
             if grammar.done() and grammar.exception() is not None:
                 raise grammar.exception()  # a cached failure: a ValueError naming the field
-        seqs = samples_of(request, ids, max_tokens, indices, self._arrivals, self._rng)
+        lora_key = self.adapters.admit(request) if self.adapters is not None else None
+        seqs = samples_of(request, ids, max_tokens, indices, self._arrivals, self._rng, lora_key)
         self._arrivals += 1
         detoks = [
             IncrementalDetokenizer(self.tokenizer, ids, params)
@@ -357,6 +365,7 @@ class LLMEngine(EngineLifecycle):  # pause and sleep: `lifecycle`
             # Structured output fills the next token's bitmask from the grammar's state
             # after the last token.
             sync_only=grammar is not None,
+            lora=request.lora,
         )
         self._num_sync_only += self.requests[request_id].sync_only
         self._stats.on_add()
@@ -385,6 +394,8 @@ class LLMEngine(EngineLifecycle):  # pause and sleep: `lifecycle`
         req = self.requests.pop(request_id, None)
         if req is not None and req.sync_only:
             self._num_sync_only -= 1
+        if req is not None and req.lora is not None:
+            self.adapters.release(req.lora)  # its adapter may leave host memory now
         return req
 
     def abort_all(self) -> None:

@@ -26,6 +26,7 @@ from jaxserve.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.sequence import SequenceState
 
 if TYPE_CHECKING:
+    from jaxserve.engine.adapters import EngineAdapters
     from jaxserve.runner.model_runner import ModelRunner, PendingStep
 
 
@@ -66,11 +67,13 @@ class StepPipeline:
         eos_token_ids: set[int],
         forget: Callable[[str], RequestState | None],
         snapshot: Callable[[], StatsSnapshot],
+        adapters: EngineAdapters | None = None,
     ):
         self.runner, self.scheduler, self.pool = runner, scheduler, pool
         self.kv_connector, self.requests, self.emitter = kv_connector, requests, emitter
         self.grammars, self.stats, self.eos_token_ids = grammars, stats, eos_token_ids
         self.forget, self.snapshot = forget, snapshot
+        self.adapters = adapters  # multi-LoRA: writes the slots a plan assigns
         self.drafter = runner.drafter  # the draft model's runner, if any
         self.inflight: Step | None = None  # dispatched, its tokens not applied yet
         self.ready: list[RequestOutput] = []  # applied by `drain`, for the next step to return
@@ -91,6 +94,10 @@ class StepPipeline:
         plan = self.scheduler.schedule()
         if self.kv_connector is not None:  # before the step overwrites evicted pages
             self.kv_connector.before_step(self.pool.take_evicted(), plan.loads)
+        if plan.lora_loads:  # the adapters the step needs, written into their slots
+            self.adapters.write_slots(plan.lora_loads)
+        if self.adapters is not None:  # a batch lists its sequences by LoRA slot
+            plan.scheduled.sort(key=lambda item: item.seq.lora_slot)
         return plan
 
     def step_sync(self, t0: float) -> list[RequestOutput]:
@@ -176,6 +183,7 @@ class StepPipeline:
                     len(item_rows),
                     prev_row=prev_row,
                     group_pages=s.seq.group_pages,
+                    lora_slot=s.seq.lora_slot,
                 )
             )
             if s.samples:

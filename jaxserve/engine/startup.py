@@ -17,6 +17,7 @@ from jaxserve.kv.connector import KVConnector
 from jaxserve.kv.groups import KVGroups
 from jaxserve.kv.tier import KVTier
 from jaxserve.kv.transfer import KVLayout
+from jaxserve.lora.manager import SlotTable
 from jaxserve.scheduler import Scheduler
 from jaxserve.spec import NgramProposer
 
@@ -42,7 +43,10 @@ def use_compilation_cache(directory: str) -> None:
 
 
 def kv_keepers(
-    config: EngineConfig, runner: ModelRunner, layout: Callable[[], KVLayout]
+    config: EngineConfig,
+    runner: ModelRunner,
+    layout: Callable[[], KVLayout],
+    lora: SlotTable | None = None,
 ) -> tuple[KVTier | None, KVConnector | None, PagePool, Scheduler]:
     """The KV pages' keepers: the tier and its connector (with offload; `layout()`:
     the engine's KV layout), the pool and the scheduler that hands its pages out.
@@ -77,6 +81,7 @@ def kv_keepers(
         tier=tier,
         token_buckets=runner.shapes.token_buckets,
         kv=KVGroups(pools, windows, config.cache.page_size),
+        lora=lora,  # the adapters' device slots (multi-LoRA)
     )
     return tier, connector, pool, scheduler
 
@@ -119,6 +124,8 @@ def load_or_warm_up(
             drafter.use_compiled(compiled)
     elif config.warmup or target is not None:
         extras = [drafter.lower_all] if drafter else []
+        if runner.lora is not None:  # the adapters' slot write
+            extras.append(lambda abstract: runner.lora.lower(runner.weights, abstract))
         if kv_transfer:
             extras.append(runner.lower_kv_io)
         compiled = runner.warmup(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from jaxserve.config import EngineConfig
 from jaxserve.generate_request import GenerateRequest
+from jaxserve.lora import LoRARequest
 from jaxserve.request_state import check_resume
 from jaxserve.sampling_params import ParamError, SamplingParams
 from jaxserve.structured import GrammarCompiler
@@ -24,6 +25,7 @@ def validate_request(
     """
     if not isinstance(request.priority, int) or isinstance(request.priority, bool):
         raise ParamError("priority", f"priority must be an integer, got {request.priority!r}")
+    _validate_lora(config, request.lora)
     max_tokens = _validate_prompt(config, pool_capacity, request.prompt_token_ids, request.params)
     _validate_params(config, has_tokenizer, request.params)
     if request.resume is not None:
@@ -32,6 +34,21 @@ def validate_request(
         except ValueError as e:
             raise ParamError("resume", str(e)) from None
     return max_tokens
+
+
+def _validate_lora(config: EngineConfig, lora) -> None:
+    """The request's adapter, as far as it can be checked without reading it (the
+    engine reads and checks its files when the request is added)."""
+    if lora is None:
+        return
+    if not isinstance(lora, LoRARequest):
+        raise ParamError("lora", f"lora must be a LoRARequest or None, got {lora!r}")
+    if not config.lora.enable_lora:
+        raise ParamError(
+            "lora",
+            f"lora {lora.lora_name!r}: this engine serves no LoRA adapters (start it with "
+            "enable_lora=True)",
+        )
 
 
 def _validate_prompt(

@@ -99,6 +99,7 @@ def manifest(
             "draft_model": dataclasses.asdict(spec.draft) if spec.draft else None,
         },
         "kv_transfer": kv_transfer,
+        "lora": dataclasses.asdict(config.lora) if config.lora.enable_lora else None,
         "weights": _fingerprint([(tuple(w.shape), str(w.dtype)) for w in weights]),
     }
     if kv_groups:

@@ -114,6 +114,9 @@ class SeqWork:
     # A hybrid KV cache's other layer groups' tables, each as long as `pages` (null
     # pages where a window has let them go); empty: `pages` in every group (tests).
     group_pages: Sequence[Sequence[int]] = ()
+    # Multi-LoRA: the device slot of the sequence's adapter (0: none). A batch lists its
+    # sequences by slot, never decreasing (the TPU/GPU formulation groups rows by slot).
+    lora_slot: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +133,7 @@ class HostBatch:
     logits_indices: np.ndarray  # [R] or [T] int32: the rows sampling reads
     prompt_targets: np.ndarray  # [T] int32: -1 where no prompt logprob is wanted
     prev_rows: np.ndarray  # [T] int32: the previous step's sampled row to read, -1 none
+    lora_slots: np.ndarray  # [T] int32: each token's LoRA slot (padding: the last one's)
     # A hybrid KV cache's layer groups after the first (G - 1 = 0 for one group): each
     # group's own slots and page table; kv_lens and cu_q_lens are every group's.
     group_slot_mapping: np.ndarray = dataclasses.field(  # [G - 1, T] int32
@@ -175,6 +179,7 @@ def build_batch(
     extra = num_groups - 1
     group_slots = np.full((extra, token_bucket), NULL_PAGE * page_size, np.int32)
     group_tables = np.full((extra, seq_bucket, pages_per_seq), NULL_PAGE, np.int32)
+    lora_slots = np.zeros(token_bucket, np.int32)
 
     t = r = 0
     for b, w in enumerate(work):
@@ -182,6 +187,11 @@ def build_batch(
         end = w.start + n
         if n == 0:
             raise ValueError(f"sequence {b} has no tokens to compute")
+        if b and w.lora_slot < work[b - 1].lora_slot:
+            raise ValueError(
+                f"sequence {b} has LoRA slot {w.lora_slot} after slot {work[b - 1].lora_slot}: "
+                "a batch lists its sequences by LoRA slot"
+            )
         if len(w.pages) * page_size < end or len(w.pages) > pages_per_seq:
             raise ValueError(
                 f"sequence {b} needs {-(-end // page_size)} pages for {end} tokens, "
@@ -201,6 +211,7 @@ def build_batch(
             input_ids[t + n - 1] = 0
             prev_rows[t + n - 1] = w.prev_row
         positions[t : t + n] = pos
+        lora_slots[t:] = w.lora_slot  # (the padding after the last sequence too)
         slot_mapping[t : t + n] = pages[pos // page_size] * page_size + pos % page_size
         kv_lens[b] = end
         page_indices[b, : len(pages)] = pages
@@ -233,6 +244,7 @@ def build_batch(
         prev_rows=prev_rows,
         group_slot_mapping=group_slots,
         group_page_indices=group_tables,
+        lora_slots=lora_slots,
     )
 
 

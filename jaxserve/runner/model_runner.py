@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jaxserve.config import EngineConfig
 from jaxserve.distributed import meshes
 from jaxserve.kv.transfer import KVLayout
-from jaxserve.runner import bundle, kv_io, warmup, weight_update
+from jaxserve.runner import bundle, kv_io, lora_io, warmup, weight_update
 from jaxserve.runner.compile_counter import CompileCounter
 from jaxserve.runner.draft import DraftRunner, load_draft
 from jaxserve.runner.input_batch import (
@@ -95,6 +95,10 @@ class ModelRunner:
         model, self.weight_form = load_serving_model(config, mesh, self.compile_device)
         self.model_def, self.weights = ModelDef.split(model)
         self._converter: WeightConverter | None = None  # made by the first update
+        # Multi-LoRA: which weights are the adapters' slot-stacked matrices, and their write.
+        self.lora = None
+        if config.lora.enable_lora:
+            self.lora = lora_io.LoRAWeights(self.model_def, self.weights, mesh, config)
         # A draft model's weights are placed now, before the KV pool takes the rest.
         spec = config.speculative
         draft = load_draft(config, mesh, self.compile_device) if spec and spec.draft else None
@@ -230,7 +234,9 @@ class ModelRunner:
     # ------------------------------------------------------- KV pages that travel
 
     def kv_layout(self) -> KVLayout:
-        return kv_io.kv_layout(self.config, self.weights)
+        # The base model's identity: LoRA slots change, and their pages are salted apart.
+        lora = self.lora.is_lora() if self.lora else lambda i: False
+        return kv_io.kv_layout(self.config, [w for i, w in enumerate(self.weights) if not lora(i)])
 
     def gather_pages(self, pages: list[int]) -> dict[str, jax.Array]:
         return kv_io.gather_pages(self.kv_caches, pages, self.kv_programs)
@@ -242,6 +248,11 @@ class ModelRunner:
         """The page gather/scatter programs, for `warmup(extra=...)`."""
         del abstract
         return kv_io.lower_all(self.kv_caches, self.num_pages, self.cache_layout)
+
+    def load_lora(self, slot: int, adapter) -> None:
+        """Writes a `jaxserve.lora.Adapter` (None: zeros) into device slot `slot`."""
+        with self.on_mesh():
+            self.weights = self.lora.write(self.weights, slot, adapter)
 
     # ------------------------------------------------------------------ inputs
 
@@ -417,6 +428,8 @@ class ModelRunner:
             directory, self.manifest(kv_transfer=kv_transfer), meshes.mesh_devices(self.mesh)
         )
         self.programs = bundle.step_programs(compiled, self.programs)
+        if self.lora is not None:
+            self.lora.use_compiled(compiled)
         if kv_transfer:
             self.kv_programs = kv_io.loaded(compiled)
         self.warmed_up = True

@@ -40,6 +40,7 @@ from jax.tree_util import PyTreeDef
 
 from jaxserve.runner.input_batch import HostBatch, SamplingMetadata
 from jaxserve.runner.sampler import SamplerOutput, sample, token_logprobs
+from models.lora import bind_slots
 from pallas_kernels import AttentionMetadata, GroupedMetadata
 
 
@@ -59,6 +60,7 @@ class StepInput:
     # from the previous step's sampled ids, still on the device (no round trip).
     prev_rows: jax.Array  # [T] int32: the row of `prev_tokens` to read; -1: input_ids
     prev_tokens: jax.Array  # [R] int32: the previous step's sampled ids (`sample_step`)
+    lora_slots: jax.Array  # [T] int32: each token row's LoRA adapter slot; 0 none (or no LoRA)
 
     @classmethod
     def from_host(
@@ -99,6 +101,7 @@ class StepInput:
             prompt_targets=b.prompt_targets,
             prev_rows=b.prev_rows,
             prev_tokens=prev_tokens,
+            lora_slots=b.lora_slots,
         )
 
 
@@ -152,6 +155,7 @@ def _forward(
     serves every sequence count.
     """
     model = model_def.merge(weights)
+    bind_slots(model, batch.lora_slots)  # (a model without LoRA projections: nothing)
     prev = batch.prev_tokens[jnp.maximum(batch.prev_rows, 0)]
     input_ids = jnp.where(batch.prev_rows >= 0, prev, batch.input_ids)
     hidden, kv_caches = model(kv_caches, input_ids, batch.positions, batch.attention)

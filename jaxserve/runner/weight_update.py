@@ -46,6 +46,7 @@ from jaxserve.checkpoint import abstract_model, load_model
 from jaxserve.checkpoint.hf import ignored_tensor, tensor_names
 from jaxserve.config import EngineConfig
 from jaxserve.distributed import meshes
+from jaxserve.runner import lora_io
 from jaxserve.runner.step import ModelDef
 from models import get_model_class
 from models.config import ModelConfig
@@ -70,6 +71,12 @@ def refusal(config: EngineConfig, compile_device, drafter) -> str | None:
             f"update_weights: speculative_config.model={config.speculative.model!r} is a "
             "draft model, and its weights are not updated (its drafts would come from the "
             "old policy); serve without the draft model to update weights"
+        )
+    if config.lora.enable_lora:
+        return (
+            "update_weights with enable_lora: the adapters' projections wrap the base "
+            "weights, and updating them under the adapters is not supported yet; serve "
+            "without enable_lora to update weights"
         )
     return None
 
@@ -126,6 +133,8 @@ def load_serving_model(
     )
     if rows:
         model = store_rows(model)
+    if config.lora.enable_lora:  # the adapters' slot-stacked matrices beside the weights
+        model = lora_io.add_adapters(model, config, mesh, compile_device)
     return model, ServingForm(config.quantization, rows)
 
 

@@ -171,6 +171,14 @@ flags.DEFINE_string(
     "load instead of compiling; made for this target and these engine flags.",
 )
 
+# Multi-LoRA (vLLM's flags).
+flags.DEFINE_bool("enable_lora", False, "Serve PEFT LoRA adapters over the model.")
+flags.DEFINE_integer("max_loras", 1, "LoRA adapters resident on the device at once (slots).")
+flags.DEFINE_integer("max_lora_rank", 16, "Largest LoRA rank served (the slots' width).")
+flags.DEFINE_integer(
+    "max_cpu_loras", None, "LoRA adapters kept read in host memory (default: max_loras)."
+)
+
 # Speculative decoding: vLLM's speculative_config, flat.
 flags.DEFINE_enum(
     "speculative_method", None, ["ngram", "draft_model"], "Speculative decoding method (off)."
@@ -228,6 +236,10 @@ ENGINE_FLAGS = (
     "native_cpu_kernels",
     "native_kernels_dir",
     "compiled",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
     *SPECULATIVE_FLAGS,
 )
 

@@ -10,7 +10,7 @@ benchmarks/README.md). Small step budgets (8 sequences and 64 tokens; 2 and 16 a
 real sizes) keep each engine at 9-15 programs while every kind of program is there:
 forward and sampling buckets (the structured-output bitmask is a sampling input), speculative
 verification rows and the draft model's programs, int8 weights, int8/fp8 KV pages,
-MoE, tensor parallelism over the target's devices.
+MoE, tensor parallelism over the target's devices, multi-LoRA (its slot write).
 """
 
 import json
@@ -128,6 +128,8 @@ def expected_programs(engine: LLMEngine) -> int:
     count = 2 * len(runner.token_buckets) + 2 * len(runner.row_buckets)
     if engine.drafter is not None:  # a forward per token bucket and the proposer
         count += len(runner.token_buckets) + 1
+    if runner.lora is not None:  # the LoRA slot write
+        count += 1
     return count
 
 
@@ -143,6 +145,9 @@ def check(engine: LLMEngine, target: str) -> None:
             assert flops > 0, name
     kernel = "tpu_custom_call" if chip.platform == "tpu" else "__gpu$xla.gpu.triton"
     assert kernel in programs["forward T=1"].as_text()  # the Pallas kernels, not the reference
+    if engine.runner.lora is not None:  # XLA's ragged dot, not the CPU's formulations
+        text = programs["forward T=64"].as_text()
+        assert "lora_ragged" in text and "lora_one_hot" not in text
 
 
 SMALL_CASES = [
@@ -174,6 +179,11 @@ SMALL_CASES = [
     ("v5e-4", dict(tensor_parallel_size=4)),
     ("v6e-8", dict(tensor_parallel_size=8, kv_cache_dtype="int8")),
     ("h100x4", dict(tensor_parallel_size=4, quantization="int8")),
+    # Multi-LoRA: the projections' ragged_dot over token rows grouped by slot.
+    ("v5e", dict(enable_lora=True, max_loras=4, max_lora_rank=16)),
+    ("h100", dict(enable_lora=True, max_loras=4, quantization="int8")),
+    ("v6e-4", dict(enable_lora=True, tensor_parallel_size=4)),
+    ("h100x4", dict(enable_lora=True, tensor_parallel_size=4, max_lora_rank=32)),
 ]
 
 

@@ -1,0 +1,87 @@
+"""An engine's LoRA adapters: read and checked when a request (or `add_lora`) names
+one, kept in host memory while requests use them, written into device slots as
+the scheduler assigns them (`jaxserve.lora.manager` has the policy).
+
+Host logic; the slot writes go through the runner.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from jaxserve.config import EngineConfig
+from jaxserve.generate_request import GenerateRequest
+from jaxserve.lora import AdapterCache, LoRARequest, SlotTable, load_adapter
+from jaxserve.sampling_params import ParamError
+
+if TYPE_CHECKING:
+    from jaxserve.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineAdapters:
+    """The adapters of an engine whose runner serves LoRA (`config.lora.enable_lora`)."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner):
+        self.runner = runner
+        self.layout = runner.lora.layout()
+        model_dir = config.model_dir
+        self.cache = AdapterCache(
+            config.lora.max_cpu_loras, lambda r: load_adapter(r, self.layout, model_dir)
+        )
+        self.slots = SlotTable(config.lora.max_loras)  # the scheduler's
+        logger.info(
+            "LoRA: %d device slots of rank %d over %d projections, %d adapters in host memory",
+            config.lora.max_loras,
+            config.lora.max_lora_rank,
+            len(self.layout.modules),
+            config.lora.max_cpu_loras,
+        )
+
+    def admit(self, request: GenerateRequest) -> str | None:
+        """The adapter key of a request about to be queued (None: no adapter): read and
+        checked now, and kept in memory until `release`. Raises ParamError("lora")
+        naming what is wrong with the adapter."""
+        if request.lora is None:
+            return None
+        try:
+            adapter = self.cache.get(request.lora)
+        except ValueError as e:
+            raise ParamError("lora", str(e)) from None
+        self.cache.acquire(request.lora.lora_int_id)
+        return adapter.key
+
+    def release(self, lora: LoRARequest) -> None:
+        """A request that `admit` took finished (or was aborted)."""
+        self.cache.release(lora.lora_int_id)
+
+    def write_slots(self, loads: list[tuple[int, str]]) -> None:
+        """Writes the adapters a plan assigned into their slots (before its step)."""
+        for slot, key in loads:
+            self.runner.load_lora(slot, self.cache.by_key(key))
+
+    # ------------------------------------------------------- vLLM's engine API
+
+    def add(self, request: LoRARequest) -> bool:
+        """Reads and checks an adapter ahead of its requests (ParamError if it is bad)."""
+        try:
+            self.cache.get(request)
+        except ValueError as e:
+            raise ParamError("lora", str(e)) from None
+        return True
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Forgets an adapter (and empties its slot); False if it is not known.
+        ValueError while live requests use it."""
+        adapter = self.cache.remove(lora_int_id)
+        if adapter is None:
+            return False
+        if all(a.key != adapter.key for a in self.cache.adapters()):  # (no twin under another id)
+            self.slots.forget(adapter.key)
+        return True
+
+    def list(self) -> set[int]:
+        """The ids of the adapters in host memory."""
+        return {a.request.lora_int_id for a in self.cache.adapters()}

@@ -1,0 +1,256 @@
+"""Multi-LoRA through the engine with a real (tiny) model: no compilation while adapters
+come and go, the prefix cache keyed by adapter, the offline API, bad adapters refused
+while the engine serves on, and the combinations refused at start-up. (Parity with
+PEFT: tests/models_tests/test_lora_parity.py; tensor parallelism: lora_tp_check.py.)"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from engine_utils import SMALL_LLM, engine_config
+from fake_devices import run_on_8_devices
+from hf_models import CASES, make_hf_model
+from lora_files import write_adapter
+
+from jaxserve import LLM, LoRARequest, SamplingParams
+from jaxserve.config import LoRAConfig
+from jaxserve.sampling_params import ParamError
+
+LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def make_llm(path, **kw):
+    return LLM(path, **{**SMALL_LLM, **LORA, **kw})
+
+
+def adapters(llm: LLM, root, count: int, rank: int = 4) -> list[LoRARequest]:
+    """`count` adapters on every projection of the served model (random, distinct)."""
+    modules = llm.engine.adapters.layout.modules
+    return [
+        LoRARequest(f"ad{i}", i + 1, write_adapter(root / f"ad{i}", modules, rank=rank, seed=i))
+        for i in range(count)
+    ]
+
+
+def prompts(n: int, seed: int = 0, length: int = 12) -> list[dict]:
+    rs = np.random.RandomState(seed)
+    return [{"prompt_token_ids": rs.randint(3, 320, size=length + i).tolist()} for i in range(n)]
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_no_compilation_while_adapters_load_swap_and_unload(
+    tiny_model_dir, tmp_path, async_scheduling
+):
+    llm = make_llm(
+        tiny_model_dir,
+        warmup=True,
+        compile_guard=True,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        max_cpu_loras=4,
+        async_scheduling=async_scheduling,
+    )
+    assert "lora slot write" in llm.engine.compiled  # compiled at warm-up
+    compiled = llm.engine.runner.compiles.count
+    loras = adapters(llm, tmp_path, 4)  # four adapters, two slots
+    batch = prompts(6)
+    for i in range(3):
+        per_prompt = [loras[(i + j) % 4] if j % 3 else None for j in range(len(batch))]
+        llm.generate(batch, GREEDY, lora_request=per_prompt, use_tqdm=False)
+    adapters_ = llm.engine.adapters
+    assert adapters_.slots.num_evictions > 0
+    assert adapters_.remove(1) and adapters_.remove(2)  # unloaded ...
+    llm.generate(batch, GREEDY, lora_request=loras[0], use_tqdm=False)  # ... and back
+    assert llm.engine.runner.compiles.count == compiled
+
+
+def test_adapters_change_outputs_and_mixing_them_changes_none(tiny_model_dir, tmp_path):
+    """A prompt's tokens under an adapter are the same alone or batched with other
+    adapters and the base model, and differ from the base model's."""
+    llm = make_llm(tiny_model_dir)
+    a, b = adapters(llm, tmp_path, 2, rank=8)
+    batch = prompts(3)
+    alone = {
+        name: tokens(llm.generate(batch, GREEDY, lora_request=lora, use_tqdm=False))
+        for name, lora in (("base", None), ("a", a), ("b", b))
+    }
+    assert alone["a"] != alone["base"] != alone["b"] != alone["a"]
+    llm.engine.pool.reset_prefix_cache()
+    mixed = tokens(
+        llm.generate(batch * 3, GREEDY, lora_request=[None] * 3 + [a] * 3 + [b] * 3, use_tqdm=False)
+    )
+    assert mixed == alone["base"] + alone["a"] + alone["b"]
+
+
+def test_prefix_pages_are_shared_within_an_adapter_only(tiny_model_dir, tmp_path):
+    llm = make_llm(tiny_model_dir)
+    a, b = adapters(llm, tmp_path, 2)
+    # The same files under another id: the same adapter, its pages shared.
+    a_again = LoRARequest("a-again", 9, a.lora_path)
+    prompt = prompts(1, length=30)
+
+    def cached(lora):
+        return llm.generate(prompt, GREEDY, lora_request=lora, use_tqdm=False)[0].num_cached_tokens
+
+    assert cached(a) == 0
+    assert cached(b) == 0  # two adapters never share KV pages
+    assert cached(None) == 0  # nor an adapter and the base model
+    assert cached(a) == 24 and cached(b) == 24 and cached(None) == 24  # each its own
+    assert cached(a_again) == 24
+
+
+def test_generate_takes_one_adapter_per_prompt(tiny_model_dir, tmp_path):
+    llm = make_llm(tiny_model_dir)
+    (a,) = adapters(llm, tmp_path, 1)
+    with pytest.raises(ParamError, match="got 1 lora_requests for 2 prompts"):
+        llm.generate(prompts(2), GREEDY, lora_request=[a], use_tqdm=False)
+    with pytest.raises(ParamError, match="lora must be a LoRARequest"):
+        llm.generate(prompts(1), GREEDY, lora_request=["ad0"], use_tqdm=False)
+    out = llm.generate(prompts(2), GREEDY, lora_request=[a, None], use_tqdm=False)
+    assert len(out) == 2
+
+
+def test_a_bad_adapter_fails_its_call_and_the_engine_serves_on(tiny_model_dir, tmp_path):
+    llm = make_llm(tiny_model_dir)
+    (good,) = adapters(llm, tmp_path, 1)
+    too_big = write_adapter(tmp_path / "big", {"layers.0.self_attn.q_proj": (64, 64)}, rank=16)
+    bad = LoRARequest("big", 5, too_big)
+    with pytest.raises(ParamError, match=r"prompts\[1\].*rank 16, over max_lora_rank=8") as e:
+        llm.generate(prompts(2), GREEDY, lora_request=[good, bad], use_tqdm=False)
+    assert e.value.field == "lora"
+    assert not llm.engine.requests and llm.engine.adapters.cache.in_use(1) == 0
+    assert len(llm.generate(prompts(2), GREEDY, lora_request=good, use_tqdm=False)) == 2
+
+
+def test_unsupported_combinations_are_refused_at_start_up(tiny_model_dir):
+    with pytest.raises(
+        ValueError, match="enable_lora with speculative_config.method 'draft_model'"
+    ):
+        engine_config(
+            tiny_model_dir,
+            enable_lora=True,
+            speculative_config=dict(
+                method="draft_model", model=tiny_model_dir, num_speculative_tokens=2
+            ),
+        )
+    with pytest.raises(ValueError, match="enable_lora with num_processes=2"):
+        engine_config(tiny_model_dir, enable_lora=True, num_processes=2, coordinator_address="h:1")
+    # n-gram speculation works with adapters (its drafts are the sequence's own tokens).
+    engine_config(
+        tiny_model_dir,
+        enable_lora=True,
+        speculative_config=dict(method="ngram", num_speculative_tokens=2),
+    )
+    for bad, words in [
+        (dict(max_loras=0), "max_loras must be a positive integer"),
+        (dict(max_lora_rank=1024), "max_lora_rank must be at most 512"),
+        (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras must be an integer >= max_loras"),
+        (dict(enable_lora="yes"), "enable_lora must be a bool"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            LoRAConfig(**bad)
+    assert LoRAConfig(max_loras=3).max_cpu_loras == 3
+
+
+@pytest.mark.slow
+def test_ngram_speculation_with_adapters_matches_without(tiny_model_dir, tmp_path):
+    plain = make_llm(tiny_model_dir)
+    loras = adapters(plain, tmp_path, 2)
+    spec = make_llm(
+        tiny_model_dir, speculative_config=dict(method="ngram", num_speculative_tokens=3)
+    )
+    rs = np.random.RandomState(1)
+    motif = rs.randint(3, 320, size=5).tolist()
+    batch = [{"prompt_token_ids": motif * 4 + [i + 3]} for i in range(4)]
+    params = dataclasses.replace(GREEDY, max_tokens=12)
+    per_prompt = [loras[0], loras[1], None, loras[0]]
+    want = tokens(plain.generate(batch, params, lora_request=per_prompt, use_tqdm=False))
+    got = tokens(spec.generate(batch, params, lora_request=per_prompt, use_tqdm=False))
+    assert got == want
+
+
+@pytest.mark.slow
+@pytest.mark.sharded
+def test_tensor_parallel_lora_equals_one_device(tmp_path):
+    arch, base = CASES["llama2_mha"]
+    make_hf_model(tmp_path, arch, base)
+    stdout = run_on_8_devices("lora_tp_check.py", tmp_path, "2")
+    assert "lora tp=2: ok" in stdout and "lora int8 tp=2: ok" in stdout, stdout
+
+
+# Runs in a fresh process: `make` warms up (the LoRA slot write among the programs) and
+# writes a bundle, `load` serves from it; both serve prompts under adapters swapping
+# through two slots and print the tokens and the compilations of the serving loop.
+BUNDLE_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[4])
+from lora_files import write_adapter
+from jaxserve import LLM, LoRARequest, SamplingParams
+mode, bundle_dir, adapter_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+kw = dict(compilation_cache_dir=None, compile_guard=True, skip_tokenizer_init=True,
+          max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=128,
+          enable_lora=True, max_loras=2, max_lora_rank=8)
+if mode == "make":
+    llm = LLM("demo-model-tiny", **kw)
+    llm.save_compiled(bundle_dir)
+    for i in range(3):
+        write_adapter(f"{adapter_dir}/a{i}", llm.engine.adapters.layout.modules, seed=i)
+else:
+    llm = LLM("demo-model-tiny", compiled=bundle_dir, **kw)
+before = llm.engine.runner.compiles.count
+loras = [None] + [LoRARequest(f"a{i}", i + 1, f"{adapter_dir}/a{i}") for i in range(3)]
+prompts = [{"prompt_token_ids": list(range(5 + i, 20 + 2 * i))} for i in range(8)]
+outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                    lora_request=[loras[i % 4] for i in range(8)], use_tqdm=False)
+print("RESULT " + json.dumps({
+    "tokens": [o.outputs[0].token_ids for o in outs],
+    "serving_compiles": llm.engine.runner.compiles.count - before,
+    "programs": sorted(llm.engine.compiled),
+    "swaps": llm.engine.adapters.slots.num_evictions,
+}))
+"""
+
+
+def _bundle_run(mode: str, tmp_path) -> dict:
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = [mode, str(tmp_path / "bundle"), str(tmp_path), tests]
+    proc = subprocess.run(
+        [sys.executable, "-c", BUNDLE_SCRIPT, *args], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.mark.slow
+def test_a_bundle_serves_adapters_compiling_nothing(tmp_path):
+    made = _bundle_run("make", tmp_path)
+    assert "lora slot write" in made["programs"] and made["swaps"] > 0
+    loaded = _bundle_run("load", tmp_path)
+    assert loaded["programs"] == made["programs"]
+    assert loaded["serving_compiles"] == made["serving_compiles"] == 0
+    assert loaded["tokens"] == made["tokens"]
+
+
+def test_lora_flags_are_engine_flags_with_the_configs_defaults():
+    from absl import flags
+
+    from jaxserve.config import ENGINE_ARGS
+    from server.cli import engine_flags
+
+    names = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+    assert set(names) <= set(engine_flags.ENGINE_FLAGS) & set(ENGINE_ARGS)
+    defaults = LoRAConfig()
+    for name in names[:3]:
+        assert flags.FLAGS[name].default == getattr(defaults, name)
+    assert flags.FLAGS["max_cpu_loras"].default is None  # (max_loras, in the config)
