@@ -254,3 +254,18 @@ def test_lora_flags_are_engine_flags_with_the_configs_defaults():
     for name in names[:3]:
         assert flags.FLAGS[name].default == getattr(defaults, name)
     assert flags.FLAGS["max_cpu_loras"].default is None  # (max_loras, in the config)
+
+
+def test_update_weights_is_refused_with_adapters_and_the_engine_serves_on(tiny_model_dir, tmp_path):
+    """The adapters' projections wrap the base weights: an update is refused, naming
+    enable_lora, and nothing changes."""
+    llm = make_llm(tiny_model_dir)
+    (adapter,) = adapters(llm, tmp_path, 1)
+    want = tokens(llm.generate(prompts(2), GREEDY, lora_request=adapter, use_tqdm=False))
+    runner = llm.engine.runner
+    with pytest.raises(ValueError, match="enable_lora"):
+        llm.update_weights(runner.model_def.state(runner.weights))
+    with pytest.raises(ValueError, match="enable_lora"):
+        llm.update_weights(path=tiny_model_dir)
+    assert llm.engine.weight_version == 0
+    assert tokens(llm.generate(prompts(2), GREEDY, lora_request=adapter, use_tqdm=False)) == want
