@@ -231,6 +231,48 @@ def test_an_update_during_a_keep_pause(
     assert engine.pool.num_free == engine.pool.capacity
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_update_while_a_wait_pause_drains(tiny_model_dir, new_dir, fresh_new, async_scheduling):
+    """Pause mode "wait": the requests in flight go on draining; an update that lands
+    before they are done switches them to W' as any update does (their KV recomputed),
+    and a request that arrives meanwhile waits for the resume, then runs under W'."""
+    llm = make(tiny_model_dir, async_scheduling=async_scheduling)
+    engine = llm.engine
+    prompts = [p["prompt_token_ids"] for p in PROMPTS[:4]]
+    seen, finals, record = start_mid_generation(engine, prompts)
+    engine.pause_generation("wait")
+    late = PROMPTS[5]["prompt_token_ids"]
+    engine.add_request(GenerateRequest(str(len(prompts)), late, MID))  # held
+    assert engine.update_weights(state_of(new_dir)) == 1
+    engine.run(record)  # drains the four; the held one stays held
+    assert str(len(prompts)) not in finals and engine.is_paused
+    old = make(tiny_model_dir, enable_prefix_caching=False)
+    assert_switched(seen, finals, prompts, old, fresh_new)
+    engine.resume_generation()
+    engine.run(record)
+    held = finals[str(len(prompts))]
+    assert (held.weight_version, held.first_weight_version) == (1, 1)
+    assert held.outputs[0].token_ids == tokens(fresh_new, [{"prompt_token_ids": late}], MID)[0]
+
+
+def test_an_update_after_an_abort_pause(tiny_model_dir, new_dir, fresh_new):
+    """Pause mode "abort": the requests in flight end (finish_reason abort, their
+    outputs W's, version 0); after the update and the resume, requests run under W'."""
+    llm = make(tiny_model_dir)
+    engine = llm.engine
+    prompts = [p["prompt_token_ids"] for p in PROMPTS[:4]]
+    _, finals, record = start_mid_generation(engine, prompts)
+    engine.pause_generation("abort")
+    for out in engine.step():
+        record(out)
+    assert len(finals) == len(prompts) and not engine.requests
+    for out in finals.values():
+        assert out.outputs[0].finish_reason == "abort" and out.weight_version == 0
+    assert engine.update_weights(state_of(new_dir)) == 1
+    engine.resume_generation()
+    assert tokens(llm) == tokens(fresh_new)
+
+
 # ------------------------------------------------------ compiles and copies
 
 
