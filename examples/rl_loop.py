@@ -158,24 +158,17 @@ def run(
     return history
 
 
-_ITERATIONS = flags.DEFINE_integer("iterations", 20, "policy-gradient iterations")
-_WORD = flags.DEFINE_string("word", "this", "the word a completion is rewarded for containing")
-_SAMPLES = flags.DEFINE_integer("samples", 8, "completions per prompt (the group size)")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 24, "tokens per completion")
-_LR = flags.DEFINE_float("learning_rate", 3e-4, "Adam's learning rate")
-_MODEL = flags.DEFINE_string("model", None, "model directory (default: the demo model)")
-
-
 def main(argv: Sequence[str]) -> None:
     del argv
-    with LLM(_MODEL.value, max_num_seqs=64, kv_cache_memory_bytes=1 << 27) as llm:
+    f = flags.FLAGS
+    with LLM(f.model, max_num_seqs=64, kv_cache_memory_bytes=1 << 27) as llm:
         history = run(
             llm,
-            iterations=_ITERATIONS.value,
-            word=_WORD.value,
-            samples=_SAMPLES.value,
-            max_tokens=_MAX_TOKENS.value,
-            learning_rate=_LR.value,
+            iterations=f.iterations,
+            word=f.word,
+            samples=f.samples,
+            max_tokens=f.max_tokens,
+            learning_rate=f.learning_rate,
         )
     first, last = history[0], history[-1]
     print(
@@ -185,5 +178,17 @@ def main(argv: Sequence[str]) -> None:
     )
 
 
+def _define_flags() -> None:
+    """The command line's flags (defined only when run as a script: a process that
+    imports `run`, a test, may define flags of these names itself)."""
+    flags.DEFINE_integer("iterations", 20, "policy-gradient iterations")
+    flags.DEFINE_string("word", "this", "the word a completion is rewarded for containing")
+    flags.DEFINE_integer("samples", 8, "completions per prompt (the group size)")
+    flags.DEFINE_integer("max_tokens", 24, "tokens per completion")
+    flags.DEFINE_float("learning_rate", 3e-4, "Adam's learning rate")
+    flags.DEFINE_string("model", None, "model directory (default: the demo model)")
+
+
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

@@ -46,6 +46,7 @@ DEVICE_SIDE = {
     "jaxserve.runner.compile_counter",  # JAX's monitoring listeners
     "jaxserve.runner.draft",
     "jaxserve.runner.kv_io",
+    "jaxserve.runner.kv_plan",  # the KV arrays per layer group
     "jaxserve.runner.lora_io",  # the LoRA matrices' placement and slot write
     "jaxserve.runner.model_runner",
     "jaxserve.runner.residency",  # device buffers deleted and allocated again (sleep)
