@@ -29,6 +29,14 @@ on the device. Each sequence that step samples for has a placeholder
 (the runner reads its id on the device), except for a sequence whose placeholder
 is its last allowed token (max_tokens), which waits for the step in flight to
 finish it. A page is cached once its tokens are all back on the host.
+
+Copy-on-write (`kv.page_pool`): sequences may share pages. An n > 1 sample whose first
+sample runs with all of the prompt but its last token computed is admitted by forking
+those pages (one prefill, then n owners), and a beam search forks a beam into several
+(`fork`). Whenever a sequence is given pages for the tokens it computes next, any page
+it would write that has other owners is exchanged for its own copy first; the copies
+leave in the plan's `copies` and run on the device before the step. A beam search's
+sequences hold their group's beam width of the `max_num_seqs` running slots (`seats`).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import dataclasses
 import random
 
 from jaxserve.config import SchedulerConfig
+from jaxserve.kv import sharing
 from jaxserve.kv.page_pool import ROOT_UID, PagePool
 from jaxserve.kv.tier import KVTier
 from jaxserve.kv.transfer import ROOT_DIGEST, Page, page_digest
@@ -82,6 +91,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     preempted: list[SequenceState]
     loads: list[tuple[int, Page]] = dataclasses.field(default_factory=list)  # tier -> page
+    # Copy-on-write: (source, destination) pages to copy before the step (kv.page_pool).
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -154,7 +165,8 @@ class Scheduler:
             preempted.append(victim)
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        # (Running sequences fit max_num_seqs by admission's seats; the bound is a guard.)
+        while i < len(self.running) and budget > 0 and len(scheduled) < self.max_num_seqs:
             seq = self.running[i]
             todo = seq.num_tokens + seq.num_placeholders - seq.num_computed
             if todo <= 0 or len(seq.output_ids) + seq.num_placeholders >= seq.max_tokens:
@@ -178,7 +190,9 @@ class Scheduler:
         loads: list[tuple[int, Page]] = []
         if not preempted:
             budget = self._admit(budget, scheduled, loads)
-        return SchedulerOutput(self._fit_to_bucket(scheduled), preempted, loads)
+        plan = SchedulerOutput(self._fit_to_bucket(scheduled), preempted, loads)
+        plan.copies = self.pool.take_copies()
+        return plan
 
     def _fit_to_bucket(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Shortens prefill chunks so the step fills the token bucket below it, when
@@ -210,11 +224,23 @@ class Scheduler:
                 return fitted
         return scheduled  # not enough prefill to cut: keep the step as planned
 
+    def _seats(self) -> tuple[int, set[str]]:
+        """Running slots held, and the beam searches holding them (`SequenceState.seats`)."""
+        held, groups = 0, set()
+        for seq in self.running:
+            if seq.seats == 1:
+                held += 1
+            elif seq.request_id not in groups:
+                held += seq.seats
+                groups.add(seq.request_id)
+        return held, groups
+
     def _admit(
         self, budget: int, scheduled: list[ScheduledSeq], loads: list[tuple[int, Page]]
     ) -> int:
         blocked = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        held, groups = self._seats()
+        while self.waiting and budget > 0 and held < self.max_num_seqs:
             seq = self.waiting[0]
             leader = seq.leader
             if seq.num_placeholders or (
@@ -225,6 +251,18 @@ class Scheduler:
                 # An n > 1 sibling waits for the first sample to compute (and cache) the
                 # prompt; a preempted sequence, for the token an in-flight step samples.
                 blocked.append(self.waiting.pop(0))
+                continue
+            seats = 0 if seq.request_id in groups else seq.seats
+            if held + seats > self.max_num_seqs:
+                break
+            n = self._fork_prompt(seq, budget)
+            if n is not None:  # one prefill for the n samples (copy-on-write)
+                self.waiting.pop(0)
+                held += seats
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+                budget -= n
                 continue
             # Prompt logprobs need every prompt position's logits: no cached prefix.
             cacheable = seq.num_tokens - 1 if seq.params.prompt_logprobs is None else 0
@@ -260,6 +298,9 @@ class Scheduler:
                 self.prefix_hits += computed
             seq.status = Status.RUNNING
             self.running.append(seq)
+            held += seats
+            if seq.seats > 1:
+                groups.add(seq.request_id)
             scheduled.append(ScheduledSeq(seq, computed, n))
             budget -= n
         for seq in blocked:
@@ -299,14 +340,54 @@ class Scheduler:
         return budget
 
     def _grow(self, seq: SequenceState, num_tokens: int) -> bool:
-        """Gives `seq` pages for `num_tokens` tokens; False if the pool cannot."""
+        """Gives `seq` pages for `num_tokens` tokens, and its own copy of each shared
+        page among those it writes (from `num_computed` on); False if the pool cannot."""
         need = -(-num_tokens // self.page_size) - len(seq.pages)
-        if need <= 0:
-            return True
-        if need > self.pool.num_free:
+        shared = sharing.shared_pages(
+            self.pool, seq.pages, seq.num_computed, num_tokens, self.page_size
+        )
+        if max(need, 0) + len(shared) > self.pool.num_free:
             return False
-        seq.pages.extend(self.pool.allocate(need))
+        for j in shared:
+            seq.pages[j] = self.pool.copy_on_write(seq.pages[j])
+        if need > 0:
+            seq.pages.extend(self.pool.allocate(need))
         return True
+
+    def _fork_prompt(self, seq: SequenceState, budget: int) -> int | None:
+        """Admits an n > 1 sample onto its first sample's prompt pages, if that one runs
+        with them computed (`kv.sharing.fork_prompt`); returns the tokens it computes
+        now, or None (it holds nothing) if it cannot fork or get the pages it writes."""
+        leader = seq.leader
+        if leader is None or leader.status is not Status.RUNNING or seq.num_prompt_tokens < 2:
+            return None
+        if leader.num_computed < seq.num_prompt_tokens - 1:
+            return None
+        sharing.fork_prompt(self.pool, seq, leader, self.page_size)
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        if self._grow(seq, seq.num_computed + n):
+            return n
+        sharing.release(self.pool, seq)
+        return None
+
+    def fork(self, parent: SequenceState, index: int) -> SequenceState:
+        """A new sequence continuing `parent` (a beam search's new beam): running beside
+        it on its computed pages, shared by reference, or waiting with it if `parent`
+        waits (preempted: both recompute)."""
+        running = parent.status is Status.RUNNING
+        pages = self.pool.fork(sharing.computed_pages(parent, self.page_size)) if running else []
+        child = parent.fork(index, pages, self.page_size)
+        if running:
+            self.running.append(child)
+        else:
+            child.num_computed = child.draft_computed = 0
+            self.add(child)
+        return child
+
+    def check_invariant(self) -> None:
+        """The pool's page accounting, and each page's references against the live
+        sequences holding it (`PagePool.check_invariant`)."""
+        self.pool.check_invariant(owners=[s.pages for s in self.running + self.waiting])
 
     def preempt_all(self) -> list[SequenceState]:
         """Preempts every running sequence (their KV is recomputed once rescheduled;

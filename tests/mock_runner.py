@@ -48,12 +48,15 @@ class MockRunner:
         self.slots: dict[int, int] = {}
         self.steps = 0
         self.closed = False
+        self._copies: list = []
+        self.copies_made = 0  # copy-on-write page copies applied
 
     def row_bucket(self, num_rows):
         return pick_bucket(num_rows, self.shapes.row_buckets, what="sampling rows")
 
-    def build(self, work):
+    def build(self, work, copies=()):
         num_tokens = sum(len(w.token_ids) for w in work)
+        self._copies = list(copies)
         t = pick_bucket(num_tokens, self.shapes.token_buckets, what="tokens")
         self._work = work
         return build_batch(
@@ -112,6 +115,13 @@ class MockRunner:
             sampling = sampling()
         self.steps += 1
         page_size = self.config.cache.page_size
+        for src, dst in self._copies:  # copy-on-write, before the step's writes
+            for i in range(page_size):
+                if src * page_size + i in self.slots:
+                    self.slots[dst * page_size + i] = self.slots[src * page_size + i]
+                else:
+                    self.slots.pop(dst * page_size + i, None)
+        self.copies_made += len(self._copies)
         token_ids = np.zeros(len(self._rows), np.int32)
         accepted = np.zeros(len(self._rows), np.bool_)
         rows = iter(enumerate(self._rows))

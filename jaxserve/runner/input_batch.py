@@ -127,6 +127,9 @@ class HostBatch:
     logits_indices: np.ndarray  # [R] or [T] int32: the rows sampling reads
     prompt_targets: np.ndarray  # [T] int32: -1 where no prompt logprob is wanted
     prev_rows: np.ndarray  # [T] int32: the previous step's sampled row to read, -1 none
+    # Copy-on-write [C, 2] int32 (source, destination) pages copied before the forward,
+    # by a program of their own (`runner.kv_io`): not an input of the forward program.
+    copies: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 2), np.int32))
 
 
 def build_batch(
@@ -138,8 +141,9 @@ def build_batch(
     seq_bucket: int,
     num_rows: int | None = None,
     all_logits: bool = False,
+    copies: Sequence[tuple[int, int]] = (),
 ) -> HostBatch:
-    """Packs `work` into padded arrays.
+    """Packs `work` into padded arrays; `copies` (copy-on-write page pairs) go along.
 
     `logits_indices` [num_rows] (default: seq_bucket) selects each sequence's last
     `num_samples` tokens, in order (what sampling needs), or with `all_logits`
@@ -206,6 +210,7 @@ def build_batch(
         logits_indices=logits_indices,
         prompt_targets=prompt_targets,
         prev_rows=prev_rows,
+        copies=np.asarray(copies, np.int32).reshape(-1, 2),
     )
 
 

@@ -126,6 +126,10 @@ class ModelRunner:
         self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches, config.logprobs_mode)
         self.kv_programs = kv_io.jitted(self.cache_layout)
         self.shapes = StepShapes.for_config(config)
+        # Copy-on-write page copies, at most one per sequence a step schedules.
+        self.copy_program, self.copy_buckets = kv_io.JITTED_COPY, kv_io.copy_buckets(
+            self.shapes.max_seqs
+        )
         self.token_buckets, self.row_buckets = self.shapes.token_buckets, self.shapes.row_buckets
         self.history_len = config.pages_per_seq * config.cache.page_size
         # A step's `prev_tokens` when no step before it is in flight.
@@ -201,7 +205,7 @@ class ModelRunner:
         self.compiles.close()
         self.closed = True
         self.weights = self.kv_caches = None
-        self.programs = self.kv_programs = None
+        self.programs = self.kv_programs = self.copy_program = None
         if self.drafter is not None:
             self.drafter.close()
 
@@ -251,9 +255,15 @@ class ModelRunner:
         return pick_bucket(num_rows, self.row_buckets, what="sampling rows")
 
     def build(
-        self, work: list[SeqWork], *, token_bucket: int | None = None, all_logits: bool = False
+        self,
+        work: list[SeqWork],
+        *,
+        token_bucket: int | None = None,
+        all_logits: bool = False,
+        copies: list[tuple[int, int]] = (),
     ) -> HostBatch:
-        """The step's arrays, padded to `token_bucket` (default: the smallest that fits)."""
+        """The step's arrays, padded to `token_bucket` (default: the smallest that fits);
+        `copies`: the copy-on-write page pairs the step makes first."""
         if token_bucket is None:
             num_tokens = sum(len(w.token_ids) for w in work)
             token_bucket = pick_bucket(num_tokens, self.token_buckets, what="tokens")
@@ -265,6 +275,7 @@ class ModelRunner:
             seq_bucket=self.shapes.max_seqs,
             num_rows=self.shapes.max_rows,
             all_logits=all_logits,
+            copies=copies,
         )
 
     def build_sampling(
@@ -295,6 +306,10 @@ class ModelRunner:
 
     def _forward(self, batch: HostBatch, prev_tokens: jax.Array | None = None):
         with self.on_mesh():
+            if len(batch.copies):  # copy-on-write: in device order, before the step's writes
+                self.kv_caches = kv_io.copy_pages(
+                    self.kv_caches, batch.copies, self.copy_program, self.copy_buckets
+                )
             selected, hidden, self.kv_caches = self.programs.forward(
                 self.model_def,
                 self.weights,
@@ -416,6 +431,7 @@ class ModelRunner:
             directory, self.manifest(kv_transfer=kv_transfer), meshes.mesh_devices(self.mesh)
         )
         self.programs = bundle.step_programs(compiled, self.programs)
+        self.copy_program = kv_io.loaded_copy(compiled)
         if kv_transfer:
             self.kv_programs = kv_io.loaded(compiled)
         self.warmed_up = True
