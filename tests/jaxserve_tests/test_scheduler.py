@@ -387,7 +387,7 @@ def test_soak_2000_requests_returns_every_page():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        engine.pool.check_invariant()
+        engine.scheduler.check_invariant()
     assert len(done) + len(aborted) == 2000
     for rid, out in done.items():
         prompt, sp = expected[rid]
