@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,8 @@ class GenerateRequest:
     `priority`: lower runs first (vLLM's convention). `cache_salt`: requests with
     different salts never share prefix-cache pages (tenants). `resume` (disaggregated
     decode): continue only these samples, from the tokens another instance sampled
-    for them, after it pushed the prompt's KV pages here.
+    for them, after it pushed the prompt's KV pages here. `beam`: generate by beam
+    search instead of sampling (`jaxserve.engine.beams`).
     """
 
     request_id: str
@@ -46,6 +47,9 @@ class GenerateRequest:
     priority: int = 0
     cache_salt: str | None = None
     resume: tuple[ResumedSample, ...] | None = None
+    # A beam search (`LLM.beam_search`, HTTP `use_beam_search`): `params` then say only
+    # how text is made (and are checked for settings a beam search cannot honour).
+    beam: BeamSearchParams | None = None
 
     def __post_init__(self):
         # Integer-like ids (numpy's) become ints; anything else stays as it is, for

@@ -21,6 +21,14 @@ from jaxserve.runner.input_batch import (
 )
 
 
+def mock_candidates(history: list[int], vocab: int) -> tuple[list[int], list[float]]:
+    """The mock's top 20 next tokens after `history`, best first, with logprobs: what
+    a beam search's row gets (distinct ids; scores that differ between histories)."""
+    s = sum(history)
+    ids = [(s * 31 + j * 7) % vocab for j in range(20)]
+    return ids, [-0.3 * (j + 1) - 0.01 * ((s + j) % 13) for j in range(20)]
+
+
 def expected_tokens(prompt: list[int], n: int, vocab: int) -> list[int]:
     ids, out = list(prompt), []
     for _ in range(n):
@@ -148,12 +156,17 @@ class MockRunner:
                 assert history[:upto] == expected, "KV holds wrong tokens"
                 token_ids[i] = sum(history[:upto]) % self.vocab
                 accepted[i] = row.draft == token_ids[i]
-        zeros = np.zeros((len(token_ids), 20))
+        top_ids = np.zeros((len(token_ids), 20), np.int32)
+        top_logprobs = np.zeros((len(token_ids), 20))
+        for i, row in enumerate(self._rows):
+            if row.beam > 0:  # a beam search's candidates (`mock_candidates`)
+                history = [t if t >= 0 else int(prev.tokens[-2 - t]) for t in row.token_ids]
+                top_ids[i], top_logprobs[i] = mock_candidates(history, self.vocab)
         out = types.SimpleNamespace(
             token_ids=token_ids,
             logprobs=np.zeros(len(token_ids)),
-            top_ids=zeros.astype(np.int32),
-            top_logprobs=zeros,
+            top_ids=top_ids,
+            top_logprobs=top_logprobs,
             accepted=accepted,
         )
         return types.SimpleNamespace(out=out, prompt_lp=None, tokens=token_ids)

@@ -65,6 +65,14 @@ class Emitter:
             if seq.finished:  # stopped by the step before, or aborted: discard the token
                 continue
             req = self.requests[seq.request_id]
+            if req.beam is not None:  # candidates, not a token (engine.beams)
+                try:
+                    req.beam.offer(req, item, out, first, self.scheduler)
+                except Exception as e:
+                    self._fail(req, e, "choosing its beams", failed)
+                if req.beam.group.done:
+                    touched[seq.request_id] = req
+                continue
             try:
                 new_tokens[seq] = self.emit(req, item, out, first, first + 1 + len(item.draft))
             except Exception as e:

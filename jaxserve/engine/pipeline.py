@@ -260,6 +260,7 @@ class StepPipeline:
             blocked,
             draft=draft[j] if j < len(draft) else -1,
             grammar=grammar,
+            beam=req.beam.temperature if req.beam is not None else 0.0,
         )
 
 

@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from jaxserve.kv.page_pool import PagePool
 
 
-def shared_pages(pool: PagePool, pages: Sequence[int], start: int, end: int, page: int) -> list[int]:
+def shared_pages(
+    pool: PagePool, pages: Sequence[int], start: int, end: int, page: int
+) -> list[int]:
     """The indices of `pages` that writing tokens [start, end) touches and that have
     other owners: each needs its own copy first (`PagePool.copy_on_write`)."""
     last = min(-(-end // page), len(pages))

@@ -240,6 +240,9 @@ class SamplingMetadata:
     num_prompt: np.ndarray  # i32: how many of `history` are prompt tokens
     draft: np.ndarray  # i32: the proposed token each row verifies; -1 = none
     want_logprobs: np.ndarray  # [1] bool: any row asks for logprobs
+    # f32: > 0 marks a beam search's row, whose top logprobs are log_softmax(logits /
+    # beam) whatever the engine's logprobs_mode (its candidates: `runner.sampler`).
+    beam: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +258,7 @@ class SampleRow:
     blocked_ids: Sequence[int] = ()  # EOS / stop ids while under min_tokens
     draft: int = -1  # a proposed token this row verifies (speculative decoding)
     grammar: GrammarMatcher | None = None  # structured output: fills the row's bitmask
+    beam: float = 0.0  # a beam search's row: its candidates' temperature (1: raw)
 
 
 def wants_history(p: SamplingParams) -> bool:
@@ -310,9 +314,11 @@ def build_sampling(
     history = np.full((b, history_len if with_history else 1), -1, np.int32)
     num_prompt = np.zeros(b, np.int32)
     draft = np.full(b, -1, np.int32)
+    beam = np.zeros(b, np.float32)
     want_logprobs = False
     columns = (temperature, top_k, top_p, min_p, presence, frequency, repetition, seed)
     columns += (position, bias_ids, bias_values, allowed, masked, history, num_prompt, draft)
+    columns += (beam,)
     neutral = [c[-1].copy() for c in columns] if b else []  # (every row starts neutral)
     for i, row in enumerate(rows):
         try:
@@ -341,6 +347,7 @@ def build_sampling(
         num_prompt=num_prompt,
         draft=draft,
         want_logprobs=np.array([want_logprobs]),
+        beam=beam,
     )
 
 
@@ -348,7 +355,8 @@ def _pack_row(i: int, row: SampleRow, columns, *, max_bias: int, vocab_size: int
     """Writes row `i`'s settings into `columns` (`build_sampling`'s arrays, in its
     order); returns whether the row wants logprobs."""
     (temperature, top_k, top_p, min_p, presence, frequency, repetition, seed) = columns[:8]
-    (position, bias_ids, bias_values, allowed, masked, history, num_prompt, draft) = columns[8:]
+    (position, bias_ids, bias_values, allowed, masked, history, num_prompt, draft) = columns[8:16]
+    columns[16][i] = row.beam
     p = row.params
     # top_k past the vocabulary keeps all of it (and may not fit an int32)
     temperature[i], top_k[i] = p.temperature, min(p.top_k, vocab_size)

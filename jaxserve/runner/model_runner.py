@@ -127,8 +127,9 @@ class ModelRunner:
         self.kv_programs = kv_io.jitted(self.cache_layout)
         self.shapes = StepShapes.for_config(config)
         # Copy-on-write page copies, at most one per sequence a step schedules.
-        self.copy_program, self.copy_buckets = kv_io.JITTED_COPY, kv_io.copy_buckets(
-            self.shapes.max_seqs
+        self.copy_program, self.copy_buckets = (
+            kv_io.JITTED_COPY,
+            kv_io.copy_buckets(self.shapes.max_seqs),
         )
         self.token_buckets, self.row_buckets = self.shapes.token_buckets, self.shapes.row_buckets
         self.history_len = config.pages_per_seq * config.cache.page_size

@@ -305,7 +305,7 @@ def test_n_samples_fork_the_prompt_pages(caching, prompt_len):
         if len(running) == n:  # the first sample's full prompt pages, held by all n
             first = set(running[0].pages)
             for seq in running[1:]:
-                assert set(seq.pages) & first == set(running[0].pages[: shared_full])
+                assert set(seq.pages) & first == set(running[0].pages[:shared_full])
             together += 1
     assert_idle(engine)
     assert [c.index for c in done.outputs] == list(range(n))
