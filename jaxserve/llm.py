@@ -309,7 +309,7 @@ class LLM:
             GenerateRequest(
                 str(next(self._ids)),
                 p.token_ids,
-                SamplingParams(),
+                SamplingParams(n=params.beam_width),  # (n: the hypotheses returned)
                 prompt=p.text,
                 cache_salt=cache_salt,
                 beam=params,

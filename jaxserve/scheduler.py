@@ -190,6 +190,13 @@ class Scheduler:
         loads: list[tuple[int, Page]] = []
         if not preempted:
             budget = self._admit(budget, scheduled, loads)
+        if not scheduled and self.waiting and sharing.all_idle_beams(self.running):
+            # Beam searches wait for group-mates that wait for the pages they hold: the
+            # newest search makes way, all its beams (they recompute when readmitted).
+            newest = max(self.running, key=SequenceState.sort_key)
+            for seq in sharing.group_of(self.running, newest):
+                self._preempt(seq)
+                preempted.append(seq)
         plan = SchedulerOutput(self._fit_to_bucket(scheduled), preempted, loads)
         plan.copies = self.pool.take_copies()
         return plan
@@ -242,20 +249,21 @@ class Scheduler:
         held, groups = self._seats()
         while self.waiting and budget > 0 and held < self.max_num_seqs:
             seq = self.waiting[0]
-            leader = seq.leader
+            donor = sharing.donor(self.running, seq)
             if seq.num_placeholders or (
-                leader is not None
-                and leader.num_computed < leader.num_prompt_tokens
-                and (leader.status is not Status.FINISHED)
+                donor is not None
+                and donor.num_computed < donor.num_prompt_tokens
+                and (donor.status is not Status.FINISHED)
             ):
-                # An n > 1 sibling waits for the first sample to compute (and cache) the
-                # prompt; a preempted sequence, for the token an in-flight step samples.
+                # An n > 1 sibling (or a beam) waits for the first sample (a group-mate)
+                # to compute the prompt, then shares it; a preempted sequence waits for
+                # the token an in-flight step samples.
                 blocked.append(self.waiting.pop(0))
                 continue
             seats = 0 if seq.request_id in groups else seq.seats
             if held + seats > self.max_num_seqs:
                 break
-            n = self._fork_prompt(seq, budget)
+            n = self._fork_prompt(seq, donor, budget)
             if n is not None:  # one prefill for the n samples (copy-on-write)
                 self.waiting.pop(0)
                 held += seats
@@ -354,16 +362,18 @@ class Scheduler:
             seq.pages.extend(self.pool.allocate(need))
         return True
 
-    def _fork_prompt(self, seq: SequenceState, budget: int) -> int | None:
-        """Admits an n > 1 sample onto its first sample's prompt pages, if that one runs
-        with them computed (`kv.sharing.fork_prompt`); returns the tokens it computes
-        now, or None (it holds nothing) if it cannot fork or get the pages it writes."""
-        leader = seq.leader
-        if leader is None or leader.status is not Status.RUNNING or seq.num_prompt_tokens < 2:
+    def _fork_prompt(self, seq: SequenceState, donor, budget: int) -> int | None:
+        """Admits an n > 1 sample onto its first sample's prompt pages (a beam onto a
+        group-mate's, unless the prefix cache finds them), if that one runs with them
+        computed (`kv.sharing.fork_prompt`); returns the tokens it computes now, or None
+        (it holds nothing) if it cannot fork or get the pages it writes."""
+        if donor is None or donor.status is not Status.RUNNING or seq.num_prompt_tokens < 2:
             return None
-        if leader.num_computed < seq.num_prompt_tokens - 1:
+        if donor.num_computed < seq.num_prompt_tokens - 1:
             return None
-        sharing.fork_prompt(self.pool, seq, leader, self.page_size)
+        if seq.leader is None and self.pool.enable_prefix_caching:
+            return None  # (a lookup shares the beams' generated pages too)
+        sharing.fork_prompt(self.pool, seq, donor, self.page_size)
         n = min(seq.num_tokens - seq.num_computed, budget)
         if self._grow(seq, seq.num_computed + n):
             return n

@@ -43,10 +43,15 @@ def as_sequences(request: GenerateRequest) -> GenerateRequest:
 
 
 def attach(
-    req, beam: BeamSearchParams, eos_token_ids: set[int], tokenizer: Tokenizer | None
+    req,
+    beam: BeamSearchParams,
+    num_outputs: int,
+    eos_token_ids: set[int],
+    tokenizer: Tokenizer | None,
 ) -> None:
     """Makes `req` (the `RequestState` of an `as_sequences` request, its one sequence
-    the root beam) the beam search `beam`: its group, and the running slots it holds."""
+    the root beam) the beam search `beam`, whose `num_outputs` best hypotheses (the
+    request's n) are its result: its group, and the running slots it holds."""
     root = req.seqs[0]
     root.seats = beam.beam_width
     params, ids = req.params, req.prompt_token_ids
@@ -56,7 +61,7 @@ def attach(
             return None
         return IncrementalDetokenizer(tokenizer, ids, params)
 
-    req.beam = BeamState(BeamGroup(beam, eos_token_ids, root), root, detokenizer)
+    req.beam = BeamState(BeamGroup(beam, eos_token_ids, root), root, detokenizer, num_outputs)
 
 
 @dataclasses.dataclass(eq=False)
@@ -67,6 +72,7 @@ class BeamState:
     group: BeamGroup
     root: SequenceState  # the first beam (its prefix-cache hit is the request's)
     detokenizer: Callable[[], IncrementalDetokenizer | None]
+    num_outputs: int  # the best hypotheses returned
     indices: itertools.count = dataclasses.field(default_factory=lambda: itertools.count(1))
 
     @property
@@ -74,23 +80,22 @@ class BeamState:
         """The sampler row's `beam` value: the candidates' temperature (1: raw logprobs)."""
         return self.group.params.temperature or 1.0
 
-    def offer(self, req, item: ScheduledSeq, out, row: int, scheduler: Scheduler) -> None:
-        """A beam's candidates from the step's sampler row `row`; advances the group if
-        every beam has offered. A row for tokens the beam no longer ends with (a
-        recomputation that the group overtook) is stale: ignored."""
+    def offer(self, item: ScheduledSeq, out, row: int) -> bool:
+        """A beam's candidates from the step's sampler row `row`; returns whether every
+        beam has offered (then `advance`, once the step's rows are all applied). A row
+        for tokens the beam no longer ends with (a recomputation that the group
+        overtook) is stale: ignored."""
         seq = item.seq
         if item.start + item.num_tokens != seq.num_tokens or not any(
             b.handle is seq for b in self.group.running
         ):
-            return
+            return False
         k = self.group.num_candidates
-        ready = self.group.offer(
+        return self.group.offer(
             seq, out.top_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist()
         )
-        if ready:
-            self._advance(req, scheduler)
 
-    def _advance(self, req, scheduler: Scheduler) -> None:
+    def advance(self, req, scheduler: Scheduler) -> None:
         """One group step applied to the sequences: forks first (a child copies its
         parent's tokens), then each parent's own token; parents none continues end."""
         parents: list[SequenceState] = [b.handle for b in self.group.running]
@@ -110,8 +115,9 @@ class BeamState:
         req.seqs = [b.handle for b in beams]
 
     def completions(self) -> list[CompletionOutput]:
-        """The finished hypotheses, best first, as the request's outputs."""
-        return [self._completion(i, h) for i, h in enumerate(self.group.finished)]
+        """The best `num_outputs` finished hypotheses, best first: the request's outputs."""
+        best = self.group.finished[: self.num_outputs]
+        return [self._completion(i, h) for i, h in enumerate(best)]
 
     def _completion(self, index: int, h: Hypothesis) -> CompletionOutput:
         detok = self.detokenizer()

@@ -314,7 +314,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self.validate(request)
-        beam = request.beam
+        beam, num_outputs = request.beam, request.params.n
         if beam is not None:  # one root sequence, greedy rows (engine.beams)
             request = beams.as_sequences(request)
             params = request.params
@@ -350,7 +350,8 @@ class LLMEngine:
             sync_only=grammar is not None or beam is not None,
         )
         if beam is not None:
-            beams.attach(self.requests[request_id], beam, self.eos_token_ids, self.tokenizer)
+            req = self.requests[request_id]
+            beams.attach(req, beam, num_outputs, self.eos_token_ids, self.tokenizer)
         self._num_sync_only += self.requests[request_id].sync_only
         self._stats.on_add()
         try:

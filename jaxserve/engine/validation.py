@@ -28,7 +28,9 @@ def validate_request(
     if request.beam is not None:
         _validate_beam(config, request)
         params = beam_search.sampling_params(request.beam, request.params)
-        return _validate_prompt(config, pool_capacity, request.prompt_token_ids, params)
+        max_tokens = _validate_prompt(config, pool_capacity, request.prompt_token_ids, params)
+        _validate_beam_pages(config, pool_capacity, len(request.prompt_token_ids), request.beam)
+        return max_tokens
     max_tokens = _validate_prompt(config, pool_capacity, request.prompt_token_ids, request.params)
     _validate_params(config, has_tokenizer, request.params)
     if request.resume is not None:
@@ -134,6 +136,21 @@ def _validate_beam(config: EngineConfig, request: GenerateRequest) -> None:
     if params.n > beam.beam_width:
         raise ParamError(
             "n", f"n ({params.n}) must be <= beam_width ({beam.beam_width}) with beam search"
+        )
+
+
+def _validate_beam_pages(config: EngineConfig, capacity: int, prompt: int, beam) -> None:
+    """A beam search must fit the pool alone: the prompt's pages once (the beams share
+    them) and each beam's own pages past them, as the beams may all diverge at once."""
+    page = config.cache.page_size
+    shared = (prompt - 1) // page
+    need = shared + beam.beam_width * (-(-(prompt + beam.max_tokens) // page) - shared)
+    if need > capacity:
+        raise ParamError(
+            "beam_width",
+            f"beam_width {beam.beam_width}: a beam search over {prompt} prompt tokens with "
+            f"max_tokens {beam.max_tokens} may hold {need} KV pages; the whole pool has "
+            f"{capacity}",
         )
 
 

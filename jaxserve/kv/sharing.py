@@ -45,3 +45,31 @@ def release(pool: PagePool, seq) -> None:
     pool.free(seq.pages)
     seq.pages, seq.page_uids, seq.page_digests = [], [], []
     seq.num_computed = seq.draft_computed = 0
+
+
+# ------------------------------------------------------- beam searches' groups
+
+
+def group_of(running: Sequence, seq) -> list:
+    """The running sequences of `seq`'s beam search (none for another sequence): a
+    beam search's sequences share their request id and hold its width as seats."""
+    if seq.seats == 1:
+        return []
+    return [s for s in running if s.seats > 1 and s.request_id == seq.request_id]
+
+
+def donor(running: Sequence, seq):
+    """The running sequence whose prompt pages a waiting `seq` shares, if any: an n > 1
+    sample's first sample; a beam's running group-mate (a preempted beam comes back
+    onto its group's prompt)."""
+    if seq.leader is not None:
+        return seq.leader
+    return next(iter(group_of(running, seq)), None)
+
+
+def all_idle_beams(running: Sequence) -> bool:
+    """Whether every running sequence is a beam with nothing to compute: each waits, its
+    candidates given, for a group-mate that waits for pages they hold."""
+    return bool(running) and all(
+        s.seats > 1 and s.num_computed >= s.num_tokens + s.num_placeholders for s in running
+    )

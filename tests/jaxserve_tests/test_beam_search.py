@@ -71,7 +71,8 @@ def run(engine, requests, *, each_step=None):
     """{id: (prompt, BeamSearchParams)} -> {id: RequestOutput}, checking the pages'
     owners after every step."""
     for rid, (prompt, beam) in requests.items():
-        engine.add_request(GenerateRequest(rid, prompt, SamplingParams(), beam=beam))
+        params = SamplingParams(n=beam.beam_width)  # every hypothesis
+        engine.add_request(GenerateRequest(rid, prompt, params, beam=beam))
     done = {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -135,6 +136,37 @@ def test_preemption_and_prefix_hits_change_nothing():
     hits = engine.scheduler.prefix_hits
     assert_matches_reference(run(engine, requests), requests)
     assert engine.scheduler.prefix_hits > hits
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_searches_that_outgrow_the_pool_together_take_turns(caching):
+    """Three searches that each fit the pool alone but not together: a beam preempted
+    for pages leaves its group-mates waiting on pages they hold, and every group may
+    end up so. The newest search then makes way whole, and each gets its turn (this
+    once looped forever on empty steps); a preempted beam comes back onto its group's
+    prompt pages (forked without the prefix cache)."""
+    rs = random.Random(4)
+    beam = BeamSearchParams(beam_width=4, max_tokens=10, ignore_eos=True)
+    requests = {f"g{i}": ([rs.randrange(10, VOCAB) for _ in range(30)], beam) for i in range(3)}
+    engine = make_engine(num_pages=25, budget=64, enable_prefix_caching=caching)
+    steps = 0
+
+    def bounded(engine):
+        nonlocal steps
+        steps += 1
+        assert steps < 500, "the searches made no progress"
+
+    done = run(engine, requests, each_step=bounded)
+    assert engine.scheduler.num_preemptions > 0
+    assert_matches_reference(done, requests)
+
+
+def test_a_search_that_cannot_fit_the_pool_is_refused():
+    engine = make_engine(num_pages=19)
+    beam = BeamSearchParams(beam_width=4, max_tokens=10)
+    with pytest.raises(ParamError, match="may hold 19 KV pages; the whole pool has 18") as e:
+        engine.add_request(GenerateRequest("x", list(range(10, 40)), SamplingParams(), beam=beam))
+    assert e.value.field == "beam_width"
 
 
 def test_beams_mix_with_sampled_requests_and_n_samples():
