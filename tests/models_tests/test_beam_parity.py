@@ -91,7 +91,8 @@ def _transformers(hf, prompt, eos, k, length_penalty, early_stopping):
         )
     lengths = (out.beam_indices >= 0).sum(dim=1).tolist()  # each one's generated tokens
     seqs = out.sequences[:, len(prompt) :].tolist()
-    return [(s[:n], float(score)) for s, n, score in zip(seqs, lengths, out.sequences_scores)]
+    scores = out.sequences_scores.tolist()
+    return [(s[:n], score) for s, n, score in zip(seqs, lengths, scores, strict=True)]
 
 
 def _check(llm, hf, prompts, eos) -> None:
@@ -132,7 +133,7 @@ def test_beam_search_matches_transformers(model):
 def test_beams_ended_by_eos_and_nothing_compiled_after_warm_up(model):
     """Forks, page copies and preemptions, with every program compiled at warm-up
     (`compile_guard`: a step that compiles raises)."""
-    path, hf, prompts, eos = model
+    path, _, prompts, _ = model
     with LLM(path, num_kv_pages=36, warmup=True, compile_guard=True, **SMALL) as llm:
         runner = llm.engine.runner
         compiled = runner.compiles.count

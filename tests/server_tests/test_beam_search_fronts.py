@@ -87,7 +87,8 @@ def test_grpc_beam_search(served, offline):
         reply = stub.Complete(request, timeout=120)
         assert [c.text for c in reply.completions] == [s.text for s in offline[4][:3]]
         assert [list(c.token_ids) for c in reply.completions] == [
-            s.tokens[-len(c.token_ids) :] for s, c in zip(offline[4], reply.completions)
+            s.tokens[-len(c.token_ids) :]
+            for s, c in zip(offline[4][:3], reply.completions, strict=True)
         ]
         bad = pb.GenerateRequest(
             prompt=PROMPT,
