@@ -177,6 +177,10 @@ def test_beams_mix_with_sampled_requests_and_n_samples():
     done = run(engine, {"b": (prompt, beam)})
     assert len(done["s"].outputs) == 3 and all(len(c.token_ids) == 6 for c in done["s"].outputs)
     assert_matches_reference(done, {"b": (prompt, beam)})
+    # n < beam_width: the best n of the search's hypotheses.
+    engine.add_request(GenerateRequest("two", prompt, SamplingParams(n=2), beam=beam))
+    (out,) = [o for o in run(engine, {}).values()]
+    assert [c.token_ids for c in out.outputs] == [t for t, _ in reference(prompt, beam)[:2]]
 
 
 @pytest.mark.parametrize("k", [4, 8])
@@ -202,6 +206,39 @@ def test_k_beams_hold_one_copy_of_a_long_prompt(k):
     run(engine, {"b": (prompt, BeamSearchParams(beam_width=k, max_tokens=new))}, each_step=count)
     assert held and max(held) <= prompt_pages + k * tail
     assert max(held) < 2 * prompt_pages  # (k copies would be k * 63 pages)
+
+
+def test_the_kv_tier_and_page_export_with_shared_pages():
+    """Pages several beams hold keep their names: the prompt's, exported mid-search
+    (disaggregated prefill), load on another engine, whose search is the same; a
+    small pool evicts the beams' cached pages into its host tier and loads them back."""
+    rs = random.Random(5)
+    prompt = [rs.randrange(10, VOCAB) for _ in range(30)]
+    beam = BeamSearchParams(beam_width=4, max_tokens=8, ignore_eos=True)
+    exported = []
+
+    def export(engine):
+        if not exported and len(engine.scheduler.running) == 4:
+            exported.extend(engine.export_prefix(prompt))
+
+    engine = make_engine(kv_offload_bytes=1 << 20)
+    assert_matches_reference(
+        run(engine, {"a": (prompt, beam)}, each_step=export), {"a": (prompt, beam)}
+    )
+    assert len(exported) == len(prompt) // 4  # every full page of the prompt
+    other = make_engine(kv_offload_bytes=1 << 20)
+    assert other.import_pages(exported) == len(exported)
+    done = run(other, {"b": (prompt, beam)})
+    assert done["b"].num_cached_tokens == len(exported) * 4
+    assert_matches_reference(done, {"b": (prompt, beam)})
+    # A pool that holds one search at a time: each evicts the other's pages to the tier.
+    small = make_engine(num_pages=22, kv_offload_bytes=1 << 20)
+    prompts = [[rs.randrange(10, VOCAB) for _ in range(30)] for _ in range(2)]
+    for _ in range(2):
+        for i, p in enumerate(prompts):
+            assert_matches_reference(run(small, {f"p{i}": (p, beam)}), {f"p{i}": (p, beam)})
+            small.kv_connector.flush()
+    assert small.tier.stats.loads > 0
 
 
 def test_a_wide_search_waits_for_running_slots():
