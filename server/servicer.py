@@ -388,7 +388,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     async def Prefill(self, request, context):
         msg = request.request
         params = await self._params(msg, context)
-        why = disagg.can_disaggregate(params)
+        why = disagg.can_disaggregate(params, msg.HasField("beam_search"))
         if why is not None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{why}: run this request on one instance"

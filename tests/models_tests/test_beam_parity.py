@@ -118,7 +118,7 @@ def _check(llm, hf, prompts, eos) -> None:
 @pytest.mark.slow
 def test_beam_search_matches_transformers(model):
     path, hf, prompts, eos = model
-    with LLM(path, num_kv_pages=36, warmup=False, **SMALL) as llm:
+    with LLM(path, num_kv_pages=29, warmup=False, **SMALL) as llm:
         engine = llm.engine
         _check(llm, hf, prompts, eos)
         assert engine.scheduler.num_preemptions > 0  # beams preempted, recomputed

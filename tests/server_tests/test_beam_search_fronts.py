@@ -133,3 +133,11 @@ def test_refusals_name_the_param(http, body, param):
 def test_best_of_without_beam_search_must_equal_n(http):
     r = http.post("/v1/completions", json={"prompt": PROMPT, "n": 1, "best_of": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+
+
+def test_a_beam_search_is_never_split_between_prefill_and_decode():
+    from jaxserve.sampling_params import SamplingParams
+    from server import disagg
+
+    assert disagg.can_disaggregate(SamplingParams(), beam_search=True) == "beam_search"
+    assert disagg.can_disaggregate(SamplingParams()) is None
