@@ -31,8 +31,9 @@ import time
 def _cpu_name() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line)
-    except (OSError, subprocess.CalledProcessError, StopIteration):
+        names = [line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line]
+        return names[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
         return platform.processor() or platform.machine()
 
 
@@ -112,7 +113,8 @@ def main() -> None:
 
     def engine_search():
         res = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
-        return [[s.tokens[len(p) :] for s in r.sequences] for p, r in zip(prompts, res, strict=True)]
+        pairs = zip(prompts, res, strict=True)
+        return [[s.tokens[len(p) :] for s in r.sequences] for p, r in pairs]
 
     def samples():
         sp = SamplingParams(n=k, max_tokens=m, temperature=1.0, seed=0, ignore_eos=True)

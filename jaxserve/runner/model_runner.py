@@ -126,11 +126,8 @@ class ModelRunner:
         self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches, config.logprobs_mode)
         self.kv_programs = kv_io.jitted(self.cache_layout)
         self.shapes = StepShapes.for_config(config)
-        # Copy-on-write page copies, at most one per sequence a step schedules.
-        self.copy_program, self.copy_buckets = (
-            kv_io.JITTED_COPY,
-            kv_io.copy_buckets(self.shapes.max_seqs),
-        )
+        self.copy_program = kv_io.JITTED_COPY  # copy-on-write's (one page per sequence)
+        self.copy_buckets = kv_io.copy_buckets(self.shapes.max_seqs)
         self.token_buckets, self.row_buckets = self.shapes.token_buckets, self.shapes.row_buckets
         self.history_len = config.pages_per_seq * config.cache.page_size
         # A step's `prev_tokens` when no step before it is in flight.
@@ -256,12 +253,7 @@ class ModelRunner:
         return pick_bucket(num_rows, self.row_buckets, what="sampling rows")
 
     def build(
-        self,
-        work: list[SeqWork],
-        *,
-        token_bucket: int | None = None,
-        all_logits: bool = False,
-        copies: list[tuple[int, int]] = (),
+        self, work: list[SeqWork], *, token_bucket=None, all_logits=False, copies=()
     ) -> HostBatch:
         """The step's arrays, padded to `token_bucket` (default: the smallest that fits);
         `copies`: the copy-on-write page pairs the step makes first."""
@@ -307,10 +299,9 @@ class ModelRunner:
 
     def _forward(self, batch: HostBatch, prev_tokens: jax.Array | None = None):
         with self.on_mesh():
-            if len(batch.copies):  # copy-on-write: in device order, before the step's writes
-                self.kv_caches = kv_io.copy_pages(
-                    self.kv_caches, batch.copies, self.copy_program, self.copy_buckets
-                )
+            self.kv_caches = kv_io.copy_pages(  # copy-on-write's, before the step writes
+                self.kv_caches, batch.copies, self.copy_program, self.copy_buckets
+            )
             selected, hidden, self.kv_caches = self.programs.forward(
                 self.model_def,
                 self.weights,
