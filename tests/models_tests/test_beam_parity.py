@@ -134,12 +134,14 @@ def test_beams_ended_by_eos_and_nothing_compiled_after_warm_up(model):
     """Forks, page copies and preemptions, with every program compiled at warm-up
     (`compile_guard`: a step that compiles raises)."""
     path, _, prompts, _ = model
-    with LLM(path, num_kv_pages=36, warmup=True, compile_guard=True, **SMALL) as llm:
+    with LLM(path, num_kv_pages=29, warmup=True, compile_guard=True, **SMALL) as llm:
         runner = llm.engine.runner
         compiled = runner.compiles.count
-        params = BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS)
-        results = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+        reasons = set()
+        for penalty in (1.0, -1.0):  # (a negative one ranks short, EOS-ended beams first)
+            params = BeamSearchParams(beam_width=8, max_tokens=MAX_TOKENS, length_penalty=penalty)
+            results = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+            reasons |= {s.finish_reason for r in results for s in r.sequences}
         assert runner.compiles.count == compiled
         assert llm.engine.scheduler.num_preemptions > 0
-        reasons = {s.finish_reason for r in results for s in r.sequences}
         assert reasons == {"stop", "length"}
