@@ -14,8 +14,11 @@ On one `LLM` (warm-up on, prefix caching on), the same search three ways:
     each, EOS ignored): what decoding the same number of sequences costs unsearched.
 Both searches run with ignore_eos, so every beam lives max_tokens steps, and must
 return the same sequences. Each figure is the median of --repeats runs, with beam
-tokens/s (prompts x beam_width x max_tokens over the wall time) and the KV pages
-held at the peak of the run.
+tokens/s (prompts x beam_width x max_tokens over the wall time), the KV pages held
+at the peak of the run, engine steps, and the copy-on-write page copies made; and
+the page-copy program's time per call for each pair count (what a step that forks
+adds; copies folded into the step as a fixed-shape input would cost the largest
+count's on every step).
 """
 
 from __future__ import annotations
@@ -49,6 +52,45 @@ def _peak_pages(llm):
 
     engine.step = recording
     return peak
+
+
+def _counting(llm):
+    """Counts the engine's steps and its copy-on-write page copies; returns the counts."""
+    engine, runner, counts = llm.engine, llm.engine.runner, {"steps": 0, "copies": 0}
+    step, copy = engine.step, runner.copy_program
+
+    def stepping():
+        counts["steps"] += 1
+        return step()
+
+    def copying(kv_caches, pairs):
+        counts["copies"] += int((pairs[:, 1] != 0).sum())
+        return copy(kv_caches, pairs)
+
+    engine.step, runner.copy_program = stepping, copying
+    return counts
+
+
+def _copy_program_ms(llm, repeats: int = 50) -> dict[int, float]:
+    """The copy program's time per call (ms, median), for each compiled pair count: what
+    a step with forks adds. Copies folded into every step would cost the largest
+    count's on every step (a fixed-shape input of S pairs), forks or not."""
+    import jax
+    import numpy as np
+
+    runner, out = llm.engine.runner, {}
+    for n in runner.copy_buckets:
+        pairs = np.zeros((n, 2), np.int32)
+        pairs[:, 0] = np.arange(1, n + 1)
+        pairs[:, 1] = np.arange(n + 1, 2 * n + 1)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.kv_caches = runner.copy_program(runner.kv_caches, pairs)
+            jax.block_until_ready(runner.kv_caches)
+            times.append(time.perf_counter() - t0)
+        out[n] = round(statistics.median(times) * 1e3, 3)
+    return out
 
 
 def _one_token_requests(llm, prompts, params):
@@ -109,6 +151,8 @@ def main() -> None:
     params = BeamSearchParams(beam_width=k, max_tokens=m, ignore_eos=True)
     beam_tokens = args.prompts * k * m
     peak = _peak_pages(llm)
+    copy_ms = _copy_program_ms(llm)  # (before any request: the pages copied hold nothing)
+    counts = _counting(llm)
     results, outputs = {}, {}
 
     def engine_search():
@@ -128,6 +172,7 @@ def main() -> None:
     compiled = llm.engine.runner.compiles.count
     for name, fn in runs.items():
         times, peaks = [], []
+        counts.update(steps=0, copies=0)
         for _ in range(args.repeats):
             llm.reset_prefix_cache()  # every run starts cold
             peak[0] = 0
@@ -140,6 +185,9 @@ def main() -> None:
             "seconds": round(seconds, 3),
             "beam_tokens_per_s": round(beam_tokens / seconds, 1),
             "peak_kv_pages": max(peaks),
+            "steps": counts["steps"] // args.repeats,
+            "ms_per_step": round(sum(times) / max(1, counts["steps"]) * 1e3, 2),
+            "page_copies": counts["copies"] // args.repeats,
         }
         print(f"{name:>22}: {seconds:7.3f} s  {beam_tokens / seconds:8.1f} tok/s  "
               f"peak {max(peaks)} KV pages")  # fmt: skip
@@ -154,6 +202,7 @@ def main() -> None:
         "repeats": args.repeats,
         "same_sequences": same,
         "compiled_after_warm_up": llm.engine.runner.compiles.count - compiled,
+        "copy_program_ms_by_pairs": copy_ms,
         "results": results,
     }
     print(json.dumps(report, indent=2))
