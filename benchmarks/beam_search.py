@@ -173,6 +173,7 @@ def main() -> None:
     for name, fn in runs.items():
         times, peaks = [], []
         counts.update(steps=0, copies=0)
+        before = llm.engine.stats()
         for _ in range(args.repeats):
             llm.reset_prefix_cache()  # every run starts cold
             peak[0] = 0
@@ -181,7 +182,14 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
             peaks.append(peak[0])
         seconds = statistics.median(times)
+        after, steps = llm.engine.stats(), max(1, counts["steps"])
         results[name] = {
+            # The engine's own split of a step: host work (scheduling, inputs, outputs)
+            # and waiting for the device.
+            "host_ms_per_step": round((after.host_seconds - before.host_seconds) / steps * 1e3, 2),
+            "device_ms_per_step": round(
+                (after.device_seconds - before.device_seconds) / steps * 1e3, 2
+            ),
             "seconds": round(seconds, 3),
             "beam_tokens_per_s": round(beam_tokens / seconds, 1),
             "peak_kv_pages": max(peaks),
