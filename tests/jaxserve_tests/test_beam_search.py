@@ -312,3 +312,27 @@ def test_speculation_is_refused():
     with pytest.raises(ParamError, match="speculative decoding") as e:
         engine.add_request(GenerateRequest("x", [1, 2, 3], SamplingParams(), beam=beam))
     assert e.value.field == "beam"
+
+
+def test_the_copy_program_copies_whole_pages_in_every_array():
+    """`kv_io.copy_pages`: each pair's source page into its destination, in every layer's
+    arrays (an int8 cache's scales too), in chunks of the largest bucket."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.runner import kv_io
+    from pallas_kernels.quantization import QuantizedKV
+
+    pages = jnp.arange(8 * 4 * 2 * 3, dtype=jnp.float32).reshape(8, 4, 2, 3)
+    scales = jnp.arange(8 * 4 * 2, dtype=jnp.float32).reshape(8, 4, 2)
+    caches = [pages, QuantizedKV(pages.astype(jnp.int8), scales)]
+    want = [np.array(pages), (np.array(pages).astype(np.int8), np.array(scales))]
+    pairs = np.array([[1, 5], [2, 6], [3, 7]], np.int32)  # 3 pairs: chunks of 2 and 1
+    out = kv_io.copy_pages(caches, pairs, kv_io.JITTED_COPY, (1, 2))
+    for src, dst in pairs:
+        want[0][dst] = want[0][src]
+        want[1][0][dst], want[1][1][dst] = want[1][0][src], want[1][1][src]
+    np.testing.assert_array_equal(out[0], want[0])
+    np.testing.assert_array_equal(out[1].pages, want[1][0])
+    np.testing.assert_array_equal(out[1].scales, want[1][1])
+    assert kv_io.copy_pages(out, np.zeros((0, 2), np.int32), None, (1, 2)) is out
