@@ -377,6 +377,7 @@ class ChatCompletionRequest(_Request):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    use_beam_search: bool = False  # (vLLM's field; beam search is completions' here)
 
     def _max_tokens(self):
         if self.max_completion_tokens is not None:
@@ -391,7 +392,8 @@ class ChatCompletionRequest(_Request):
         return self.top_logprobs or 0, "top_logprobs"
 
     def check_unsupported(self) -> None:
-        """Everything a chat completion carries is supported."""
+        if self.use_beam_search:
+            raise BadField("use_beam_search", "use_beam_search is served on /v1/completions")
 
     def tool_choice_mode(self) -> tuple[str, list[Function]]:
         """How the reply may call tools: "none", "auto", "required" or "named" (that

@@ -130,6 +130,12 @@ def test_refusals_name_the_param(http, body, param):
     assert r.json()["error"]["param"] == param, r.json()
 
 
+def test_chat_completions_refuse_beam_search(http):
+    body = {"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True, "n": 2}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+
+
 def test_best_of_without_beam_search_must_equal_n(http):
     r = http.post("/v1/completions", json={"prompt": PROMPT, "n": 1, "best_of": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
