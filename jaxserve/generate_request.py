@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.lora.request import LoRARequest
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,8 @@ class GenerateRequest:
     different salts never share prefix-cache pages (tenants). `resume` (disaggregated
     decode): continue only these samples, from the tokens another instance sampled
     for them, after it pushed the prompt's KV pages here. `lora`: serve it with this
-    LoRA adapter (an engine with enable_lora); None: the base model.
+    LoRA adapter (an engine with enable_lora); None: the base model. `beam`: generate
+    by beam search instead of sampling (`jaxserve.engine.beams`).
     """
 
     request_id: str
@@ -49,6 +50,9 @@ class GenerateRequest:
     cache_salt: str | None = None
     resume: tuple[ResumedSample, ...] | None = None
     lora: LoRARequest | None = None
+    # A beam search (`LLM.beam_search`, HTTP `use_beam_search`): `params` then say only
+    # how text is made (and are checked for settings a beam search cannot honour).
+    beam: BeamSearchParams | None = None
 
     def __post_init__(self):
         # Integer-like ids (numpy's) become ints; anything else stays as it is, for

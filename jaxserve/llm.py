@@ -10,6 +10,7 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from jaxserve.assets import DEFAULT_MODEL, EMBEDDED_MODELS
+from jaxserve.beam_search import beam_score
 from jaxserve.config import ModelConfig, engine_config
 from jaxserve.distributed import multihost
 from jaxserve.distributed.data_parallel import DataParallelEngine, data_parallel_engine, stream_all
@@ -18,8 +19,8 @@ from jaxserve.engine.startup import use_compilation_cache
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.inputs import PromptType, parse_prompt
 from jaxserve.lora import LoRARequest
-from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import ParamError, SamplingParams
+from jaxserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from jaxserve.sampling_params import BeamSearchParams, ParamError, SamplingParams
 from jaxserve.tokenizer import Tokenizer
 from pallas_kernels.cpu import cache as kernel_cache
 
@@ -306,30 +307,18 @@ class LLM:
         validated before any is queued, so a bad one changes nothing.
         If interrupted, the requests still running are aborted and their pages freed.
         """
-        if self.closed:
-            raise RuntimeError("this LLM is closed")
-        if self.engine is None:
-            raise ValueError("this is a multi-host follower (process_id > 0): call follow()")
-        if isinstance(prompts, str | Mapping):
-            prompts = [prompts]
-        prompts = list(prompts)
+        parsed = self._parse(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
+            params = [sampling_params] * len(parsed)
         else:
             params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        loras = _per_prompt_loras(lora_request, len(prompts))
-        parsed = []
-        for i, prompt in enumerate(prompts):
-            try:
-                parsed.append(parse_prompt(prompt, self.tokenizer))
-            except ValueError as e:
-                raise _prompt_error(i, e) from None
+            if len(params) != len(parsed):
+                raise ValueError(f"got {len(params)} sampling_params for {len(parsed)} prompts")
+        if priority is not None and len(priority) != len(parsed):
+            raise ValueError(f"got {len(priority)} priorities for {len(parsed)} prompts")
+        loras = _per_prompt_loras(lora_request, len(parsed))
         requests = [
             GenerateRequest(
                 str(next(self._ids)),
@@ -342,6 +331,75 @@ class LLM:
             )
             for i, (p, sp) in enumerate(zip(parsed, params, strict=True))
         ]
+        return self._run(requests, use_tqdm, "generate")
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+        cache_salt: str | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the `params.beam_width` best sequences of each
+        prompt, best first, ranked as transformers' `generate(num_beams=...)` ranks
+        them (`jaxserve.beam_search`). The beams of every prompt run together in the
+        continuous batch, sharing their pages copy-on-write. Prompts are as in
+        `generate`; all are validated before any is queued."""
+        if not isinstance(params, BeamSearchParams):
+            raise ParamError("params", f"params must be a BeamSearchParams, got {params!r}")
+        parsed = self._parse(prompts)
+        requests = [
+            GenerateRequest(
+                str(next(self._ids)),
+                p.token_ids,
+                SamplingParams(n=params.beam_width),  # (n: the hypotheses returned)
+                prompt=p.text,
+                cache_salt=cache_salt,
+                beam=params,
+            )
+            for p in parsed
+        ]
+        outputs = self._run(requests, use_tqdm, "beam search")
+        return [
+            BeamSearchOutput(
+                [
+                    BeamSearchSequence(
+                        tokens=list(out.prompt_token_ids) + c.token_ids,
+                        logprobs=c.logprobs or [],
+                        cum_logprob=c.cumulative_logprob or 0.0,
+                        text=c.text if self.tokenizer is not None else None,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        score=beam_score(
+                            c.cumulative_logprob or 0.0, len(c.token_ids), params.length_penalty
+                        ),
+                    )
+                    for c in out.outputs
+                ]
+            )
+            for out in outputs
+        ]
+
+    def _parse(self, prompts):
+        """The call's prompts parsed (token ids, text), each error naming its prompt."""
+        if self.closed:
+            raise RuntimeError("this LLM is closed")
+        if self.engine is None:
+            raise ValueError("this is a multi-host follower (process_id > 0): call follow()")
+        if isinstance(prompts, str | Mapping):
+            prompts = [prompts]
+        parsed = []
+        for i, prompt in enumerate(prompts):
+            try:
+                parsed.append(parse_prompt(prompt, self.tokenizer))
+            except ValueError as e:
+                raise _prompt_error(i, e) from None
+        return parsed
+
+    def _run(self, requests: list[GenerateRequest], use_tqdm: bool, what: str):
+        """Queues the requests (all validated first: a bad one changes nothing) and
+        steps the engine until every one is finished; their outputs in order."""
         if isinstance(self.engine, DataParallelEngine):
             return self._generate_on_replicas(requests, use_tqdm)
         for i, request in enumerate(requests):
@@ -360,7 +418,7 @@ class LLM:
                 results[out.request_id] = out
 
         with tqdm(
-            total=len(requests), desc="generate", unit="req", disable=not use_tqdm, mininterval=1
+            total=len(requests), desc=what, unit="req", disable=not use_tqdm, mininterval=1
         ) as bar:
             self.engine.run(keep, progress=bar)
         return [results[request.request_id] for request in requests]

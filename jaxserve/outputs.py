@@ -71,3 +71,27 @@ class ModelInfo:
     num_devices: int = 1
     num_processes: int = 1
     kv_cache_bytes_per_device: int = 0
+
+
+@dataclasses.dataclass
+class BeamSearchSequence:
+    """One hypothesis of a beam search, as vLLM's (`LLM.beam_search`): `tokens` are the
+    prompt's then the generated ones (an ending EOS included), `text` the generated
+    text, `cum_logprob` the generated tokens' summed logprobs, and `logprobs` one
+    {token: logprob} per generated token. `score` (a jaxserve addition) is what beams
+    are ranked by: cum_logprob / generated_len ** length_penalty (transformers')."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float]]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    score: float = 0.0
+
+
+@dataclasses.dataclass
+class BeamSearchOutput:
+    """A beam search's result for one prompt (vLLM's): the best sequences, best first."""
+
+    sequences: list[BeamSearchSequence]

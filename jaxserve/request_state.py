@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.generate_request import ResumedSample
@@ -19,6 +20,9 @@ from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import SequenceState
 from jaxserve.structured import GrammarMatcher
+
+if TYPE_CHECKING:
+    from jaxserve.engine.beams import BeamState
 
 
 @dataclasses.dataclass(eq=False)
@@ -50,9 +54,13 @@ class RequestState:
     weight_version: int = 0
     first_weight_version: int | None = None
     lora: LoRARequest | None = None  # its adapter, if any
+    # A beam search: its group (`seqs` are its running beams, changing each step).
+    beam: BeamState | None = None
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.group.done or (bool(self.seqs) and all(s.finished for s in self.seqs))
         return all(s.finished for s in self.seqs)
 
     def resume(self, resume: tuple[ResumedSample, ...]) -> None:
@@ -136,7 +144,9 @@ class RequestState:
             if self.first_weight_version is None:
                 self.first_weight_version = weight_version
         completions = []
-        for seq in self.seqs:
+        if self.beam is not None:  # one output, once done: the best hypotheses
+            completions = self.beam.completions() if self.beam.group.done else []
+        for seq in self.seqs if self.beam is None else ():
             detok = self.detoks[seq.index]
             text = delta = ""
             if detok is not None:
@@ -168,7 +178,7 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=completions,
             finished=self.finished,
-            num_cached_tokens=self.seqs[0].num_cached_tokens,
+            num_cached_tokens=(self.beam.root if self.beam else self.seqs[0]).num_cached_tokens,
             prompt_logprobs=(
                 list(self.prompt_logprobs) if self.params.prompt_logprobs is not None else None
             ),

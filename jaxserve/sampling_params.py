@@ -222,3 +222,61 @@ class SamplingParams:
 
 # The sampling settings every front end carries, by SamplingParams' names.
 FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+# A beam search takes max(2, 1 + EOS ids) * beam_width candidates a step from each
+# beam's top logprobs, of which the sampler computes MAX_LOGPROBS: with one EOS id,
+# 10 beams at most (transformers' rule: see `jaxserve.beam_search`).
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSearchParams:
+    """A beam search (vLLM's `BeamSearchParams`, `LLM.beam_search`): the `beam_width`
+    best sequences of at most `max_tokens` tokens by cumulative logprob, finished ones
+    ranked by `cum_logprob / num_tokens ** length_penalty` as transformers does
+    (`jaxserve.beam_search`).
+
+    `temperature` > 0 scores candidates by log_softmax(logits / temperature); 0 (the
+    default) by the model's raw logprobs. `early_stopping` is transformers' (a
+    jaxserve extension): False (its default) stops once no running beam can beat the
+    worst of `beam_width` finished ones at its current length; True as soon as
+    `beam_width` are finished; "never" only when none can at max_tokens (for a
+    positive length_penalty). `ignore_eos`: EOS ends no beam. `include_stop_str_in_
+    output` is accepted for vLLM's API (a beam search stops at EOS only).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def __post_init__(self):
+        def bad(field: str, why: str):
+            raise ParamError(field, f"{field} {why}, got {getattr(self, field)!r}")
+
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            bad("beam_width", f"must be an integer in [1, {MAX_BEAM_WIDTH}]")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                bad(name, "must be a number")
+            if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+                bad(name, "must be finite")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a bool")
+        if self.early_stopping not in (True, False, "never") or (
+            self.early_stopping in (0, 1) and not isinstance(self.early_stopping, bool)
+        ):
+            bad("early_stopping", 'must be True, False or "never"')

@@ -34,6 +34,14 @@ on the device. Each sequence that step samples for has a placeholder
 (the runner reads its id on the device), except for a sequence whose placeholder
 is its last allowed token (max_tokens), which waits for the step in flight to
 finish it. A page is cached once its tokens are all back on the host.
+
+Copy-on-write (`kv.page_pool`): sequences may share pages. An n > 1 sample whose first
+sample runs with all of the prompt but its last token computed is admitted by forking
+those pages (one prefill, then n owners), and a beam search forks a beam into several
+(`fork`). Whenever a sequence is given pages for the tokens it computes next, any page
+it would write that has other owners is exchanged for its own copy first; the copies
+leave in the plan's `copies` and run on the device before the step. A beam search's
+sequences hold their group's beam width of the `max_num_seqs` running slots (`seats`).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import dataclasses
 import random
 
 from jaxserve.config import SchedulerConfig
+from jaxserve.kv import sharing
 from jaxserve.kv.groups import KVGroups
 from jaxserve.kv.page_pool import ROOT_UID, PagePool
 from jaxserve.kv.tier import KVTier
@@ -91,6 +100,8 @@ class SchedulerOutput:
     loads: list[tuple[int, Page]] = dataclasses.field(default_factory=list)  # tier -> page
     # LoRA adapters to write into device slots before the step: (slot, adapter key)
     lora_loads: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    # Copy-on-write: (source, destination) pages to copy before the step (kv.page_pool).
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -171,7 +182,8 @@ class Scheduler:
             preempted.append(victim)
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        # (Running sequences fit max_num_seqs by admission's seats; the bound is a guard.)
+        while i < len(self.running) and budget > 0 and len(scheduled) < self.max_num_seqs:
             seq = self.running[i]
             todo = seq.num_tokens + seq.num_placeholders - seq.num_computed
             if todo <= 0 or len(seq.output_ids) + seq.num_placeholders >= seq.max_tokens:
@@ -195,7 +207,15 @@ class Scheduler:
         loads: list[tuple[int, Page]] = []
         if not preempted:
             budget = self._admit(budget, scheduled, loads)
+        if not scheduled and self.waiting and sharing.all_idle_beams(self.running):
+            # Beam searches wait for group-mates that wait for the pages they hold: the
+            # newest search makes way, all its beams (they recompute when readmitted).
+            newest = max(self.running, key=SequenceState.sort_key)
+            for seq in sharing.group_of(self.running, newest):
+                self._preempt(seq)
+                preempted.append(seq)
         plan = SchedulerOutput(self._fit_to_bucket(scheduled), preempted, loads)
+        plan.copies = self.pool.take_copies()
         if self.lora is not None:
             plan.lora_loads = self.lora.take_loads()
         return plan
@@ -230,6 +250,17 @@ class Scheduler:
                 return fitted
         return scheduled  # not enough prefill to cut: keep the step as planned
 
+    def _seats(self) -> tuple[int, set[str]]:
+        """Running slots held, and the beam searches holding them (`SequenceState.seats`)."""
+        held, groups = 0, set()
+        for seq in self.running:
+            if seq.seats == 1:
+                held += 1
+            elif seq.request_id not in groups:
+                held += seq.seats
+                groups.add(seq.request_id)
+        return held, groups
+
     def _admit(
         self, budget: int, scheduled: list[ScheduledSeq], loads: list[tuple[int, Page]]
     ) -> int:
@@ -237,18 +268,23 @@ class Scheduler:
         if self.lora is not None and self.waiting:
             self.lora.keep_reservations({s.lora_key for s in self.waiting if s.lora_key})
             horizon = max(s.arrival for s in self.waiting)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        held, groups = self._seats()
+        while self.waiting and budget > 0 and held < self.max_num_seqs:
             seq = self.waiting[0]
-            leader = seq.leader
+            donor = sharing.donor(self.running, seq)
             if seq.num_placeholders or (
-                leader is not None
-                and leader.num_computed < leader.num_prompt_tokens
-                and (leader.status is not Status.FINISHED)
+                donor is not None
+                and donor.num_computed < donor.num_prompt_tokens
+                and (donor.status is not Status.FINISHED)
             ):
-                # An n > 1 sibling waits for the first sample to compute (and cache) the
-                # prompt; a preempted sequence, for the token an in-flight step samples.
+                # An n > 1 sibling (or a beam) waits for the first sample (a group-mate)
+                # to compute the prompt, then shares it; a preempted sequence waits for
+                # the token an in-flight step samples.
                 blocked.append(self.waiting.pop(0))
                 continue
+            seats = 0 if seq.request_id in groups else seq.seats
+            if held + seats > self.max_num_seqs:
+                break
             slot = 0
             if seq.lora_key is not None:
                 # (its adapter may be written now, or a slot reserved for it)
@@ -256,6 +292,16 @@ class Scheduler:
                 if slot is None:  # no slot for its adapter yet
                     blocked.append(self.waiting.pop(0))
                     continue
+            n = self._fork_prompt(seq, donor, budget)
+            if n is not None:  # one prefill for the n samples (copy-on-write)
+                self.waiting.pop(0)
+                held += seats
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                self._pin_slot(seq, slot)
+                scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+                budget -= n
+                continue
             # Prompt logprobs need every prompt position's logits: no cached prefix.
             cacheable = seq.num_tokens - 1 if seq.params.prompt_logprobs is None else 0
             hit = self.kv.lookup(seq, cacheable)  # (references taken: seq.pages)
@@ -287,9 +333,10 @@ class Scheduler:
                 self.prefix_hits += computed
             seq.status = Status.RUNNING
             self.running.append(seq)
-            seq.lora_slot = slot
-            if slot:
-                self.lora.pin(slot)
+            self._pin_slot(seq, slot)
+            held += seats
+            if seq.seats > 1:
+                groups.add(seq.request_id)
             scheduled.append(ScheduledSeq(seq, computed, n))
             budget -= n
         for seq in blocked:
@@ -329,8 +376,61 @@ class Scheduler:
         return budget
 
     def _grow(self, seq: SequenceState, num_tokens: int) -> bool:
-        """Gives `seq` pages for `num_tokens` tokens; False if a group's pool cannot."""
-        return self.kv.grow(seq, num_tokens)
+        """Gives `seq` pages for `num_tokens` tokens, and its own copy of each shared
+        page among those it writes (from `num_computed` on); False if a pool cannot.
+        (Pages are shared with one layer group only: a hybrid KV cache never forks.)"""
+        if len(self.kv.pools) > 1:
+            return self.kv.grow(seq, num_tokens)
+        need = -(-num_tokens // self.page_size) - len(seq.pages)
+        shared = sharing.shared_pages(
+            self.pool, seq.pages, seq.num_computed, num_tokens, self.page_size
+        )
+        if max(need, 0) + len(shared) > self.pool.num_free:
+            return False
+        for j in shared:
+            seq.pages[j] = self.pool.copy_on_write(seq.pages[j])
+        if need > 0:
+            seq.pages.extend(self.pool.allocate(need))
+        return True
+
+    def _fork_prompt(self, seq: SequenceState, donor, budget: int) -> int | None:
+        """Admits an n > 1 sample onto its first sample's prompt pages (a beam onto a
+        group-mate's, unless the prefix cache finds them), if that one runs with them
+        computed (`kv.sharing.fork_prompt`); returns the tokens it computes now, or None
+        (it holds nothing) if it cannot fork or get the pages it writes."""
+        if donor is None or donor.status is not Status.RUNNING or seq.num_prompt_tokens < 2:
+            return None
+        if len(self.kv.pools) > 1:  # (a hybrid KV cache: the prefix cache shares them)
+            return None
+        if donor.num_computed < seq.num_prompt_tokens - 1:
+            return None
+        if seq.leader is None and self.pool.enable_prefix_caching:
+            return None  # (a lookup shares the beams' generated pages too)
+        sharing.fork_prompt(self.pool, seq, donor, self.page_size)
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        if self._grow(seq, seq.num_computed + n):
+            return n
+        sharing.release(self.pool, seq)
+        return None
+
+    def fork(self, parent: SequenceState, index: int) -> SequenceState:
+        """A new sequence continuing `parent` (a beam search's new beam): running beside
+        it on its computed pages, shared by reference, or waiting with it if `parent`
+        waits (preempted: both recompute)."""
+        running = parent.status is Status.RUNNING
+        pages = self.pool.fork(sharing.computed_pages(parent, self.page_size)) if running else []
+        child = parent.fork(index, pages, self.page_size)
+        if running:
+            self.running.append(child)
+        else:
+            child.num_computed = child.draft_computed = 0
+            self.add(child)
+        return child
+
+    def check_invariant(self) -> None:
+        """The pool's page accounting, and each page's references against the live
+        sequences holding it (`PagePool.check_invariant`)."""
+        self.pool.check_invariant(owners=[s.pages for s in self.running + self.waiting])
 
     def preempt_all(self) -> int:
         """Preempts every running sequence (its pages freed, its work recomputed when
@@ -340,6 +440,12 @@ class Scheduler:
         for seq in running:
             self._preempt(seq)
         return len(running)
+
+    def _pin_slot(self, seq: SequenceState, slot: int) -> None:
+        """`seq` runs with its adapter in device slot `slot` (0: none)."""
+        seq.lora_slot = slot
+        if slot:
+            self.lora.pin(slot)
 
     def _stop_running(self, seq: SequenceState) -> None:
         self.running.remove(seq)

@@ -36,6 +36,9 @@ class SequenceState:
     leader: SequenceState | None = None  # for n > 1 siblings
     prompt: str | None = None
     lora_key: str | None = None  # its LoRA adapter's content key (`jaxserve.lora.Adapter`)
+    # Running slots (of max_num_seqs) its request holds once it runs: a beam search's
+    # sequences hold the beam width between them; every other sequence one.
+    seats: int = 1
 
     status: Status = Status.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)
@@ -76,6 +79,20 @@ class SequenceState:
     def append(self, token_id: int) -> None:
         self.output_ids.append(token_id)
         self.token_ids.append(token_id)
+
+    def fork(self, index: int, pages: list[int], page_size: int) -> SequenceState:
+        """A new sequence with this one's tokens so far (a beam of a beam search) and
+        `pages`, the pool's fork of the pages holding its computed tokens (shared by
+        reference, copy-on-write): it goes on from the same computed state."""
+        if self.num_placeholders or self.spec_token_ids:
+            raise RuntimeError("a sequence with tokens in flight or drafts cannot fork")
+        child = dataclasses.replace(self, index=index, output_ids=list(self.output_ids))
+        child.token_ids, child.spec_token_ids = list(self.token_ids), []
+        child.pages = list(pages)
+        child.page_uids, child.page_digests = list(self.page_uids), list(self.page_digests)
+        # The draft model's K/V of the partial last page is not copied: recomputed.
+        child.draft_computed = min(self.draft_computed, self.num_computed // page_size * page_size)
+        return child
 
     def sort_key(self) -> tuple[int, int]:
         """Who goes first: lower priority value, then earlier arrival."""

@@ -51,9 +51,12 @@ def check_role(front: EngineFront, role: str) -> None:
         )
 
 
-def can_disaggregate(params: SamplingParams) -> str | None:
+def can_disaggregate(params: SamplingParams, beam_search: bool = False) -> str | None:
     """Why a request must run on one instance (None: it may be split). min_tokens > 1
-    changes what stops the first token; a grammar's state does not travel."""
+    changes what stops the first token; a grammar's state does not travel, nor do a
+    beam search's beams (they share one instance's pages)."""
+    if beam_search:
+        return "beam_search"
     if params.min_tokens > 1:
         return "min_tokens > 1"
     if params.structured_outputs is not None:

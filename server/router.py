@@ -90,7 +90,10 @@ class RouterServicer(pb_grpc.JaxServeServicer):
             request.request_id = f"router-{next(self._ids)}"
         md = disagg.auth_metadata(context)
         try:
-            why = disagg.can_disaggregate(sampling_params_from_proto(request.sampling_params))
+            why = disagg.can_disaggregate(
+                sampling_params_from_proto(request.sampling_params),
+                request.HasField("beam_search"),
+            )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         errors, failed = [], set()

@@ -18,7 +18,13 @@ from jaxserve.front import EngineFront, cannot_transfer_kv
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.inputs import ParsedPrompt, parse_prompt
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import FIELDS, ParamError, SamplingParams, StructuredOutputsParams
+from jaxserve.sampling_params import (
+    FIELDS,
+    BeamSearchParams,
+    ParamError,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from jaxserve.tokenizer import Tokenizer
 from server import disagg, servicer_chat, serving
 from server import jaxserve_pb2 as pb
@@ -61,6 +67,31 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         elif not field.has_presence or msg.HasField(name):
             kw[name] = value
     return SamplingParams(**kw)
+
+
+_EARLY_STOPPING = {"": False, "false": False, "true": True, "never": "never"}
+
+
+def beam_search_from_proto(msg: pb.BeamSearch, params: SamplingParams) -> BeamSearchParams:
+    """A BeamSearch message, with the request's max_tokens, temperature and ignore_eos;
+    ParamError naming the field if a value is bad."""
+    if msg.early_stopping not in _EARLY_STOPPING:
+        raise ParamError(
+            "beam_search.early_stopping",
+            'beam_search.early_stopping must be "", "false", "true" or "never", '
+            f"got {msg.early_stopping!r}",
+        )
+    if params.max_tokens is None:
+        raise ParamError("max_tokens", "beam search needs max_tokens")
+    return BeamSearchParams(
+        beam_width=msg.beam_width,
+        max_tokens=params.max_tokens,
+        ignore_eos=params.ignore_eos,
+        temperature=params.temperature,
+        length_penalty=msg.length_penalty if msg.HasField("length_penalty") else 1.0,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        early_stopping=_EARLY_STOPPING[msg.early_stopping],
+    )
 
 
 def _structured_outputs(msg: pb.StructuredOutputs) -> StructuredOutputsParams:
@@ -173,9 +204,14 @@ class JaxServeServicer(LifecycleRPCs, pb_grpc.JaxServeServicer):  # pause, sleep
                 params = reading.sampling_params(params, prompt.text, "structured_outputs")
             except BadField as e:
                 await self._invalid(context, e)
-        resume = None
+        resume = beam = None
         if request.HasField("resume"):
             resume = disagg.resume_from_proto(request.resume)
+        if request.HasField("beam_search"):
+            try:
+                beam = beam_search_from_proto(request.beam_search, params)
+            except ValueError as e:
+                await self._invalid(context, e)
         gen = GenerateRequest(
             request.request_id or f"req-{next(self._ids)}",
             prompt.token_ids,
@@ -184,6 +220,7 @@ class JaxServeServicer(LifecycleRPCs, pb_grpc.JaxServeServicer):  # pause, sleep
             priority=request.priority,
             cache_salt=request.cache_salt or None,
             resume=resume,
+            beam=beam,
         )
         return gen, reading
 
@@ -357,7 +394,7 @@ class JaxServeServicer(LifecycleRPCs, pb_grpc.JaxServeServicer):  # pause, sleep
     async def Prefill(self, request, context):
         msg = request.request
         params = await self._params(msg, context)
-        why = disagg.can_disaggregate(params)
+        why = disagg.can_disaggregate(params, msg.HasField("beam_search"))
         if why is not None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{why}: run this request on one instance"

@@ -25,6 +25,14 @@ from jaxserve.runner.input_batch import (
 )
 
 
+def mock_candidates(history: list[int], vocab: int) -> tuple[list[int], list[float]]:
+    """The mock's top 20 next tokens after `history`, best first, with logprobs: what
+    a beam search's row gets (distinct ids; scores that differ between histories)."""
+    s = sum(history)
+    ids = [(s * 31 + j * 7) % vocab for j in range(20)]
+    return ids, [-0.3 * (j + 1) - 0.01 * ((s + j) % 13) for j in range(20)]
+
+
 def expected_tokens(prompt: list[int], n: int, vocab: int) -> list[int]:
     ids, out = list(prompt), []
     for _ in range(n):
@@ -59,12 +67,15 @@ class MockRunner:
         self.slots: dict = {}
         self.steps = 0
         self.closed = False
+        self._copies: list = []
+        self.copies_made = 0  # copy-on-write page copies applied
 
     def row_bucket(self, num_rows):
         return pick_bucket(num_rows, self.shapes.row_buckets, what="sampling rows")
 
-    def build(self, work):
+    def build(self, work, copies=()):
         num_tokens = sum(len(w.token_ids) for w in work)
+        self._copies = list(copies)
         t = pick_bucket(num_tokens, self.shapes.token_buckets, what="tokens")
         self._work = work
         return build_batch(
@@ -131,6 +142,13 @@ class MockRunner:
             sampling = sampling()
         self.steps += 1
         page_size = self.config.cache.page_size
+        for src, dst in self._copies:  # copy-on-write, before the step's writes
+            for i in range(page_size):
+                if src * page_size + i in self.slots:
+                    self.slots[dst * page_size + i] = self.slots[src * page_size + i]
+                else:
+                    self.slots.pop(dst * page_size + i, None)
+        self.copies_made += len(self._copies)
         token_ids = np.zeros(len(self._rows), np.int32)
         accepted = np.zeros(len(self._rows), np.bool_)
         rows = iter(enumerate(self._rows))
@@ -162,12 +180,17 @@ class MockRunner:
                     assert seen == expected[first:upto], f"group {g}'s KV holds wrong tokens"
                 token_ids[i] = sum(expected) % self.vocab
                 accepted[i] = row.draft == token_ids[i]
-        zeros = np.zeros((len(token_ids), 20))
+        top_ids = np.zeros((len(token_ids), 20), np.int32)
+        top_logprobs = np.zeros((len(token_ids), 20))
+        for i, row in enumerate(self._rows):
+            if row.beam > 0:  # a beam search's candidates (`mock_candidates`)
+                history = [t if t >= 0 else int(prev.tokens[-2 - t]) for t in row.token_ids]
+                top_ids[i], top_logprobs[i] = mock_candidates(history, self.vocab)
         out = types.SimpleNamespace(
             token_ids=token_ids,
             logprobs=np.zeros(len(token_ids)),
-            top_ids=zeros.astype(np.int32),
-            top_logprobs=zeros,
+            top_ids=top_ids,
+            top_logprobs=top_logprobs,
             accepted=accepted,
         )
         return types.SimpleNamespace(out=out, prompt_lp=None, tokens=token_ids)

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.engine import disagg_io, reporting
+from jaxserve.engine import beams, disagg_io, reporting
 from jaxserve.engine.adapters import EngineAdapters
 from jaxserve.engine.emission import Emitter
 from jaxserve.engine.grammars import GrammarAdmission
@@ -334,6 +334,10 @@ class LLMEngine(EngineLifecycle):  # pause and sleep: `lifecycle`
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self.validate(request)
+        beam, num_outputs = request.beam, request.params.n
+        if beam is not None:  # one root sequence, greedy rows (engine.beams)
+            request = beams.as_sequences(request)
+            params = request.params
         ids = list(request.prompt_token_ids)
         indices = range(params.n) if resume is None else sorted(r.index for r in resume)
         grammar = None
@@ -363,10 +367,13 @@ class LLMEngine(EngineLifecycle):  # pause and sleep: `lifecycle`
             grammar=grammar,
             weight_version=self.weight_version,
             # Structured output fills the next token's bitmask from the grammar's state
-            # after the last token.
-            sync_only=grammar is not None,
+            # after the last token; a beam search picks its next tokens on the host.
+            sync_only=grammar is not None or beam is not None,
             lora=request.lora,
         )
+        if beam is not None:
+            req = self.requests[request_id]
+            beams.attach(req, beam, num_outputs, self.eos_token_ids, self.tokenizer)
         self._num_sync_only += self.requests[request_id].sync_only
         self._stats.on_add()
         try:

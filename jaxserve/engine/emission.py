@@ -59,12 +59,20 @@ class Emitter:
             self._record_prompt_logprobs(step, prompt_lp, failed)
         touched: dict[str, RequestState] = {}
         new_tokens: dict[SequenceState, list[int]] = {}
+        beams: dict[str, RequestState] = {}  # beam searches whose beams have all offered
         for item, first in step.sampled:
             seq = item.seq
             seq.num_placeholders -= 1
             if seq.finished:  # stopped by the step before, or aborted: discard the token
                 continue
             req = self.requests[seq.request_id]
+            if req.beam is not None:  # candidates, not a token (engine.beams)
+                try:
+                    if req.beam.offer(item, out, first):
+                        beams[req.request_id] = req
+                except Exception as e:
+                    self._fail(req, e, "choosing its beams", failed)
+                continue
             try:
                 new_tokens[seq] = self.emit(req, item, out, first, first + 1 + len(item.draft))
             except Exception as e:
@@ -73,6 +81,14 @@ class Emitter:
             touched[seq.request_id] = req
             if not seq.finished:  # a next step in flight may have computed the token:
                 self.scheduler.cache_pages(seq)  # the page it completes, if any
+        for req in beams.values():  # (after every row: the step's beams are all applied)
+            if req.request_id not in failed:
+                try:
+                    req.beam.advance(req, self.scheduler)
+                except Exception as e:
+                    self._fail(req, e, "choosing its beams", failed)
+                if req.beam.group.done:
+                    touched[req.request_id] = req
         if self.proposer is not None:
             self._propose_next(new_tokens, failed)
         outputs = []

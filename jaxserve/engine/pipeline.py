@@ -191,7 +191,7 @@ class StepPipeline:
             flat.extend(item_rows)
             owners.extend([s.seq] * len(item_rows))
         runner = self.runner
-        batch = runner.build(work)
+        batch = runner.build(work, copies=plan.copies)
         # Built (grammar bitmasks filled) while the forward pass runs on the device. A
         # row that cannot be packed is recorded, not raised: its request fails alone.
         row_errors: dict[int, Exception] = {}
@@ -269,6 +269,7 @@ class StepPipeline:
             blocked,
             draft=draft[j] if j < len(draft) else -1,
             grammar=grammar,
+            beam=req.beam.temperature if req.beam is not None else 0.0,
         )
 
 

@@ -6,11 +6,12 @@ Host logic: no JAX, so a front checks requests without loading the device side.
 
 from __future__ import annotations
 
+from jaxserve import beam_search
 from jaxserve.config import EngineConfig
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.lora import LoRARequest
 from jaxserve.request_state import check_resume
-from jaxserve.sampling_params import ParamError, SamplingParams
+from jaxserve.sampling_params import MAX_LOGPROBS, BeamSearchParams, ParamError, SamplingParams
 from jaxserve.structured import GrammarCompiler
 
 
@@ -26,6 +27,12 @@ def validate_request(
     if not isinstance(request.priority, int) or isinstance(request.priority, bool):
         raise ParamError("priority", f"priority must be an integer, got {request.priority!r}")
     _validate_lora(config, request.lora)
+    if request.beam is not None:
+        _validate_beam(config, request)
+        params = beam_search.sampling_params(request.beam, request.params)
+        max_tokens = _validate_prompt(config, pool_capacity, request.prompt_token_ids, params)
+        _validate_beam_pages(config, pool_capacity, len(request.prompt_token_ids), request.beam)
+        return max_tokens
     max_tokens = _validate_prompt(config, pool_capacity, request.prompt_token_ids, request.params)
     _validate_params(config, has_tokenizer, request.params)
     if request.resume is not None:
@@ -86,6 +93,95 @@ def _validate_prompt(
             f"the whole pool has {pool_capacity}",
         )
     return max_tokens
+
+
+# Sampling settings a beam search cannot honour, with their neutral values: its
+# candidates are the model's top logprobs (tempered by the beam search's own
+# temperature), and only EOS or its length end a beam.
+_NOT_WITH_BEAM = {
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "stop": [],
+    "stop_token_ids": [],
+    "min_tokens": 0,
+    "prompt_logprobs": None,
+    "logit_bias": None,
+    "structured_outputs": None,
+}
+
+
+def _validate_beam(config: EngineConfig, request: GenerateRequest) -> None:
+    """A beam search against the engine and its request's other settings."""
+    beam, params = request.beam, request.params
+    if not isinstance(beam, BeamSearchParams):
+        raise ParamError("beam", f"beam must be a BeamSearchParams, got {type(beam).__name__}")
+    eos = () if beam.ignore_eos else config.model.eos_token_ids or (None,)
+    per_beam = max(2, 1 + len(eos)) * beam.beam_width
+    if per_beam > MAX_LOGPROBS:
+        raise ParamError(
+            "beam_width",
+            f"beam_width {beam.beam_width}: each step takes the best {per_beam} candidates "
+            f"(max(2, 1 + {len(eos)} EOS ids) x beam_width) from each beam's top "
+            f"{MAX_LOGPROBS} logprobs; at most {MAX_LOGPROBS // max(2, 1 + len(eos))} here",
+        )
+    if beam.beam_width > config.scheduler.max_num_seqs:
+        raise ParamError(
+            "beam_width",
+            f"beam_width {beam.beam_width}: the beams run side by side, and this engine "
+            f"runs at most max_num_seqs={config.scheduler.max_num_seqs} sequences",
+        )
+    if config.hybrid_kv:
+        raise ParamError(
+            "beam",
+            f"beam search with a hybrid KV cache: {config.model_dir!r} has sliding-window "
+            "layers, whose pages the beams cannot share yet; serve it with "
+            "disable_hybrid_kv_cache_manager=True for beam search",
+        )
+    if request.lora is not None:
+        raise ParamError(
+            "lora",
+            f"beam search with the LoRA adapter {request.lora.lora_name!r}: its beams "
+            "would leave the adapter's slot behind (not supported yet)",
+        )
+    if config.speculative is not None:
+        raise ParamError(
+            "beam",
+            "beam search with speculative decoding: this engine speculates "
+            f"({config.speculative.method}); a beam's next tokens are chosen among every "
+            "beam's candidates, which drafts cannot verify",
+        )
+    if request.resume is not None:
+        raise ParamError("resume", "resume: a beam search cannot be resumed")
+    for field, neutral in _NOT_WITH_BEAM.items():
+        if getattr(params, field) != neutral:
+            raise ParamError(
+                field,
+                f"{field} {getattr(params, field)!r} cannot be used with beam search "
+                "(its beams are ranked by the model's logprobs and end at EOS or max_tokens)",
+            )
+    if params.n > beam.beam_width:
+        raise ParamError(
+            "n", f"n ({params.n}) must be <= beam_width ({beam.beam_width}) with beam search"
+        )
+
+
+def _validate_beam_pages(config: EngineConfig, capacity: int, prompt: int, beam) -> None:
+    """A beam search must fit the pool alone: the prompt's pages once (the beams share
+    them) and each beam's own pages past them, as the beams may all diverge at once."""
+    page = config.cache.page_size
+    shared = (prompt - 1) // page
+    need = shared + beam.beam_width * (-(-(prompt + beam.max_tokens) // page) - shared)
+    if need > capacity:
+        raise ParamError(
+            "beam_width",
+            f"beam_width {beam.beam_width}: a beam search over {prompt} prompt tokens with "
+            f"max_tokens {beam.max_tokens} may hold {need} KV pages; the whole pool has "
+            f"{capacity}",
+        )
 
 
 def _validate_params(config: EngineConfig, has_tokenizer: bool, params: SamplingParams) -> None:

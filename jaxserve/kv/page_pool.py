@@ -20,13 +20,25 @@ chain that means the same in every process), the name under which it leaves
 the pool: with `track_evictions`, each evicted cached page's (page, digest,
 parent digest, tokens) is kept in `evicted` until the engine copies it to the
 host/disk tier, before the step that overwrites the page runs.
+
+Copy-on-write: `fork` gives a second owner (a beam, an n > 1 sample) a reference on
+each of a sequence's pages, so k children hold one copy of a long prompt. Pages
+below a sequence's computed tokens are never written again; the one page a shared
+sequence may still write is its partial last page. Whoever writes into a page with
+several owners first takes its own copy (`copy_on_write`): a fresh page, and a
+(source, destination) pair in `copies` that the engine hands to the device before
+the step that writes it (`take_copies`). Until then the source page keeps one
+reference of its own (it is *pinned*), so that nothing can be allocated into it and
+overwritten before the copy has read it, even if its owners all let go meanwhile.
+A shared page keeps its prefix-cache entry and digest: several owners read the same
+K/V under the same name, and it joins the LRU list only when the last lets go.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 NULL_PAGE = 0
 ROOT_UID = 0  # the parent uid of a sequence's first page
@@ -54,6 +66,9 @@ class PagePool:
         self._page_of_digest: dict[bytes, int] = {}
         self.track_evictions = track_evictions
         self.evicted: list[tuple[int, bytes, bytes, tuple[int, ...]]] = []
+        # Copy-on-write: (source, destination) pages to copy on the device before the
+        # next step; each source holds one pinning reference until they are taken.
+        self.copies: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ capacity
 
@@ -98,6 +113,45 @@ class PagePool:
             self._ref[page] -= 1
             if self._ref[page] == 0:
                 self._lru[page] = None
+
+    def ref_count(self, page: int) -> int:
+        """How many owners (sequences, pending copies) hold `page`."""
+        return self._ref[page]
+
+    # ------------------------------------------------------------ copy-on-write
+
+    def fork(self, pages: Sequence[int]) -> list[int]:
+        """Another owner for `pages` (all in use): one more reference on each; returns
+        them, the new owner's page list. The owner must not write into a page of it
+        while the page has other owners (`copy_on_write`)."""
+        for page in pages:
+            if page == NULL_PAGE or self._ref[page] <= 0:
+                raise RuntimeError(f"page {page} forked but not in use")
+        for page in pages:
+            self._ref[page] += 1
+        return list(pages)
+
+    def copy_on_write(self, page: int) -> int:
+        """The page an owner of `page` may write into: `page` itself if it is the only
+        owner; else a fresh page (one allocatable page is needed), its reference on
+        `page` dropped, and the copy (page -> fresh) queued in `copies`, the source
+        pinned until `take_copies`."""
+        if self._ref[page] <= 0:
+            raise RuntimeError(f"page {page} written but not in use")
+        if self._ref[page] == 1:
+            return page
+        (fresh,) = self.allocate(1)
+        # The owner's reference on `page` becomes the copy's pin: its count stays.
+        self.copies.append((page, fresh))
+        return fresh
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copies queued since the last call, in order, for the device to make
+        before the next step; their sources' pins are released (nothing is allocated
+        again before that step is dispatched, and the device runs in order)."""
+        copies, self.copies = self.copies, []
+        self.free([src for src, _ in copies])
+        return copies
 
     def _take(self, page: int) -> None:
         """Adds a reference to a cached page (a prefix hit)."""
@@ -217,8 +271,12 @@ class PagePool:
 
     # ---------------------------------------------------------------- invariants
 
-    def check_invariant(self) -> None:
-        """free + cached-evictable + in use == all pages but the null page."""
+    def check_invariant(self, owners: Iterable[Sequence[int]] | None = None) -> None:
+        """free + cached-evictable + in use == all pages but the null page.
+
+        With `owners` (every live sequence's page list), also: each page's reference
+        count is the number of those lists holding it plus its pending copies' pins,
+        so a forked page is neither leaked nor freed while still shared."""
         lru = set(self._lru)
         in_use = {p for p in range(1, self.num_pages) if self._ref[p] > 0}
         if NULL_PAGE in lru or self._ref[NULL_PAGE] != 0:
@@ -237,3 +295,13 @@ class PagePool:
             self._page_of_key[k] != p for p, k in self._key_of_page.items()
         ):
             raise AssertionError("prefix cache maps disagree")
+        if owners is not None:
+            held = collections.Counter(p for pages in owners for p in pages)
+            held.update(src for src, _ in self.copies)
+            wrong = [p for p in range(1, self.num_pages) if held[p] != self._ref[p]]
+            if wrong or held[NULL_PAGE]:
+                p = wrong[0] if wrong else NULL_PAGE
+                raise AssertionError(
+                    f"page {p} has {self._ref[p]} references and {held[p]} owners "
+                    f"({len(wrong)} pages disagree)"
+                )

@@ -142,6 +142,9 @@ class HostBatch:
     group_page_indices: np.ndarray = dataclasses.field(  # [G - 1, B, M] int32
         default_factory=lambda: np.zeros((0, 0, 0), np.int32)
     )
+    # Copy-on-write [C, 2] int32 (source, destination) pages copied before the forward,
+    # by a program of their own (`runner.kv_io`): not an input of the forward program.
+    copies: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 2), np.int32))
 
 
 def build_batch(
@@ -154,9 +157,10 @@ def build_batch(
     num_rows: int | None = None,
     all_logits: bool = False,
     num_groups: int = 1,
+    copies: Sequence[tuple[int, int]] = (),
 ) -> HostBatch:
     """Packs `work` into padded arrays (`num_groups`: the KV cache's layer groups, each
-    with its page table and slot mapping).
+    with its page table and slot mapping); `copies` (copy-on-write page pairs) go along.
 
     `logits_indices` [num_rows] (default: seq_bucket) selects each sequence's last
     `num_samples` tokens, in order (what sampling needs), or with `all_logits`
@@ -245,6 +249,7 @@ def build_batch(
         group_slot_mapping=group_slots,
         group_page_indices=group_tables,
         lora_slots=lora_slots,
+        copies=np.asarray(copies, np.int32).reshape(-1, 2),
     )
 
 
@@ -274,6 +279,9 @@ class SamplingMetadata:
     num_prompt: np.ndarray  # i32: how many of `history` are prompt tokens
     draft: np.ndarray  # i32: the proposed token each row verifies; -1 = none
     want_logprobs: np.ndarray  # [1] bool: any row asks for logprobs
+    # f32: > 0 marks a beam search's row, whose top logprobs are log_softmax(logits /
+    # beam) whatever the engine's logprobs_mode (its candidates: `runner.sampler`).
+    beam: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +297,7 @@ class SampleRow:
     blocked_ids: Sequence[int] = ()  # EOS / stop ids while under min_tokens
     draft: int = -1  # a proposed token this row verifies (speculative decoding)
     grammar: GrammarMatcher | None = None  # structured output: fills the row's bitmask
+    beam: float = 0.0  # a beam search's row: its candidates' temperature (1: raw)
 
 
 def wants_history(p: SamplingParams) -> bool:
@@ -344,9 +353,11 @@ def build_sampling(
     history = np.full((b, history_len if with_history else 1), -1, np.int32)
     num_prompt = np.zeros(b, np.int32)
     draft = np.full(b, -1, np.int32)
+    beam = np.zeros(b, np.float32)
     want_logprobs = False
     columns = (temperature, top_k, top_p, min_p, presence, frequency, repetition, seed)
     columns += (position, bias_ids, bias_values, allowed, masked, history, num_prompt, draft)
+    columns += (beam,)
     neutral = [c[-1].copy() for c in columns] if b else []  # (every row starts neutral)
     for i, row in enumerate(rows):
         try:
@@ -375,6 +386,7 @@ def build_sampling(
         num_prompt=num_prompt,
         draft=draft,
         want_logprobs=np.array([want_logprobs]),
+        beam=beam,
     )
 
 
@@ -382,7 +394,8 @@ def _pack_row(i: int, row: SampleRow, columns, *, max_bias: int, vocab_size: int
     """Writes row `i`'s settings into `columns` (`build_sampling`'s arrays, in its
     order); returns whether the row wants logprobs."""
     (temperature, top_k, top_p, min_p, presence, frequency, repetition, seed) = columns[:8]
-    (position, bias_ids, bias_values, allowed, masked, history, num_prompt, draft) = columns[8:]
+    (position, bias_ids, bias_values, allowed, masked, history, num_prompt, draft) = columns[8:16]
+    columns[16][i] = row.beam
     p = row.params
     # top_k past the vocabulary keeps all of it (and may not fit an int32)
     temperature[i], top_k[i] = p.temperature, min(p.top_k, vocab_size)

@@ -95,6 +95,52 @@ def _scatter(
     return out
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy(kv_caches: list, pairs: jax.Array) -> list:
+    """Copy-on-write (`kv.page_pool`): page pairs[i, 0] into page pairs[i, 1] [n, 2], in
+    every layer's arrays as stored (pages lead every layout's axes, scales' too).
+    Padding pairs copy the null page onto itself."""
+    src, dst = pairs[:, 0], pairs[:, 1]
+    return jax.tree.map(lambda a: a.at[dst].set(a[src]), kv_caches)
+
+
+def copy_buckets(max_pairs: int) -> tuple[int, ...]:
+    """The pair counts the copy program is compiled for: powers of two up to
+    `max_pairs` (a step copies at most one page per sequence it schedules)."""
+    out = [1]
+    while out[-1] < max_pairs:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+def copy_pages(kv_caches: list, pairs: np.ndarray, program: Callable, buckets) -> list:
+    """Makes the copies `pairs` [n, 2] (src, dst) on the device, in chunks of the largest
+    bucket, each padded to a bucket; returns the new caches (donated)."""
+    for i in range(0, len(pairs), buckets[-1]):
+        chunk = pairs[i : i + buckets[-1]]
+        size = next(b for b in buckets if b >= len(chunk))
+        padded = np.zeros((size, 2), np.int32)
+        padded[: len(chunk)] = chunk
+        kv_caches = program(kv_caches, padded)
+    return kv_caches
+
+
+def lower_copies(kv_caches: list, buckets) -> list[tuple[str, jax.stages.Lowered]]:
+    """(name, lowered) of the copy program for each bucket, for warm-up."""
+    return [
+        (f"kv copy n={n}", _copy.lower(kv_caches, jax.ShapeDtypeStruct((n, 2), jnp.int32)))
+        for n in buckets
+    ]
+
+
+def loaded_copy(compiled: dict) -> Callable:
+    """The bundle's copy programs, picked by the pair count."""
+    return by_shape(compiled, "kv copy n=", key_argnums=(1,))
+
+
+JITTED_COPY = _copy
+
+
 @dataclasses.dataclass(frozen=True)
 class PagePrograms:
     """The gather and scatter: jitted (`JITTED`), or a compiled bundle's (`loaded`)."""

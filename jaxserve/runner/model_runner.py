@@ -127,6 +127,8 @@ class ModelRunner:
         self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches, config.logprobs_mode)
         self.kv_programs = kv_io.jitted(self.cache_layout)
         self.shapes = StepShapes.for_config(config)
+        self.copy_program = kv_io.JITTED_COPY  # copy-on-write's (one page per sequence)
+        self.copy_buckets = kv_io.copy_buckets(self.shapes.max_seqs)
         self.token_buckets, self.row_buckets = self.shapes.token_buckets, self.shapes.row_buckets
         self.history_len = config.pages_per_seq * config.cache.page_size
         # A step's `prev_tokens` when no step before it is in flight.
@@ -204,7 +206,7 @@ class ModelRunner:
         self.compiles.close()
         self.closed = True
         self.weights = self.kv_caches = None
-        self.programs = self.kv_programs = None
+        self.programs = self.kv_programs = self.copy_program = None
         if self.drafter is not None:
             self.drafter.close()
 
@@ -261,9 +263,10 @@ class ModelRunner:
         return pick_bucket(num_rows, self.row_buckets, what="sampling rows")
 
     def build(
-        self, work: list[SeqWork], *, token_bucket: int | None = None, all_logits: bool = False
+        self, work: list[SeqWork], *, token_bucket=None, all_logits=False, copies=()
     ) -> HostBatch:
-        """The step's arrays, padded to `token_bucket` (default: the smallest that fits)."""
+        """The step's arrays, padded to `token_bucket` (default: the smallest that fits);
+        `copies`: the copy-on-write page pairs the step makes first."""
         if token_bucket is None:
             num_tokens = sum(len(w.token_ids) for w in work)
             token_bucket = pick_bucket(num_tokens, self.token_buckets, what="tokens")
@@ -276,6 +279,7 @@ class ModelRunner:
             num_rows=self.shapes.max_rows,
             all_logits=all_logits,
             num_groups=len(self.group_pages),
+            copies=copies,
         )
 
     def build_sampling(
@@ -306,6 +310,9 @@ class ModelRunner:
 
     def _forward(self, batch: HostBatch, prev_tokens: jax.Array | None = None):
         with self.on_mesh():
+            self.kv_caches = kv_io.copy_pages(  # copy-on-write's, before the step writes
+                self.kv_caches, batch.copies, self.copy_program, self.copy_buckets
+            )
             selected, hidden, self.kv_caches = self.programs.forward(
                 self.model_def,
                 self.weights,
@@ -430,6 +437,7 @@ class ModelRunner:
         self.programs = bundle.step_programs(compiled, self.programs)
         if self.lora is not None:
             self.lora.use_compiled(compiled)
+        self.copy_program = kv_io.loaded_copy(compiled)
         if kv_transfer:
             self.kv_programs = kv_io.loaded(compiled)
         self.warmed_up = True

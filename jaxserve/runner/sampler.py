@@ -29,6 +29,10 @@ MAX_TOP_LOGPROBS values with their ids, of
   top-k or top-p (vLLM resets them for greedy requests; none changes the argmax);
 - `processed_logits`: those processed logits, before log_softmax.
 
+A beam search's rows (`SamplingMetadata.beam` > 0) take their candidates from the top
+values: these rows get log_softmax(logits / beam) in every mode (the raw logprobs
+at beam 1), computed only in a batch that has such a row.
+
 A token a processed distribution excludes gets -inf: the honest value (front ends
 render it in JSON as vLLM does, -9999.0). Prompt logprobs (`runner.step`) are the
 raw distribution's in every mode, as logits or logprobs by the mode's suffix, as
@@ -233,7 +237,7 @@ def sample(
             lambda x: no_logprobs(x.shape[0]),
             logits,
         )
-        return SamplerOutput(sampled, chosen, top_ids, top_vals, accepted)
+        return _beam_rows(logits, md, SamplerOutput(sampled, chosen, top_ids, top_vals, accepted))
 
     # Processed: the processed logits [B, V] leave the sampling branches, a copy that
     # only a batch asking for logprobs makes (another branch of the same program).
@@ -253,7 +257,25 @@ def sample(
     sampled, accepted, chosen, top_ids, top_vals = lax.cond(
         md.want_logprobs[0], with_logprobs, without, logits, md
     )
-    return SamplerOutput(sampled, chosen, top_ids, top_vals, accepted)
+    return _beam_rows(logits, md, SamplerOutput(sampled, chosen, top_ids, top_vals, accepted))
+
+
+def _beam_rows(logits, md: SamplingMetadata, out: SamplerOutput) -> SamplerOutput:
+    """`out` with a beam search's rows' values replaced by log_softmax(logits / beam):
+    the candidates' scores, whatever the mode (a batch without such rows skips it)."""
+    beam = md.beam > 0.0
+
+    def replace(out: SamplerOutput) -> SamplerOutput:
+        scaled = logits / jnp.where(beam, md.beam, 1.0)[:, None]
+        chosen, top_ids, top_vals = token_logprobs(scaled, out.token_ids)
+        return dataclasses.replace(
+            out,
+            logprobs=jnp.where(beam, chosen, out.logprobs),
+            top_ids=jnp.where(beam[:, None], top_ids, out.top_ids),
+            top_logprobs=jnp.where(beam[:, None], top_vals, out.top_logprobs),
+        )
+
+    return lax.cond(jnp.any(beam), replace, lambda out: out, out)
 
 
 def _plain_greedy(logits, md: SamplingMetadata):

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxserve.runner import kv_io
 from jaxserve.runner.step import StepInput
 
 logger = logging.getLogger("jaxserve.runner.model_runner")  # (where warm-up always logged)
@@ -56,6 +57,12 @@ def warm_up(
                 )
                 lowered.append((f"sample{'+history' if history else ''} B={b}", program))
                 bar.update(1)
+        # Copy-on-write's page copies (forked sequences: n > 1 samples, beams).
+        copies = kv_io.lower_copies(runner.kv_caches, runner.copy_buckets)
+        lowered += copies
+        total += len(copies)
+        bar.total = 2 * total
+        bar.update(len(copies))
         num_extra = 0
         if extra is not None:
             more = extra(abstract_tree)
@@ -87,12 +94,13 @@ def warm_up(
     runner.warmup_seconds = time.perf_counter() - t0
     logger.info(
         "warm-up: %d step programs (%d forward, %d prompt logprobs, %d sampling, %d "
-        "more) ready in %.1fs%s: %d built, %d of them loaded from the persistent "
-        "compilation cache",
+        "page copy, %d more) ready in %.1fs%s: %d built, %d of them loaded from the "
+        "persistent compilation cache",
         total,
         len(runner.token_buckets),
         len(runner.token_buckets),
         num_sampling,
+        len(copies),
         num_extra,
         runner.warmup_seconds,
         f" for {runner.compile_device.device_kind}" if runner.compile_device else "",

@@ -97,6 +97,7 @@ class OpenAIServing:
                     prompt=p.text,
                     priority=body.priority,
                     cache_salt=body.cache_salt,
+                    beam=body.beam_search(params),
                 )
                 for i, p in enumerate(parsed)
             ]

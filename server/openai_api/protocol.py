@@ -15,7 +15,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxserve.sampling_params import FIELDS, SamplingParams, StructuredOutputsParams
+from jaxserve.sampling_params import (
+    FIELDS,
+    BeamSearchParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from server.tool_parsers import Function
 
 # SamplingParams fields the OpenAI API names or shapes otherwise (`sampling_params`).
@@ -97,6 +102,10 @@ class _Request(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    def beam_search(self, params: SamplingParams) -> BeamSearchParams | None:
+        """The request's beam search, if it asks for one (completions only)."""
+        return None
 
     def _max_tokens(self) -> tuple[int | None, str]:
         raise NotImplementedError
@@ -194,6 +203,10 @@ class CompletionRequest(_Request):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's beam search fields: best_of (else n) beams, the n best returned.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def _max_tokens(self):
         return self.max_tokens, "max_tokens"
@@ -217,8 +230,41 @@ class CompletionRequest(_Request):
     def check_unsupported(self) -> None:
         if self.suffix:
             raise BadField("suffix", "suffix is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise BadField("best_of", f"best_of must equal n ({self.n}), got {self.best_of}")
+        if self.use_beam_search:
+            if self.best_of is not None and self.best_of < self.n:
+                raise BadField("best_of", f"best_of must be >= n ({self.n}), got {self.best_of}")
+        elif self.best_of is not None and self.best_of != self.n:
+            raise BadField(
+                "best_of",
+                f"best_of must equal n ({self.n}) without use_beam_search, got {self.best_of}",
+            )
+
+    def sampling_params(self) -> tuple[SamplingParams, dict[str, str]]:
+        params, names = super().sampling_params()
+        if self.use_beam_search:  # the engine's names for what the request calls these
+            names.update(beam_width="n" if self.best_of is None else "best_of")
+            names.update(beam="use_beam_search")
+        return params, names
+
+    def beam_search(self, params: SamplingParams) -> BeamSearchParams | None:
+        if not self.use_beam_search:
+            return None
+        if params.max_tokens is None:
+            raise BadField("max_tokens", "use_beam_search needs max_tokens")
+        width = "n" if self.best_of is None else "best_of"
+        try:
+            return BeamSearchParams(
+                beam_width=self.n if self.best_of is None else self.best_of,
+                max_tokens=params.max_tokens,
+                ignore_eos=self.ignore_eos,
+                temperature=self.temperature or 0.0,
+                length_penalty=self.length_penalty,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                early_stopping=self.early_stopping,
+            )
+        except ValueError as e:
+            field = getattr(e, "field", None)
+            raise BadField(width if field == "beam_width" else field, str(e)) from None
 
 
 # The roles of OpenAI's chat messages ("function": its deprecated tool role).
@@ -331,6 +377,7 @@ class ChatCompletionRequest(_Request):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    use_beam_search: bool = False  # (vLLM's field; beam search is completions' here)
 
     def _max_tokens(self):
         if self.max_completion_tokens is not None:
@@ -345,7 +392,8 @@ class ChatCompletionRequest(_Request):
         return self.top_logprobs or 0, "top_logprobs"
 
     def check_unsupported(self) -> None:
-        """Everything a chat completion carries is supported."""
+        if self.use_beam_search:
+            raise BadField("use_beam_search", "use_beam_search is served on /v1/completions")
 
     def tool_choice_mode(self) -> tuple[str, list[Function]]:
         """How the reply may call tools: "none", "auto", "required" or "named" (that

@@ -153,6 +153,29 @@ def test_sampler_values_match_numpy(mode):
         )
 
 
+@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+def test_beam_search_rows_get_the_raw_distribution_in_every_mode(mode):
+    """A beam search's candidates are log_softmax(logits / its temperature), whatever
+    the engine's mode; a sampled row beside them keeps the mode's values."""
+    rs = np.random.RandomState(1)
+    logits = (rs.randn(3, V) * 2).astype(np.float32)
+    history = [1, 2, 3]
+    sampled = SampleRow(SamplingParams(logprobs=5, temperature=0.7, top_k=6), history, 2, 0)
+    greedy = SamplingParams(temperature=0.0)
+    rows = [sampled, SampleRow(greedy, history, 2, 0, beam=1.0)]
+    rows.append(SampleRow(greedy, history, 2, 0, beam=0.5))
+    out = run(logits, rows, mode)
+    for i, temperature in ((1, 1.0), (2, 0.5)):
+        want = log_softmax(logits[i] / temperature)
+        np.testing.assert_allclose(
+            out.top_logprobs[i], np.sort(want)[::-1][:MAX_TOP_LOGPROBS], rtol=1e-5, atol=1e-5
+        )
+        np.testing.assert_allclose(want[out.top_ids[i]], out.top_logprobs[i], rtol=1e-5, atol=1e-5)
+    alone = run(logits[:1], rows[:1], mode)
+    np.testing.assert_allclose(out.top_logprobs[0], alone.top_logprobs[0])
+    assert out.top_ids[0].tolist() == alone.top_ids[0].tolist()
+
+
 def test_processed_modes_sample_the_same_tokens_as_raw():
     """The mode changes what is reported, never what is sampled."""
     rs = np.random.RandomState(1)
@@ -340,6 +363,7 @@ def test_processed_mode_compiles_the_same_programs_and_nothing_after_warm_up(mon
             + [f"prompt logprobs T={t}" for t in tokens]
             + [f"sample B={b}" for b in rows]
             + [f"sample+history B={b}" for b in rows]
+            + [f"kv copy n={n}" for n in runner.copy_buckets]
         )
         compiled = runner.compiles.count
         prompts = [PROMPT, "A", "The quick brown fox jumps over the lazy dog again and again"]

@@ -8,6 +8,7 @@ and `jaxserve serve`'s lifecycle: the leader stops its followers, and either sid
 exits with a message naming a peer that is stopped (SIGSTOP) or killed.
 """
 
+import dataclasses
 import os
 import signal
 import socket
@@ -277,6 +278,16 @@ def test_a_plan_round_trips_sending_only_what_differs_from_the_fill():
     assert len(plan) < full / 3, (len(plan), full)
     # Without penalties the history is a [B, 1] placeholder.
     assert multihost._decode(multihost._encode(*_plan(penalty=0.0)))[1].history.shape == (4, 1)
+
+
+def test_a_plans_page_copies_reach_the_followers():
+    """Copy-on-write's page pairs travel with the batch: a follower copies the same
+    pages before the same step (and a plan without copies carries an empty list)."""
+    batch, sampling = _plan()
+    assert multihost._decode(multihost._encode(batch, sampling))[0].copies.shape == (0, 2)
+    batch = dataclasses.replace(batch, copies=np.array([[3, 9], [4, 12]], np.int32))
+    got = multihost._decode(multihost._encode(batch, sampling))[0].copies
+    assert got.tolist() == [[3, 9], [4, 12]] and got.dtype == np.int32
 
 
 def _pair(timeout):

@@ -104,3 +104,85 @@ def test_caching_disabled():
     pool = PagePool(16, enable_prefix_caching=False)
     pool.free(fill(pool, list(range(8))))
     assert pool.lookup(list(range(9)), PAGE)[0] == [] and pool.num_cached == 0
+
+
+# ----------------------------------------------------------------- copy-on-write
+
+
+def test_fork_shares_pages_by_reference_until_the_last_owner_frees():
+    pool = PagePool(16)
+    parent = fill(pool, list(range(10)))  # two full cached pages + a partial one
+    child = pool.fork(parent)
+    assert child == parent and all(pool.ref_count(p) == 2 for p in parent)
+    pool.check_invariant(owners=[parent, child])
+    assert pool.num_free == 15 - 3  # one copy of the pages, two owners
+    pool.free(parent)
+    pool.check_invariant(owners=[child])
+    assert pool.num_free == 15 - 3 and pool.num_cached == 2
+    pool.free(child)
+    pool.check_invariant(owners=[])
+    assert pool.num_free == 15 and pool.num_cached == 2  # the full pages keep their keys
+    with pytest.raises(RuntimeError, match="forked but not in use"):
+        pool.fork([parent[0]])
+
+
+def test_copy_on_write_copies_a_shared_page_once_and_pins_its_source():
+    pool = PagePool(8)
+    parent = pool.allocate(2)
+    child = pool.fork(parent)
+    # The first writer of the shared partial page gets a fresh page and a queued copy.
+    fresh = pool.copy_on_write(child[1])
+    assert fresh not in parent and pool.copies == [(child[1], fresh)]
+    child[1] = fresh
+    # The source keeps the writer's reference as a pin until the copies are taken.
+    assert pool.ref_count(parent[1]) == 2
+    pool.check_invariant(owners=[parent, child])
+    pool.free(parent)  # every owner of the source lets go: the pin still holds it
+    assert pool.ref_count(parent[1]) == 1 and parent[1] not in pool.allocate(pool.num_free)
+    assert pool.take_copies() == [(parent[1], fresh)] and pool.copies == []
+    assert pool.ref_count(parent[1]) == 0  # allocatable again once the copy is dispatched
+
+
+def test_the_last_owner_writes_in_place():
+    pool = PagePool(8)
+    parent = pool.allocate(1)
+    child = pool.fork(parent)
+    pool.free(parent)
+    assert pool.copy_on_write(child[0]) == child[0] and pool.copies == []
+
+
+def test_owner_check_catches_a_reference_without_an_owner():
+    pool = PagePool(8)
+    pages = pool.allocate(2)
+    pool.fork(pages)  # a fork nobody keeps: leaked references
+    pool.check_invariant()  # the counts alone cannot tell
+    with pytest.raises(AssertionError, match="2 references and 1 owners"):
+        pool.check_invariant(owners=[pages])
+
+
+def test_random_forks_writes_and_frees_keep_the_accounting():
+    import random
+
+    rs = random.Random(0)
+    pool = PagePool(64)
+    owners: list[list[int]] = []
+    for _ in range(2000):
+        action = rs.random()
+        if action < 0.3 and pool.num_free >= 3:
+            owners.append(pool.allocate(rs.randint(1, 3)))
+        elif action < 0.55 and owners:
+            owners.append(pool.fork(rs.choice(owners)))
+        elif action < 0.8 and owners and pool.num_free:
+            pages = rs.choice(owners)
+            j = rs.randrange(len(pages))
+            pages[j] = pool.copy_on_write(pages[j])
+            if rs.random() < 0.5:
+                pool.take_copies()
+        elif owners:
+            pool.free(owners.pop(rs.randrange(len(owners))))
+        pool.check_invariant(owners=owners)
+    pool.take_copies()
+    for pages in owners:
+        pool.free(pages)
+    pool.check_invariant(owners=[])
+    assert pool.num_free == pool.capacity

@@ -78,8 +78,8 @@ def run(engine, requests, *, check_every_step=True):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        if check_every_step:
-            engine.pool.check_invariant()
+        if check_every_step:  # each page's references are its live owners (forks too)
+            engine.scheduler.check_invariant()
     assert_idle(engine)
     return done
 
@@ -231,6 +231,23 @@ def test_forced_random_preemption_changes_nothing(caching):
     assert_exact(done, reqs)
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_forked_samples_under_preemption_stay_exact(caching):
+    """n > 1 samples on shared pages, preempted at random and when pages run out: each
+    recomputes alone, and every page's references stay its owners'."""
+    rs = random.Random(3)
+    reqs = {}
+    for i in range(12):
+        prompt = [rs.randrange(1, VOCAB) for _ in range(rs.randint(2, 30))]
+        reqs[f"r{i}"] = (prompt, params(rs.randint(1, 10), n=rs.choice([2, 3, 4])), {})
+    engine = make_engine(
+        num_pages=40, debug_preemption_rate=0.5, enable_prefix_caching=caching, budget=16
+    )
+    done = run(engine, reqs)
+    assert engine.scheduler.num_preemptions >= 3 and engine.runner.copies_made > 0
+    assert_exact(done, reqs)
+
+
 def test_preempts_the_lowest_priority_newest():
     engine = make_engine(num_pages=9, page_size=4, max_num_seqs=4, budget=64)
     engine.add_request(GenerateRequest("old", [1] * 8, params(20), priority=0))
@@ -259,14 +276,47 @@ def test_priority_orders_admission():
     assert order == ["a", "b", "c"]
 
 
-def test_n_samples_share_the_prompt_pages():
-    engine = make_engine(page_size=4)
-    prompt = list(range(1, 18))  # 4 full pages
-    out = run(engine, {"x": (prompt, params(5, n=3), {})})["x"]
-    assert [c.index for c in out.outputs] == [0, 1, 2]
-    for c in out.outputs:
-        assert c.token_ids == expected_tokens(prompt, 5, VOCAB)
-    assert engine.scheduler.prefix_hits == 2 * 16  # both siblings reused the 4 full prompt pages
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("prompt_len", [17, 18])
+def test_n_samples_fork_the_prompt_pages(caching, prompt_len):
+    """One prefill, then n owners: the siblings share the first sample's pages of every
+    prompt token but the last (copy-on-write), with or without the prefix cache; each
+    computes the last prompt token itself, and copies the partial page it writes."""
+    page, n, new = 4, 3, 5
+    shared_full = (prompt_len - 1) // page
+    engine = make_engine(page_size=page, enable_prefix_caching=caching)
+    prompt = list(range(1, prompt_len + 1))
+    engine.add_request(GenerateRequest("x", prompt, params(new, n=n)))
+    together, computed, done = 0, 0, None
+    original = engine.scheduler.schedule
+
+    def counting():
+        nonlocal computed
+        plan = original()
+        computed += sum(s.num_tokens for s in plan.scheduled if s.start < prompt_len)
+        return plan
+
+    engine.scheduler.schedule = counting
+    while engine.has_unfinished():
+        for out in engine.step():
+            done = out if out.finished else done
+        engine.scheduler.check_invariant()
+        running = engine.scheduler.running
+        if len(running) == n:  # the first sample's full prompt pages, held by all n
+            first = set(running[0].pages)
+            for seq in running[1:]:
+                assert set(seq.pages) & first == set(running[0].pages[:shared_full])
+            together += 1
+    assert_idle(engine)
+    assert [c.index for c in done.outputs] == list(range(n))
+    for c in done.outputs:
+        assert c.token_ids == expected_tokens(prompt, new, VOCAB)
+    # The prompt is computed once, and its last token once more per sibling.
+    assert computed == prompt_len + (n - 1)
+    assert together > 0
+    partial = (prompt_len - 1) % page != 0  # the siblings copy the page they write
+    assert engine.runner.copies_made == (n - 1) * partial
+    assert engine.scheduler.prefix_hits == 0
 
 
 def test_abort_frees_pages_and_is_idempotent():
@@ -337,7 +387,7 @@ def test_soak_2000_requests_returns_every_page():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        engine.pool.check_invariant()
+        engine.scheduler.check_invariant()
     assert len(done) + len(aborted) == 2000
     for rid, out in done.items():
         prompt, sp = expected[rid]
