@@ -20,7 +20,7 @@ from hf_models import CASES, make_hf_model
 
 from jaxserve.beam_search import beam_score
 from jaxserve.llm import LLM
-from jaxserve.sampling_params import BeamSearchParams
+from jaxserve.sampling_params import BeamSearchParams, ParamError
 
 PAGE = 8
 MAX_TOKENS = 12
@@ -41,6 +41,9 @@ SMALL = dict(
     max_num_seqs=16,
     max_num_batched_tokens=16,  # < the longer prompts: chunked prefill
     compilation_cache_dir=None,
+    # Gemma 3's sliding-window layers would get pages of their own, which beams do not
+    # share yet (beam search is refused there: `test_beam_search_is_refused_on_a_hybrid_kv_cache`).
+    disable_hybrid_kv_cache_manager=True,
 )
 
 
@@ -145,3 +148,18 @@ def test_beams_ended_by_eos_and_nothing_compiled_after_warm_up(model):
         assert runner.compiles.count == compiled
         assert llm.engine.scheduler.num_preemptions > 0
         assert reasons == {"stop", "length"}
+
+
+def test_beam_search_is_refused_on_a_hybrid_kv_cache(hf_model_dir):
+    """Sliding-window layers with pages of their own: beam search is refused naming
+    the field and the way out; the engine serves on."""
+    path, _ = hf_model_dir("gemma3_local_global_rope")
+    small = {**SMALL, "disable_hybrid_kv_cache_manager": False}
+    with LLM(path, num_kv_pages=29, warmup=False, **small) as llm:
+        assert llm.engine.config.hybrid_kv
+        params = BeamSearchParams(beam_width=2, max_tokens=4)
+        with pytest.raises(ParamError, match="disable_hybrid_kv_cache_manager=True") as e:
+            llm.beam_search([{"prompt_token_ids": [5, 6, 7, 8]}], params)
+        assert e.value.field == "beam" and not llm.engine.requests
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) > 0
