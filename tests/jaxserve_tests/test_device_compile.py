@@ -130,7 +130,7 @@ def expected_programs(engine: LLMEngine) -> int:
         count += len(runner.token_buckets) + 1
     if runner.lora is not None:  # the LoRA slot write
         count += 1
-    return count
+    return count + len(runner.copy_buckets)  # copy-on-write's page copies
 
 
 def check(engine: LLMEngine, target: str) -> None:
