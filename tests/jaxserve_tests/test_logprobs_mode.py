@@ -87,16 +87,9 @@ def assert_entry(entry: dict[int, float], token: int, want: np.ndarray, k: int) 
 
 
 def test_the_mode_is_checked_naming_the_value():
-    from absl import flags
-
-    from server.cli import engine_flags  # (defines --logprobs_mode)
-
     with pytest.raises(ValueError, match=r"logprobs_mode must be one of .* got 'processed'"):
         LLM(TINY, logprobs_mode="processed")  # (refused before anything is loaded)
-    assert "logprobs_mode" in engine_flags.ENGINE_FLAGS
-    with pytest.raises(flags.IllegalFlagValueError, match="processed"):
-        flags.FLAGS["logprobs_mode"].parse("processed")
-    assert flags.FLAGS["logprobs_mode"].default == "raw_logprobs"
+    # (--logprobs_mode: tests/server_tests/test_cli.py, where the CLI's flags are defined)
 
 
 # ------------------------------------------------------------------ the sampler

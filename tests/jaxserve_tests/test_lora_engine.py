@@ -242,20 +242,6 @@ def test_a_bundle_serves_adapters_compiling_nothing(tmp_path):
     assert loaded["tokens"] == made["tokens"]
 
 
-def test_lora_flags_are_engine_flags_with_the_configs_defaults():
-    from absl import flags
-
-    from jaxserve.config import ENGINE_ARGS
-    from server.cli import engine_flags
-
-    names = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
-    assert set(names) <= set(engine_flags.ENGINE_FLAGS) & set(ENGINE_ARGS)
-    defaults = LoRAConfig()
-    for name in names[:3]:
-        assert flags.FLAGS[name].default == getattr(defaults, name)
-    assert flags.FLAGS["max_cpu_loras"].default is None  # (max_loras, in the config)
-
-
 def test_update_weights_is_refused_with_adapters_and_the_engine_serves_on(tiny_model_dir, tmp_path):
     """The adapters' projections wrap the base weights: an update is refused, naming
     enable_lora, and nothing changes."""

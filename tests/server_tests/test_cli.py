@@ -228,3 +228,39 @@ def test_every_sampling_field_has_a_flag_or_comes_from_the_record():
     assert SamplingParams(**generate.sampling_kwargs()) == SamplingParams(
         temperature=0.0, max_tokens=64
     )
+
+
+# The engine flags of this wave's options. (Here, not beside the features' tests: a
+# process that imported the engine flags cannot import `jaxserve convert`'s, which
+# define --model too, and the CLI imports one command's module per process.)
+
+
+def test_lora_flags_are_engine_flags_with_the_configs_defaults():
+    from absl import flags
+
+    from jaxserve.config import ENGINE_ARGS, LoRAConfig
+    from server.cli import engine_flags
+
+    names = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+    assert set(names) <= set(engine_flags.ENGINE_FLAGS) & set(ENGINE_ARGS)
+    defaults = LoRAConfig()
+    for name in names[:3]:
+        assert flags.FLAGS[name].default == getattr(defaults, name)
+    assert flags.FLAGS["max_cpu_loras"].default is None  # (max_loras, in the config)
+
+
+def test_logprobs_mode_flag_is_checked_naming_the_value():
+    from absl import flags
+
+    from server.cli import engine_flags
+
+    assert "logprobs_mode" in engine_flags.ENGINE_FLAGS
+    with pytest.raises(flags.IllegalFlagValueError, match="processed"):
+        flags.FLAGS["logprobs_mode"].parse("processed")
+    assert flags.FLAGS["logprobs_mode"].default == "raw_logprobs"
+
+
+def test_the_hybrid_kv_flag_reaches_the_command_line():
+    from server.cli import engine_flags
+
+    assert "disable_hybrid_kv_cache_manager" in engine_flags.ENGINE_FLAGS
