@@ -82,12 +82,19 @@ async def reuse_after_cancel(front, ids: list[int], want: list[int]) -> None:
 async def failures(front, vocab: int) -> None:
     r0, r1 = front.replicas
     ids = [[3 + (7 * i + j) % (vocab - 3) for j in range(9)] for i in range(4)]
-    # Two requests on each replica (equal loads: the router alternates).
+    # Two requests on each replica (equal loads: the router alternates). Each one's
+    # replica is read as it is routed, and replica 0 is stopped once its own two have
+    # streamed: waiting for replica 1's too let replica 0 finish its two first on a
+    # loaded machine (CI: they were gone from the front's table).
     started = [asyncio.Event() for _ in ids]
-    tasks = [asyncio.create_task(stream(front, f"f{i}", p, started[i])) for i, p in enumerate(ids)]
-    await asyncio.gather(*(e.wait() for e in started))
-    owners = {rid: i for rid, i in front._owner.items()}
+    tasks, owners = [], {}
+    for i, p in enumerate(ids):
+        tasks.append(asyncio.create_task(stream(front, f"f{i}", p, started[i])))
+        while f"f{i}" not in front._owner:  # routed when the task first runs
+            await asyncio.sleep(0)
+        owners[f"f{i}"] = front._owner[f"f{i}"]
     assert sorted(owners.values()) == [0, 0, 1, 1], owners
+    await asyncio.gather(*(started[i].wait() for i in range(len(ids)) if owners[f"f{i}"] == 0))
     os.kill(pid_of(r0), signal.SIGSTOP)  # stalls: no answer, no error
     stopped = time.monotonic()
     results = await asyncio.gather(*tasks)
