@@ -47,6 +47,14 @@ class StatsSnapshot:
     kv_tier_disk_bytes: int = 0  # gauge: bytes of pages on disk now
     kv_tier_host_evictions: int = 0  # pages dropped from host memory (LRU, kv_offload_bytes)
     kv_tier_disk_evictions: int = 0  # pages removed from disk (LRU, kv_tier_disk_max_bytes)
+    # Multi-LoRA (an engine with enable_lora; jaxserve/lora/manager.py).
+    lora_slots: int = 0  # gauge: device slots (max_loras); 0: LoRA not enabled
+    lora_slots_in_use: int = 0  # gauge: slots holding an adapter
+    lora_loads: int = 0  # adapters written into a slot
+    lora_evictions: int = 0  # of those, writes that replaced a resident adapter
+    # Gauges: (adapter name, requests) for each adapter with requests running / waiting.
+    lora_requests_running: tuple[tuple[str, int], ...] = ()
+    lora_requests_waiting: tuple[tuple[str, int], ...] = ()
 
     @property
     def spec_decode_mean_acceptance_length(self) -> float:

@@ -7,6 +7,8 @@ the servicer. Each server has its own registry: no process-global state.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -107,6 +109,7 @@ class _EngineCollector:
         for name, doc in _TIER_GAUGES:
             yield self._family(g, f"jaxserve:{name}", doc, getattr(s, name))
         yield from self._mesh()
+        yield from self._lora(s)
         lifecycle = self._lifecycle_fn()
         if lifecycle is not None:
             paused, sleeping, version = lifecycle
@@ -119,6 +122,52 @@ class _EngineCollector:
             yield self._family(
                 g, "jaxserve:weight_version", "The version of the weights served.", version
             )
+
+    def _lora(self, s):
+        """With LoRA enabled: the slots' use, loads and evictions, and the requests
+        running and waiting per adapter (`lora_name` label), also as vLLM's
+        `lora_requests_info` (the adapters' names as labels, the time as value)."""
+        if not s.lora_slots:
+            return
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(
+            g, "jaxserve:lora_slots", "LoRA adapter slots on the device.", s.lora_slots
+        )
+        yield self._family(
+            g, "jaxserve:lora_slots_in_use", "LoRA slots holding an adapter.", s.lora_slots_in_use
+        )
+        yield self._family(
+            c, "jaxserve:lora_loads", "LoRA adapters written into a device slot.", s.lora_loads
+        )
+        yield self._family(
+            c,
+            "jaxserve:lora_evictions",
+            "LoRA slot writes that replaced a resident adapter.",
+            s.lora_evictions,
+        )
+        for state in ("running", "waiting"):
+            family = g(
+                f"jaxserve:lora_requests_{state}",
+                f"Requests {state}, per LoRA adapter.",
+                labels=(*self._labels[0], "lora_name"),
+            )
+            for name, n in getattr(s, f"lora_requests_{state}"):
+                family.add_metric((*self._labels[1], name), n)
+            yield family
+        info = g(
+            "jaxserve:lora_requests_info",
+            "Running and waiting LoRA adapters (comma-separated names); the value is the time.",
+            labels=("running_lora_adapters", "waiting_lora_adapters", "max_lora"),
+        )
+        info.add_metric(
+            (
+                ",".join(name for name, _ in s.lora_requests_running),
+                ",".join(name for name, _ in s.lora_requests_waiting),
+                str(s.lora_slots),
+            ),
+            time.time(),
+        )
+        yield info
 
     def _mesh(self):
         """The mesh (tp, dp, processes as labels; devices the value), the KV bytes per

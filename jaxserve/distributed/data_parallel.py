@@ -197,8 +197,9 @@ class DataParallelEngine:
         return [r.stats() for r in self.replicas]
 
     def stats(self) -> StatsSnapshot:
-        """The replicas' counters summed; fractions averaged; compilations counted once
-        (every replica's counter sees the whole process's)."""
+        """The replicas' counters summed (requests per LoRA adapter by name); fractions
+        averaged; compilations counted once (every replica's counter sees the whole
+        process's)."""
         parts = self.replica_stats()
         total = {}
         for field in dataclasses.fields(StatsSnapshot):
@@ -207,6 +208,11 @@ class DataParallelEngine:
                 total[field.name] = sum(values) / len(values)
             elif field.name == "num_compiles":
                 total[field.name] = max(values)
+            elif field.name.startswith("lora_requests_"):  # (name, requests) pairs
+                by_name: collections.Counter[str] = collections.Counter()
+                for pairs in values:
+                    by_name.update(dict(pairs))
+                total[field.name] = tuple(sorted(by_name.items()))
             elif isinstance(values[0], list | tuple):
                 width = max(len(v) for v in values)
                 total[field.name] = type(values[0])(

@@ -226,7 +226,9 @@ class LLMEngine(EngineLifecycle):  # pause and sleep: `lifecycle`
 
     def stats(self) -> StatsSnapshot:
         """The engine's counters and gauges now (cheap: a few dozen integers)."""
-        return reporting.stats(self.scheduler, self.pool, self.runner, self._stats, self.tier)
+        return reporting.stats(
+            self.scheduler, self.pool, self.runner, self._stats, self.tier, self.adapters
+        )
 
     # ------------------------------------------------------- KV pages that travel
 

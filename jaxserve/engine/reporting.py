@@ -3,6 +3,8 @@ its counters and gauges now (`StatsSnapshot`), read off its pieces."""
 
 from __future__ import annotations
 
+import collections
+
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.outputs import ModelInfo
 
@@ -31,9 +33,10 @@ def model_info(c, runner) -> ModelInfo:
     )
 
 
-def stats(scheduler, pool, runner, counters, tier) -> StatsSnapshot:
+def stats(scheduler, pool, runner, counters, tier, adapters=None) -> StatsSnapshot:
     """`LLMEngine.stats`: the scheduler's queues, the pool's use, the compile count,
-    the engine's counters (`counters`, its EngineStats) and the KV tier's."""
+    the engine's counters (`counters`, its EngineStats), the KV tier's and the LoRA
+    adapters' (`adapters`, its EngineAdapters, if any)."""
     return StatsSnapshot(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
@@ -44,6 +47,29 @@ def stats(scheduler, pool, runner, counters, tier) -> StatsSnapshot:
         num_compiles=runner.compiles.count,
         **counters.counters(),
         **_tier_stats(tier),
+        **_lora_stats(adapters, scheduler),
+    )
+
+
+def _lora_stats(adapters, scheduler) -> dict:
+    """The slots' use and, per adapter name, the requests running and waiting: each
+    of a request's n samples counts (vLLM's engine runs them as requests of their own)."""
+    if adapters is None:
+        return {}
+    slots = adapters.slots
+    names = {a.key: a.request.lora_name for a in adapters.cache.adapters()}
+
+    def per_adapter(seqs) -> tuple[tuple[str, int], ...]:
+        counts = collections.Counter(names.get(s.lora_key, s.lora_key) for s in seqs)
+        return tuple(sorted((name, n) for name, n in counts.items() if name is not None))
+
+    return dict(
+        lora_slots=slots.num_slots,
+        lora_slots_in_use=slots.num_in_use,
+        lora_loads=slots.num_loads,
+        lora_evictions=slots.num_evictions,
+        lora_requests_running=per_adapter(scheduler.running),
+        lora_requests_waiting=per_adapter(scheduler.waiting),
     )
 
 

@@ -18,6 +18,7 @@ from lora_files import write_adapter
 
 from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.config import LoRAConfig
+from jaxserve.generate_request import GenerateRequest
 from jaxserve.sampling_params import ParamError
 
 LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
@@ -255,3 +256,26 @@ def test_update_weights_is_refused_with_adapters_and_the_engine_serves_on(tiny_m
         llm.update_weights(path=tiny_model_dir)
     assert llm.engine.weight_version == 0
     assert tokens(llm.generate(prompts(2), GREEDY, lora_request=adapter, use_tqdm=False)) == want
+
+
+def test_stats_count_slots_loads_and_requests_per_adapter(tiny_model_dir, tmp_path):
+    """The stats (and so Prometheus) say which adapters' requests run and wait, the
+    slots in use, and the loads and evictions; each of a request's samples counts."""
+    llm = make_llm(tiny_model_dir, max_num_seqs=4, max_cpu_loras=3)
+    a, b, c = adapters(llm, tmp_path, 3)
+    engine = llm.engine
+    assert engine.stats().lora_slots == 2 and engine.stats().lora_requests_running == ()
+    two = SamplingParams(temperature=1.0, n=2, max_tokens=4, ignore_eos=True)
+    for i, (lora, params) in enumerate([(a, two), (a, GREEDY), (b, GREEDY), (c, GREEDY)]):
+        ids = prompts(1, seed=i)[0]["prompt_token_ids"]
+        engine.add_request(GenerateRequest(f"r{i}", ids, params, lora=lora))
+    engine.step()  # r0's second sample waits for its first's prompt; c for a slot
+    s = engine.stats()
+    assert s.lora_requests_running == (("ad0", 2), ("ad1", 1))
+    assert s.lora_requests_waiting == (("ad0", 1), ("ad2", 1))
+    assert (s.lora_slots_in_use, s.lora_loads, s.lora_evictions) == (2, 2, 0)
+    while engine.has_unfinished():
+        engine.step()
+    s = engine.stats()
+    assert s.lora_requests_running == s.lora_requests_waiting == ()
+    assert (s.lora_slots_in_use, s.lora_loads, s.lora_evictions) == (2, 3, 1)

@@ -522,6 +522,44 @@ def test_kv_tier_metrics_show_its_bytes_and_evictions():
     assert 'jaxserve:kv_tier_host_evictions_total{model_name="m"} 7.0' in text
 
 
+def test_lora_metrics_show_slots_and_requests_per_adapter():
+    """LoRA figures (only with LoRA enabled), and replicas' summed by adapter name."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from jaxserve.distributed.data_parallel import DataParallelEngine
+    from jaxserve.engine_stats import StatsSnapshot
+    from server.prometheus import ServerMetrics
+
+    zero = {
+        f.name: 0 for f in dataclasses.fields(StatsSnapshot) if f.default is dataclasses.MISSING
+    }
+    plain = generate_latest(ServerMetrics("m", lambda: StatsSnapshot(**zero)).registry).decode()
+    assert "lora" not in plain
+    lora = dict(lora_slots=4, lora_slots_in_use=3, lora_loads=9, lora_evictions=5)
+    replicas = [
+        StatsSnapshot(**zero, **lora, lora_requests_running=(("a", 2), ("b", 1))),
+        StatsSnapshot(**zero, **lora, lora_requests_running=(("b", 3),),
+                      lora_requests_waiting=(("c", 1),)),
+    ]  # fmt: skip
+    snapshot = DataParallelEngine.stats(SimpleNamespace(replica_stats=lambda: replicas))
+    assert snapshot.lora_requests_running == (("a", 2), ("b", 4))
+    assert snapshot.lora_requests_waiting == (("c", 1),) and snapshot.lora_slots == 8
+    text = generate_latest(ServerMetrics("m", lambda: snapshot).registry).decode()
+    assert 'jaxserve:lora_slots{model_name="m"} 8.0' in text
+    assert 'jaxserve:lora_slots_in_use{model_name="m"} 6.0' in text
+    assert 'jaxserve:lora_loads_total{model_name="m"} 18.0' in text
+    assert 'jaxserve:lora_evictions_total{model_name="m"} 10.0' in text
+    assert 'jaxserve:lora_requests_running{lora_name="b",model_name="m"} 4.0' in text
+    assert 'jaxserve:lora_requests_waiting{lora_name="c",model_name="m"} 1.0' in text
+    assert (
+        'lora_requests_info{max_lora="8",running_lora_adapters="a,b",waiting_lora_adapters="c"}'
+        in text
+    )
+
+
 def test_async_scheduling_over_grpc_and_http(tiny_model_dir):
     """A server whose engine schedules asynchronously streams what the synchronous
     offline engine generates, over gRPC and HTTP, and a cancelled stream frees its
