@@ -35,6 +35,7 @@ from jaxserve.engine.lifecycle import check_pause_mode, check_sleep_level, pause
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.front import EngineDeadError, EngineUnavailableError, RequestFailedError
 from jaxserve.generate_request import GenerateRequest
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import ModelInfo, RequestOutput
 
 T = TypeVar("T")
@@ -170,8 +171,10 @@ class AsyncLLMEngine:
         self._send(("call", fn, future))
         return await future
 
-    async def export_prefix(self, token_ids: Sequence[int], salt: str | None) -> list[bytes]:
-        return await self.call(lambda e: e.export_prefix(list(token_ids), salt))
+    async def export_prefix(
+        self, token_ids: Sequence[int], salt: str | None, lora: LoRARequest | None = None
+    ) -> list[bytes]:
+        return await self.call(lambda e: e.export_prefix(list(token_ids), salt, lora))
 
     async def import_pages(self, pages: list[bytes]) -> int:
         return await asyncio.to_thread(self.engine.import_pages, pages)  # any thread

@@ -23,6 +23,7 @@ from typing import Any, Protocol, Self, runtime_checkable
 
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.generate_request import GenerateRequest
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import ModelInfo, RequestOutput
 
 
@@ -105,9 +106,12 @@ class EngineFront(Protocol):
         """Stops a running request and frees its pages (unknown ids are ignored)."""
         ...
 
-    async def export_prefix(self, token_ids: Sequence[int], salt: str | None) -> list[bytes]:
+    async def export_prefix(
+        self, token_ids: Sequence[int], salt: str | None, lora: LoRARequest | None = None
+    ) -> list[bytes]:
         """The encoded KV pages the engine holds of the prompt's full pages, in order up
-        to the first it lacks (a prefill instance pushes them to a decode instance)."""
+        to the first it lacks (a prefill instance pushes them to a decode instance);
+        `lora`: the request's adapter, under which they were computed."""
         ...
 
     async def import_pages(self, pages: list[bytes]) -> int:

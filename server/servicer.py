@@ -430,7 +430,7 @@ class JaxServeServicer(LifecycleRPCs, pb_grpc.JaxServeServicer):  # pause, sleep
             if c.logprobs is not None:
                 sample.logprobs.extend(_logprobs_proto(c.logprobs, c.token_ids))
             reply.resume.samples.append(sample)
-        pages = await engine.export_prefix(gen.prompt_token_ids, gen.cache_salt)
+        pages = await engine.export_prefix(gen.prompt_token_ids, gen.cache_salt, gen.lora)
         try:
             reply.pages_pushed = await disagg.push(
                 request.decode_target,

@@ -47,6 +47,7 @@ from jaxserve.front import (
 )
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.kv.page_pool import ROOT_UID
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.tokenizer import Tokenizer
 
@@ -252,7 +253,9 @@ class DataParallelEngine:
         if i is not None:
             self.replicas[i].abort(request_id)
 
-    async def export_prefix(self, token_ids: Sequence[int], salt: str | None) -> list[bytes]:
+    async def export_prefix(
+        self, token_ids: Sequence[int], salt: str | None, lora: LoRARequest | None = None
+    ) -> list[bytes]:
         raise NotImplementedError(cannot_transfer_kv(self))
 
     async def import_pages(self, pages: list[bytes]) -> int:

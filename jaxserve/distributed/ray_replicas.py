@@ -53,6 +53,7 @@ from jaxserve.front import (
     cannot_transfer_kv,
 )
 from jaxserve.generate_request import GenerateRequest
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.sampling_params import ParamError
 
@@ -169,7 +170,9 @@ class RayReplica:
         if key is not None:
             self.actor.abort.remote(key)
 
-    async def export_prefix(self, token_ids: Sequence[int], salt: str | None) -> list[bytes]:
+    async def export_prefix(
+        self, token_ids: Sequence[int], salt: str | None, lora: LoRARequest | None = None
+    ) -> list[bytes]:
         raise NotImplementedError(cannot_transfer_kv(self))
 
     async def import_pages(self, pages: list[bytes]) -> int:

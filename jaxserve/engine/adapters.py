@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from jaxserve.config import EngineConfig
 from jaxserve.generate_request import GenerateRequest
-from jaxserve.lora import AdapterCache, LoRARequest, SlotTable, load_adapter
+from jaxserve.lora import AdapterCache, LoRARequest, SlotTable, adapter_salt, load_adapter
 from jaxserve.sampling_params import ParamError
 
 if TYPE_CHECKING:
@@ -56,6 +56,15 @@ class EngineAdapters:
     def release(self, lora: LoRARequest) -> None:
         """A request that `admit` took finished (or was aborted)."""
         self.cache.release(lora.lora_int_id)
+
+    def salt(self, lora: LoRARequest, cache_salt: str | None):
+        """The prefix-cache salt of pages computed under adapter `lora` (ParamError if
+        the adapter does not load): what `export_prefix` looks its pages up by."""
+        try:
+            key = self.cache.get(lora).key
+        except ValueError as e:
+            raise ParamError("lora", str(e)) from None
+        return adapter_salt(cache_salt, key)
 
     def write_slots(self, loads: list[tuple[int, str]]) -> None:
         """Writes the adapters a plan assigned into their slots (before its step)."""

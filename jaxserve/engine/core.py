@@ -34,11 +34,13 @@ from jaxserve.engine.weight_sync import WeightSync
 from jaxserve.engine_stats import EngineStats, StatsSnapshot
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.kv.transfer import KVLayout
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.request_state import RequestState
 from jaxserve.runner import bundle
 from jaxserve.runner.input_batch import HostBatch, SamplingMetadata
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.sampling_params import ParamError
 from jaxserve.sequence import Status, samples_of
 from jaxserve.targets import Target
 from jaxserve.tokenizer import Tokenizer
@@ -237,11 +239,19 @@ class LLMEngine(EngineLifecycle):  # pause and sleep: `lifecycle`
         """What this engine's KV pages hold, and of which model (kv/transfer.py)."""
         return self.runner.kv_layout()
 
-    def export_prefix(self, token_ids: list[int], salt: str | None = None) -> list[bytes]:
+    def export_prefix(
+        self, token_ids: list[int], salt: str | None = None, lora: LoRARequest | None = None
+    ) -> list[bytes]:
         """The encoded KV pages of `token_ids`' full pages that the pool holds, in order
         up to the first it lacks: what a prefill instance pushes to a decode instance.
-        Call it between steps (the engine's thread)."""
+        `lora`: the adapter they were computed under (its pages are its own: a decode
+        instance finds them for requests of the same adapter only). Call it between
+        steps (the engine's thread)."""
         page_size = self.config.cache.page_size
+        if lora is not None:
+            if self.adapters is None:
+                raise ParamError("lora", f"got adapter {lora.lora_name!r}: enable_lora is off")
+            salt = self.adapters.salt(lora, salt)
         if self.scheduler.kv.windowed:
             raise ValueError(
                 f"{self.config.model_dir!r} runs a hybrid KV cache (layer groups of their own "

@@ -279,3 +279,25 @@ def test_stats_count_slots_loads_and_requests_per_adapter(tiny_model_dir, tmp_pa
     s = engine.stats()
     assert s.lora_requests_running == s.lora_requests_waiting == ()
     assert (s.lora_slots_in_use, s.lora_loads, s.lora_evictions) == (2, 3, 1)
+
+
+def test_disaggregated_pages_carry_their_adapter(tiny_model_dir, tmp_path):
+    """Pages a prefill instance computed under an adapter are exported under it: a
+    decode instance (with the same adapter files) finds them for that adapter's
+    requests only, and generates what one engine does."""
+    prefill = make_llm(tiny_model_dir)
+    decode = make_llm(tiny_model_dir, kv_offload_bytes=16 << 20)
+    a, b = adapters(prefill, tmp_path, 2)
+    prompt = prompts(1, length=20)[0]
+    want = tokens(prefill.generate(prompt, GREEDY, lora_request=a, use_tqdm=False))
+    ids = prompt["prompt_token_ids"]
+    assert prefill.engine.export_prefix(ids) == []  # not the base model's pages
+    pages = prefill.engine.export_prefix(ids, lora=a)
+    assert len(pages) == len(ids) // 8
+    assert decode.engine.import_pages(pages) == len(pages)
+    (other,) = decode.generate(prompt, GREEDY, lora_request=b, use_tqdm=False)
+    assert other.num_cached_tokens == 0  # another adapter: none of them
+    (out,) = decode.generate(prompt, GREEDY, lora_request=a, use_tqdm=False)
+    assert out.num_cached_tokens == len(pages) * 8 and tokens([out]) == want
+    with pytest.raises(ParamError, match="enable_lora is off"):
+        LLM(tiny_model_dir, **SMALL_LLM).engine.export_prefix(ids, lora=a)
