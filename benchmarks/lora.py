@@ -1,11 +1,13 @@
 """Multi-LoRA serving cost: no LoRA vs adapters, interleaved in one process.
 
-  python benchmarks/lora.py --model=DIR [--rounds=3] [--num_requests=16]
+  python benchmarks/lora.py --model=DIR [--rounds=3] [--batch=16] [--num_requests=64]
 
 One engine without LoRA and one with `enable_lora` (`--max_loras` slots of rank
-`--rank`) on the same model run the same seeded batch (greedy, EOS ignored, all
-requests at once: a batch of `--num_requests`), in alternating rounds so that a
-drifting machine load affects all alike:
+`--rank`) on the same model, both running at most `--batch` requests at once
+(max_num_seqs), run the same seeded `--num_requests` requests (greedy, EOS ignored,
+all submitted at once: more than the batch, so that the scheduler keeps it full as
+a server's queue would), in alternating rounds so that a drifting machine load
+affects all alike:
 
 - `no_lora`: the engine without LoRA;
 - `lora_base`: the LoRA engine, no request with an adapter (what the wrapped
@@ -60,7 +62,8 @@ def main() -> None:
     p.add_argument("--model", default="demo-model")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--rounds", type=int, default=3, help="rounds of each mode")
-    p.add_argument("--num_requests", type=int, default=16)
+    p.add_argument("--batch", type=int, default=16, help="max_num_seqs")
+    p.add_argument("--num_requests", type=int, default=64)
     p.add_argument("--input_len", type=int, default=128)
     p.add_argument("--output_len", type=int, default=64)
     p.add_argument("--max_loras", type=int, default=4)
@@ -76,8 +79,8 @@ def main() -> None:
 
     kw = dict(
         dtype=args.dtype,
-        max_num_seqs=args.num_requests,
-        max_num_batched_tokens=max(512, args.num_requests),
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=max(512, args.batch),
         max_model_len=args.input_len * 2 + args.output_len,
         enable_prefix_caching=False,  # every round computes the same work
         compilation_cache_dir=None,
@@ -143,7 +146,8 @@ def main() -> None:
         "model": args.model,
         "device": jax.devices()[0].device_kind,
         "cpu": _cpu_name(),
-        "batch": n,
+        "batch": args.batch,
+        "num_requests": n,
         "max_loras": args.max_loras,
         "rank": args.rank,
         "output_tokens_per_s": rates,

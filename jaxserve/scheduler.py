@@ -400,7 +400,7 @@ class Scheduler:
         (it holds nothing) if it cannot fork or get the pages it writes."""
         if donor is None or donor.status is not Status.RUNNING or seq.num_prompt_tokens < 2:
             return None
-        if len(self.kv.pools) > 1:  # (a hybrid KV cache: the prefix cache shares them)
+        if self.kv.windowed:  # (pages before a window are gone; the prefix cache shares)
             return None
         if donor.num_computed < seq.num_prompt_tokens - 1:
             return None

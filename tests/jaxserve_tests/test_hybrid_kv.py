@@ -201,6 +201,26 @@ def test_outputs_are_exact_and_windowed_groups_hold_a_window(shape, async_schedu
     assert 0 < peak <= 3 * window_peak < 3 * 20
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_n_samples_past_the_window_compute_their_own_prompt(shape):
+    """An n > 1 request's samples after the first do not fork its pages where a layer
+    group slides: the first sample's pages before the window are gone (the null page
+    stands in). Every layer windowed is one pool: forking there failed ("page 0 forked
+    but not in use")."""
+    engine = make_engine(shape)
+    ps = prompts(2, 30)
+    for i, p in enumerate(ps):
+        engine.add_request(GenerateRequest(str(i), p, params(6, n=3)))
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [c.token_ids for c in out.outputs]
+        engine.scheduler.kv.check_invariant(engine.scheduler.running)
+    for i, p in enumerate(ps):
+        assert done[str(i)] == [expected_tokens(p, 6, VOCAB)] * 3
+
+
 def test_pages_before_the_window_go_back_while_the_sequence_runs():
     engine = make_engine("gemma3", budget=16)
     kv = engine.scheduler.kv
