@@ -6,6 +6,7 @@ PEFT: tests/models_tests/test_lora_parity.py; tensor parallelism: lora_tp_check.
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -301,3 +302,27 @@ def test_disaggregated_pages_carry_their_adapter(tiny_model_dir, tmp_path):
     assert out.num_cached_tokens == len(pages) * 8 and tokens([out]) == want
     with pytest.raises(ParamError, match="enable_lora is off"):
         LLM(tiny_model_dir, **SMALL_LLM).engine.export_prefix(ids, lora=a)
+
+
+def test_structured_output_with_adapters_mixed_in_one_batch(tiny_model_dir, tmp_path):
+    """Grammars constrain adapters' tokens as the base model's: every output obeys
+    its regex or choice, and each one is what its adapter gives alone."""
+    from jaxserve.sampling_params import StructuredOutputsParams as SO
+
+    llm = make_llm(tiny_model_dir, max_cpu_loras=2)
+    a, b = adapters(llm, tmp_path, 2)
+    specs = [SO(regex="[a-e]{2,8}"), SO(choice=["yes", "no", "maybe"])]
+    loras, params, ps = [], [], []
+    for lora in (None, a, b):
+        for spec in specs:
+            loras.append(lora)
+            params.append(SamplingParams(temperature=0, max_tokens=12, structured_outputs=spec))
+            ps.append("Answer:")
+    mixed = llm.generate(ps, params, lora_request=loras, use_tqdm=False)
+    for out, spec in zip(mixed, specs * 3, strict=True):
+        text = out.outputs[0].text
+        assert re.fullmatch(spec.regex, text) if spec.regex else text in spec.choice, text
+    for i in range(len(ps)):  # alone, the same
+        (solo,) = llm.generate(ps[i], params[i], lora_request=loras[i], use_tqdm=False)
+        assert solo.outputs[0].text == mixed[i].outputs[0].text
+    assert len({o.outputs[0].text for o in mixed[::2]}) > 1  # (the adapters do differ)
