@@ -12,7 +12,6 @@ the KV pages that travel `disagg_io`.
 
 from __future__ import annotations
 
-import functools
 import logging
 import random
 import time
@@ -22,8 +21,9 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.engine import beams, disagg_io, reporting
+from jaxserve.engine import beams, reporting
 from jaxserve.engine.adapters import EngineAdapters
+from jaxserve.engine.disagg_io import KVTransfer
 from jaxserve.engine.emission import Emitter
 from jaxserve.engine.grammars import GrammarAdmission
 from jaxserve.engine.lifecycle import EngineLifecycle, LifecycleState
@@ -34,13 +34,11 @@ from jaxserve.engine.weight_sync import WeightSync
 from jaxserve.engine_stats import EngineStats, StatsSnapshot
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.kv.transfer import KVLayout
-from jaxserve.lora import LoRARequest
 from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.request_state import RequestState
 from jaxserve.runner import bundle
 from jaxserve.runner.input_batch import HostBatch, SamplingMetadata
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.sampling_params import ParamError
 from jaxserve.sequence import Status, samples_of
 from jaxserve.targets import Target
 from jaxserve.tokenizer import Tokenizer
@@ -48,7 +46,7 @@ from jaxserve.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine(EngineLifecycle):  # pause and sleep: `lifecycle`
+class LLMEngine(EngineLifecycle, KVTransfer):  # pause and sleep; KV pages that travel
     def __init__(
         self,
         config: EngineConfig,
@@ -231,47 +229,6 @@ class LLMEngine(EngineLifecycle):  # pause and sleep: `lifecycle`
         return reporting.stats(
             self.scheduler, self.pool, self.runner, self._stats, self.tier, self.adapters
         )
-
-    # ------------------------------------------------------- KV pages that travel
-
-    @functools.cached_property
-    def kv_layout(self) -> KVLayout:
-        """What this engine's KV pages hold, and of which model (kv/transfer.py)."""
-        return self.runner.kv_layout()
-
-    def export_prefix(
-        self, token_ids: list[int], salt: str | None = None, lora: LoRARequest | None = None
-    ) -> list[bytes]:
-        """The encoded KV pages of `token_ids`' full pages that the pool holds, in order
-        up to the first it lacks: what a prefill instance pushes to a decode instance.
-        `lora`: the adapter they were computed under (its pages are its own: a decode
-        instance finds them for requests of the same adapter only). Call it between
-        steps (the engine's thread)."""
-        page_size = self.config.cache.page_size
-        if lora is not None:
-            if self.adapters is None:
-                raise ParamError("lora", f"got adapter {lora.lora_name!r}: enable_lora is off")
-            salt = self.adapters.salt(lora, salt)
-        if self.scheduler.kv.windowed:
-            raise ValueError(
-                f"{self.config.model_dir!r} runs a hybrid KV cache (layer groups of their own "
-                "pages), whose pages do not travel: serve the prefill instance with "
-                "disable_hybrid_kv_cache_manager=True"
-            )
-        return disagg_io.export_prefix(
-            self.pool, self.runner, self.kv_layout, page_size, token_ids, salt
-        )
-
-    def save_kv_tier(self) -> None:
-        """Copies every cached page the tier lacks into it (and its disk), waiting for
-        it: at shutdown, so that a restart with the same kv_offload_dir finds them."""
-        disagg_io.save_kv_tier(self.kv_connector, self.pool)
-
-    def import_pages(self, pages: list[bytes]) -> int:
-        """Checks pushed pages and keeps them in the KV tier, where admission finds them
-        (any thread). Raises KVTransferError (a ValueError) naming the first bad page,
-        keeping none, or ValueError if this engine has no tier."""
-        return disagg_io.import_pages(self.tier, self.kv_layout, pages)
 
     # ------------------------------------------------------------------ weights
 
