@@ -51,12 +51,17 @@ def check_role(front: EngineFront, role: str) -> None:
         )
 
 
-def can_disaggregate(params: SamplingParams, beam_search: bool = False) -> str | None:
+def can_disaggregate(
+    params: SamplingParams, beam_search: bool = False, lora_name: str = ""
+) -> str | None:
     """Why a request must run on one instance (None: it may be split). min_tokens > 1
     changes what stops the first token; a grammar's state does not travel, nor do a
-    beam search's beams (they share one instance's pages)."""
+    beam search's beams (they share one instance's pages), nor pages computed under a
+    LoRA adapter (keyed by it: the prefix lookup of the export does not know it)."""
     if beam_search:
         return "beam_search"
+    if lora_name:
+        return "lora_name"
     if params.min_tokens > 1:
         return "min_tokens > 1"
     if params.structured_outputs is not None:
