@@ -160,7 +160,8 @@ class LoRARegistry:
         try:
             await front.add_lora(lora)
         except ParamError as e:  # the adapter: its files, its shapes, its config
-            raise ParamError("lora_path", str(e)) from None
+            notes = getattr(e, "__notes__", [])  # (which data-parallel replica)
+            raise ParamError("lora_path", " ".join([str(e), *notes])) from None
         finally:
             self._loading.discard(name)
         self._by_name[name] = lora
