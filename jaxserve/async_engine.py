@@ -9,11 +9,12 @@ stream, even one that reuses the id of a request aborted a moment earlier. A
 stream that is closed or cancelled before its request finished aborts the
 request, which frees its pages within a step.
 
-Pause and sleep (`jaxserve.engine.lifecycle`) and weight updates run on the engine
-thread like any command. A request that arrives while generation is paused is held by the engine
-until the resume; the engine thread gives up on it after `pause_wait_s` (aborting it,
-its stream ending with EngineUnavailableError). While paused or asleep the loop waits
-for commands; it does not spin.
+Pause and sleep (`jaxserve.engine.lifecycle`), weight updates and LoRA adapters added
+or removed run on the engine thread like any command. A request that arrives while
+generation is paused is held by the engine until the resume; the engine thread gives
+up on it after `pause_wait_s` (aborting it, its stream ending with
+EngineUnavailableError). While paused or asleep the loop waits for commands; it does
+not spin.
 
 Front ends use it only as a `jaxserve.front.EngineFront`.
 """
@@ -31,6 +32,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
 from jaxserve.engine import LLMEngine
+from jaxserve.engine.adapters import EngineAdapters, lora_disabled
 from jaxserve.engine.lifecycle import check_pause_mode, check_sleep_level, paused_error
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.front import EngineDeadError, EngineUnavailableError, RequestFailedError
@@ -236,6 +238,27 @@ class AsyncLLMEngine:
 
     async def reset_prefix_cache(self) -> bool:
         return await self.call(lambda e: e.reset_prefix_cache())
+
+    # --------------------------------------------------------------------- LoRA
+
+    async def add_lora(self, request: LoRARequest) -> bool:
+        """Reads the adapter on the engine thread between two steps (its files are
+        small: the steps wait that long)."""
+        adapters = self._adapters()
+        return await self.call(lambda e: adapters.add(request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        adapters = self._adapters()
+        return await self.call(lambda e: adapters.remove(lora_int_id))
+
+    def list_loras(self) -> list[LoRARequest]:
+        adapters = self.engine.adapters
+        return [] if adapters is None else list(adapters.loaded())
+
+    def _adapters(self) -> EngineAdapters:
+        if self.engine.adapters is None:
+            raise lora_disabled()
+        return self.engine.adapters
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the engine thread, waiting at most about `timeout` seconds for the step

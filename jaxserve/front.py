@@ -14,6 +14,12 @@ says what each mode and level does), and takes new weights (`update_weights`:
 KV). A request sent while the engine is paused waits for `resume_generation`, at most
 `EngineConfig.pause_wait_s`; one sent while it sleeps is refused at once: both with
 `EngineUnavailableError` (HTTP 503, gRPC UNAVAILABLE).
+
+An engine started with `enable_lora` serves PEFT LoRA adapters (vLLM's `add_lora`,
+`remove_lora`, `list_loras`): a request names its adapter (`GenerateRequest.lora`), and
+an adapter may be read and checked before its first request (`add_lora`). A server
+keeps the names its clients use (`server.lora_registry`); a front knows adapters by
+`lora_int_id` only.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any, Protocol, Self, runtime_checkable
 
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.generate_request import GenerateRequest
-from jaxserve.lora import LoRARequest
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import ModelInfo, RequestOutput
 
 
@@ -180,6 +186,25 @@ class EngineFront(Protocol):
     async def reset_prefix_cache(self) -> bool:
         """Drops every cached KV page (prefix cache and KV tier, every replica); True
         once done. Running requests keep theirs."""
+        ...
+
+    async def add_lora(self, request: LoRARequest) -> bool:
+        """Reads and checks the adapter at `request.lora_path` and keeps it in host
+        memory (every replica), ahead of the requests that name it; True once done.
+        Raises ValueError naming what does not fit (`ParamError`, field "lora"), or, for
+        an engine without `enable_lora`, naming that."""
+        ...
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forgets the adapter of that id (every replica; its device slot emptied);
+        False if no replica knew it. Raises ValueError while live requests use it (they
+        keep it: remove it once they finished), or for an engine without `enable_lora`.
+        A request that names it later reads it again from its path."""
+        ...
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters in host memory (added, or read for a request, and not dropped
+        since; data-parallel: on any replica, each id once). Empty without `enable_lora`."""
         ...
 
     def close(self, timeout: float = 10.0) -> None:

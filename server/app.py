@@ -3,8 +3,8 @@ the OpenAI-compatible HTTP API (`server.openai_api`), in one process, on one eve
 loop, over one engine; metrics and draining for both.
 
 The ports open first, reporting NOT_SERVING (HTTP /health: 503) while the model
-loads and warms up, then SERVING; they go back to NOT_SERVING if the engine dies
-and while draining.
+loads and warms up (and the `lora_modules` adapters are read), then SERVING; they go
+back to NOT_SERVING if the engine dies and while draining.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from jaxserve.tokenizer import Tokenizer
 from server import auth, disagg
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
+from server.lora_registry import LoRAModule
 from server.prometheus import ServerMetrics
 from server.servicer import JaxServeServicer
 from server.serving import ServingState
@@ -59,8 +60,12 @@ class ServerOptions:
     tool_call_parser: str | None = None  # "hermes", "llama3_json", "mistral"
     tool_call_constrained: bool = False  # tool_choice "auto" constrained to valid calls too
     reasoning_parser: str | None = None  # "deepseek_r1", "qwen3"
+    # LoRA adapters served from start-up (`--lora_modules`; the engine needs
+    # enable_lora): each read and checked before the server reports SERVING.
+    lora_modules: tuple[LoRAModule, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
         self.chat_parsers()  # refuses an unknown parser
         if self.role not in disagg.ROLES:
             raise ValueError(f"role must be one of {sorted(disagg.ROLES)}, got {self.role!r}")
@@ -186,6 +191,7 @@ class JaxServeServer:
         self.options = options
         self._make_engine = make_engine
         self.state = ServingState(model_name=model_name, max_pending=options.max_pending)
+        self.state.loras.check_modules(options.lora_modules)  # (LoRAModuleError: at once)
         self.metrics = ServerMetrics(
             model_name,
             self._stats,
@@ -281,13 +287,15 @@ class JaxServeServer:
         return self.port
 
     async def load(self) -> None:
-        """Builds (and warms up) the engine off the event loop, then serves. Raises
-        ValueError (the front shut down again) if the front cannot serve the role."""
+        """Builds (and warms up) the engine off the event loop, reads the `lora_modules`
+        adapters, then serves. Raises ValueError (the front shut down again) if the
+        front cannot serve the role, LoRAModuleError if an adapter does not load."""
         engine, tokenizer = await asyncio.to_thread(self._make_engine)
         # Data-parallel replicas come with their own front (jaxserve.distributed.data_parallel).
         front = AsyncLLMEngine(engine) if isinstance(engine, LLMEngine) else engine
         try:
             disagg.check_role(front, self.options.role)
+            await self.state.loras.load_modules(front, self.options.lora_modules)
         except ValueError:
             await asyncio.to_thread(front.shutdown)
             raise

@@ -54,7 +54,9 @@ def check_role(front: EngineFront, role: str) -> None:
 def can_disaggregate(params: SamplingParams, beam_search: bool = False) -> str | None:
     """Why a request must run on one instance (None: it may be split). min_tokens > 1
     changes what stops the first token; a grammar's state does not travel, nor do a
-    beam search's beams (they share one instance's pages)."""
+    beam search's beams (they share one instance's pages). A LoRA adapter's request is
+    split: its pages are exported under its adapter, and the decode instance (serving
+    the same adapter under the same name) finds them for it."""
     if beam_search:
         return "beam_search"
     if params.min_tokens > 1:

@@ -138,7 +138,7 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling_params", "priority", "cache_salt", "resume", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "beam_search")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling_params", "priority", "cache_salt", "resume", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "beam_search", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class GenerateRequest(_message.Message):
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     BEAM_SEARCH_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: TokenIds
@@ -165,7 +166,8 @@ class GenerateRequest(_message.Message):
     parallel_tool_calls: bool
     chat_template_kwargs: str
     beam_search: BeamSearch
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., beam_search: _Optional[_Union[BeamSearch, _Mapping]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., beam_search: _Optional[_Union[BeamSearch, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class BeamSearch(_message.Message):
     __slots__ = ("beam_width", "length_penalty", "early_stopping")
@@ -358,7 +360,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "kv_cache_tokens", "max_num_seqs", "dtype", "block_size", "tensor_parallel_size", "data_parallel_size", "num_devices", "num_processes", "kv_cache_bytes_per_device", "kv_cache_dtype", "quantization")
+    __slots__ = ("model", "max_model_len", "vocab_size", "kv_cache_tokens", "max_num_seqs", "dtype", "block_size", "tensor_parallel_size", "data_parallel_size", "num_devices", "num_processes", "kv_cache_bytes_per_device", "kv_cache_dtype", "quantization", "lora_adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +375,7 @@ class ModelInfo(_message.Message):
     KV_CACHE_BYTES_PER_DEVICE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -387,7 +390,8 @@ class ModelInfo(_message.Message):
     kv_cache_bytes_per_device: int
     kv_cache_dtype: str
     quantization: str
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., num_devices: _Optional[int] = ..., num_processes: _Optional[int] = ..., kv_cache_bytes_per_device: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., num_devices: _Optional[int] = ..., num_processes: _Optional[int] = ..., kv_cache_bytes_per_device: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ("mode",)
@@ -424,3 +428,33 @@ class EngineState(_message.Message):
     is_sleeping: bool
     weight_version: int
     def __init__(self, is_paused: _Optional[bool] = ..., is_sleeping: _Optional[bool] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "path", "id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    id: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., id: _Optional[int] = ...) -> None: ...
+
+class LoRAAdapters(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...

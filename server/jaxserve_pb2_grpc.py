@@ -109,6 +109,16 @@ class JaxServeStub:
                 request_serializer=server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
                 response_deserializer=server_dot_jaxserve__pb2.EngineState.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/LoadLoRAAdapter',
+                request_serializer=server_dot_jaxserve__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=server_dot_jaxserve__pb2.LoRAAdapters.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/UnloadLoRAAdapter',
+                request_serializer=server_dot_jaxserve__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=server_dot_jaxserve__pb2.LoRAAdapters.FromString,
+                _registered_method=True)
 
 
 class JaxServeServicer:
@@ -225,6 +235,25 @@ class JaxServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """LoRA adapters at run time (a server started with --enable_lora; vLLM's
+        /v1/load_lora_adapter and /v1/unload_lora_adapter): a PEFT adapter directory read,
+        checked and served under a name (GenerateRequest.lora_name selects it), or no
+        longer served. Each answers the adapters served after it. A missing field, a name
+        already loaded (or the served model's), a path that is not an adapter of the
+        served model, an unknown name to unload, an adapter running requests use, or an
+        engine without LoRA is INVALID_ARGUMENT naming the problem.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JaxServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -302,6 +331,16 @@ def add_JaxServeServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=server_dot_jaxserve__pb2.EngineStateRequest.FromString,
                     response_serializer=server_dot_jaxserve__pb2.EngineState.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=server_dot_jaxserve__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=server_dot_jaxserve__pb2.LoRAAdapters.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=server_dot_jaxserve__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=server_dot_jaxserve__pb2.LoRAAdapters.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -709,6 +748,60 @@ class JaxServe:
             '/jaxserve.v1.JaxServe/ResetPrefixCache',
             server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
             server_dot_jaxserve__pb2.EngineState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/LoadLoRAAdapter',
+            server_dot_jaxserve__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            server_dot_jaxserve__pb2.LoRAAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/UnloadLoRAAdapter',
+            server_dot_jaxserve__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            server_dot_jaxserve__pb2.LoRAAdapters.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,8 +15,9 @@ so a failure up to then is retried:
     that fails before its first message: the next decode instance; after all
     of them, the whole request colocated on the prefill instance (a full
     engine, which holds the prompt's pages in its prefix cache);
-  - requests that cannot be split (min_tokens > 1, structured output) run
-    colocated from the start, on a decode instance (a prefill one if none answers);
+  - requests that cannot be split (min_tokens > 1, structured output, beam search,
+    a LoRA adapter) run colocated from the start, on a decode instance (a prefill
+    one if none answers);
   - a prefill instance that fails (down, or dies mid-transfer): the next one;
     with none left the request fails with UNAVAILABLE naming the cause;
   - a failure after the client has output: UNAVAILABLE, the stream ends.

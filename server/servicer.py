@@ -26,7 +26,7 @@ from jaxserve.sampling_params import (
     StructuredOutputsParams,
 )
 from jaxserve.tokenizer import Tokenizer
-from server import disagg, servicer_chat, serving
+from server import disagg, servicer_chat, servicer_lora, serving
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
 from server.openai_api import chat_output
@@ -34,6 +34,7 @@ from server.openai_api.chat_output import ChatParsers, ChatReading
 from server.openai_api.protocol import BadField
 from server.prometheus import ServerMetrics
 from server.servicer_lifecycle import LifecycleRPCs
+from server.servicer_lora import LoRARPCs
 from server.serving import Reason, Refused, ServingState
 
 # The trailing metadata key of an INVALID_ARGUMENT's field ("temperature", ...).
@@ -129,7 +130,7 @@ def _usage(out: RequestOutput) -> pb.Usage:
     )
 
 
-class JaxServeServicer(LifecycleRPCs, pb_grpc.JaxServeServicer):  # pause, sleep: its base
+class JaxServeServicer(LifecycleRPCs, LoRARPCs, pb_grpc.JaxServeServicer):  # pause, LoRA: bases
     def __init__(
         self,
         state: ServingState,
@@ -204,6 +205,7 @@ class JaxServeServicer(LifecycleRPCs, pb_grpc.JaxServeServicer):  # pause, sleep
                 params = reading.sampling_params(params, prompt.text, "structured_outputs")
             except BadField as e:
                 await self._invalid(context, e)
+        lora = await self._lora(request, context)
         resume = beam = None
         if request.HasField("resume"):
             resume = disagg.resume_from_proto(request.resume)
@@ -221,6 +223,7 @@ class JaxServeServicer(LifecycleRPCs, pb_grpc.JaxServeServicer):  # pause, sleep
             cache_salt=request.cache_salt or None,
             resume=resume,
             beam=beam,
+            lora=lora,
         )
         return gen, reading
 
@@ -374,6 +377,7 @@ class JaxServeServicer(LifecycleRPCs, pb_grpc.JaxServeServicer):  # pause, sleep
             kv_cache_bytes_per_device=info.kv_cache_bytes_per_device,
             kv_cache_dtype=info.kv_cache_dtype,
             quantization=info.quantization or "",
+            lora_adapters=servicer_lora.adapters_proto(self.state),
         )
 
     # ------------------------------------------- disaggregated serving (disagg.py)

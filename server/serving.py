@@ -5,7 +5,8 @@ A front end turns its request into a prompt (`jaxserve.inputs.parse_prompt`) and
 they refuse requests the same way for every protocol (`Refused`, with a reason each
 front end maps to its own status code) and record the same latency metrics.
 A refused value's field travels as data (`jaxserve.sampling_params.ParamError`);
-each front end reports it under its own name for it.
+each front end reports it under its own name for it. A request's model name selects
+its LoRA adapter the same way for both (`ServingState.lora_of`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from jaxserve.front import (
     RequestFailedError,
 )
 from jaxserve.generate_request import GenerateRequest
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import ParamError
 from jaxserve.tokenizer import Tokenizer
+from server.lora_registry import LoRARegistry
 from server.prometheus import ServerMetrics
 
 
@@ -57,6 +60,21 @@ class ServingState:
     model_name: str = ""
     max_pending: int = 1024
     draining: bool = False  # SIGTERM: running requests finish, new ones are refused
+    loras: LoRARegistry = dataclasses.field(init=False)  # the adapters served, by name
+
+    def __post_init__(self):
+        self.loras = LoRARegistry(self.model_name)
+
+    def lora_of(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's model name selects: None for the base model (no
+        name, the served name, or the model's directory). Raises
+        `server.lora_registry.UnknownModelError` for any other name not loaded."""
+        engine = self.engine
+        if model is None or model == self.model_name:
+            return None
+        if engine is not None and model == engine.model_info.model_dir:
+            return None
+        return self.loras.named(model)
 
 
 def ready(state: ServingState) -> EngineFront:
@@ -136,9 +154,10 @@ async def stream(
 async def lifecycle(
     state: ServingState, metrics: ServerMetrics, call: Callable[[EngineFront], Awaitable[object]]
 ) -> EngineFront:
-    """Runs `call(engine)`, a pause, resume, sleep, wake-up, weight update or prefix-cache
-    reset of the ready engine, for either protocol; returns the engine. Raises Refused:
-    INVALID for a bad mode, level or path (naming it), CONFLICT where the engine's state
+    """Runs `call(engine)`, a pause, resume, sleep, wake-up, weight update, prefix-cache
+    reset or LoRA adapter load or unload (`server.lora_registry`) of the ready engine,
+    for either protocol; returns the engine. Raises Refused: INVALID for a bad mode,
+    level, path or adapter (naming it), CONFLICT where the engine's state
     forbids it (sleep with requests running), UNAVAILABLE if the engine is not ready or
     dies meanwhile."""
     engine = ready(state)

@@ -1,5 +1,5 @@
 """PEFT adapter directories written with numpy alone, as PEFT saves them (for tests that
-need adapter files, not PEFT's model: no torch)."""
+need adapter files, not PEFT's model: no torch), and adapters over a served model."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import os
 
 import numpy as np
 from safetensors.numpy import save_file
+
+from jaxserve.lora import LoRARequest
 
 
 def write_adapter(
@@ -47,3 +49,13 @@ def write_adapter(
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(cfg, f)
     return str(path)
+
+
+def adapters(llm, root, count: int, rank: int = 4) -> list[LoRARequest]:
+    """`count` adapters on every projection of the model `llm` serves (an `LLM` with
+    enable_lora; random, distinct), written under `root`: "ad0" (id 1), "ad1", ..."""
+    modules = llm.engine.adapters.layout.modules
+    return [
+        LoRARequest(f"ad{i}", i + 1, write_adapter(root / f"ad{i}", modules, rank=rank, seed=i))
+        for i in range(count)
+    ]

@@ -15,8 +15,9 @@ has siblings. `DataParallelEngine` routes each request to a replica:
   than `max_imbalance` requests) the replica with the fewest requests in flight.
 
 Metrics come per replica (`replica_stats()`) and in total (`stats()`). Pause, resume,
-sleep, wake-up, weight updates and prefix-cache resets go to every replica, and return
-once all have done it; every replica gets the same weight version.
+sleep, wake-up, weight updates, prefix-cache resets and LoRA adapters added or removed
+go to every replica, and return once all have done it; every replica gets the same
+weight version.
 """
 
 from __future__ import annotations
@@ -311,6 +312,21 @@ class DataParallelEngine:
 
     async def reset_prefix_cache(self) -> bool:
         return all(await self._on_every_replica(lambda r: r.reset_prefix_cache()))
+
+    async def add_lora(self, request: LoRARequest) -> bool:
+        return all(await self._on_every_replica(lambda r: r.add_lora(request)))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """True if a replica knew it. A replica whose requests use it keeps it and its
+        error is raised; the others have forgotten it (read again if a request names it)."""
+        return any(await self._on_every_replica(lambda r: r.remove_lora(lora_int_id)))
+
+    def list_loras(self) -> list[LoRARequest]:
+        seen: dict[int, LoRARequest] = {}
+        for r in self.replicas:
+            for lora in r.list_loras():
+                seen.setdefault(lora.lora_int_id, lora)
+        return list(seen.values())
 
     async def _on_every_replica(self, call: Callable[[EngineFront], Awaitable[T]]) -> list[T]:
         """Runs `call` on every replica at once and waits for all of them (none is left

@@ -21,6 +21,7 @@ from jaxserve.engine.startup import use_compilation_cache
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.front import EngineDeadError
 from jaxserve.generate_request import GenerateRequest
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import ModelInfo
 from jaxserve.tokenizer import Tokenizer
 
@@ -150,6 +151,15 @@ class ReplicaActor:
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()
+
+    async def add_lora(self, request: LoRARequest) -> bool:
+        return await self.engine.add_lora(request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
 
     def shutdown(self, timeout: float) -> None:
         self.engine.close(timeout)

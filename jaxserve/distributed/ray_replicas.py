@@ -44,6 +44,7 @@ from jaxserve.async_engine import OutputStream
 from jaxserve.config import EngineConfig
 from jaxserve.distributed.ray_actor import ReplicaActor
 from jaxserve.engine import validate_request
+from jaxserve.engine.adapters import lora_disabled
 from jaxserve.engine.lifecycle import check_pause_mode, check_sleep_level, paused_error
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.front import (
@@ -231,6 +232,31 @@ class RayReplica:
 
     async def reset_prefix_cache(self) -> bool:
         return await self.actor.reset_prefix_cache.remote()
+
+    async def add_lora(self, request: LoRARequest) -> bool:
+        """The adapter's path is read on the actor's machine (as the model's)."""
+        if not self.config.lora.enable_lora:
+            raise lora_disabled()
+        return await self.actor.add_lora.remote(request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        if not self.config.lora.enable_lora:
+            raise lora_disabled()
+        return await self.actor.remove_lora.remote(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """Asks the actor, waiting at most STATS_TIMEOUT_S (TimeoutError naming it)."""
+        import ray
+
+        if not self.config.lora.enable_lora:
+            return []
+        try:
+            return ray.get(self.actor.list_loras.remote(), timeout=STATS_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"data-parallel replica {self.index} ({self.where}) did not list its LoRA "
+                f"adapters within {STATS_TIMEOUT_S:g}s"
+            ) from None
 
     def close(self, timeout: float = 10.0) -> None:
         """Closes the actor's engine (at most about `timeout` seconds), kills the actor,

@@ -12,13 +12,28 @@ from typing import TYPE_CHECKING
 
 from jaxserve.config import EngineConfig
 from jaxserve.generate_request import GenerateRequest
-from jaxserve.lora import AdapterCache, LoRARequest, SlotTable, adapter_salt, load_adapter
+from jaxserve.lora import (
+    Adapter,
+    AdapterCache,
+    LoRARequest,
+    SlotTable,
+    adapter_salt,
+    load_adapter,
+)
 from jaxserve.sampling_params import ParamError
 
 if TYPE_CHECKING:
     from jaxserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+def lora_disabled() -> ValueError:
+    """What a front says when asked to add or remove an adapter of an engine that serves
+    none."""
+    return ValueError(
+        "this engine serves no LoRA adapters: start it with enable_lora=True (--enable_lora)"
+    )
 
 
 class EngineAdapters:
@@ -32,6 +47,8 @@ class EngineAdapters:
             config.lora.max_cpu_loras, lambda r: load_adapter(r, self.layout, model_dir)
         )
         self.slots = SlotTable(config.lora.max_loras)  # the scheduler's
+        # The adapters in host memory, as of the cache's last change (`loaded`).
+        self._loaded: tuple[LoRARequest, ...] = ()
         logger.info(
             "LoRA: %d device slots of rank %d over %d projections, %d adapters in host memory",
             config.lora.max_loras,
@@ -46,25 +63,19 @@ class EngineAdapters:
         naming what is wrong with the adapter."""
         if request.lora is None:
             return None
-        try:
-            adapter = self.cache.get(request.lora)
-        except ValueError as e:
-            raise ParamError("lora", str(e)) from None
+        adapter = self._get(request.lora)
         self.cache.acquire(request.lora.lora_int_id)
         return adapter.key
 
     def release(self, lora: LoRARequest) -> None:
         """A request that `admit` took finished (or was aborted)."""
         self.cache.release(lora.lora_int_id)
+        self._changed()
 
     def salt(self, lora: LoRARequest, cache_salt: str | None):
         """The prefix-cache salt of pages computed under adapter `lora` (ParamError if
         the adapter does not load): what `export_prefix` looks its pages up by."""
-        try:
-            key = self.cache.get(lora).key
-        except ValueError as e:
-            raise ParamError("lora", str(e)) from None
-        return adapter_salt(cache_salt, key)
+        return adapter_salt(cache_salt, self._get(lora).key)
 
     def write_slots(self, loads: list[tuple[int, str]]) -> None:
         """Writes the adapters a plan assigned into their slots (before its step)."""
@@ -75,10 +86,7 @@ class EngineAdapters:
 
     def add(self, request: LoRARequest) -> bool:
         """Reads and checks an adapter ahead of its requests (ParamError if it is bad)."""
-        try:
-            self.cache.get(request)
-        except ValueError as e:
-            raise ParamError("lora", str(e)) from None
+        self._get(request)
         return True
 
     def remove(self, lora_int_id: int) -> bool:
@@ -87,6 +95,7 @@ class EngineAdapters:
         adapter = self.cache.remove(lora_int_id)
         if adapter is None:
             return False
+        self._changed()
         if all(a.key != adapter.key for a in self.cache.adapters()):  # (no twin under another id)
             self.slots.forget(adapter.key)
         return True
@@ -94,3 +103,21 @@ class EngineAdapters:
     def list(self) -> set[int]:
         """The ids of the adapters in host memory."""
         return {a.request.lora_int_id for a in self.cache.adapters()}
+
+    def loaded(self) -> tuple[LoRARequest, ...]:
+        """The adapters in host memory, least recently used first. Any thread may ask:
+        the engine's thread replaces this tuple whenever the cache changes, and never
+        changes one it handed out."""
+        return self._loaded
+
+    def _get(self, request: LoRARequest) -> Adapter:
+        try:
+            adapter = self.cache.get(request)
+        except ValueError as e:
+            raise ParamError("lora", str(e)) from None
+        finally:
+            self._changed()
+        return adapter
+
+    def _changed(self) -> None:
+        self._loaded = tuple(a.request for a in self.cache.adapters())

@@ -24,6 +24,18 @@ process 0 stops it stops the others (they exit with status 0); a process that fi
 a peer dead or stalled for --step_timeout_s exits at once with status 1, naming it
 (`jaxserve.distributed.multihost`). A follower ends at once on SIGTERM.
 
+LoRA adapters (PEFT directories) served beside the model, each by its own model name:
+
+  jaxserve serve --http_port=8000 --enable_lora --max_lora_rank=16 \
+      --lora_modules=sql=/adapters/sql --lora_modules=chat=/adapters/chat
+
+Each adapter is read and checked at start-up (lora_int_id 1, 2, ... in order); an
+entry that is malformed, a name given twice or the served model's, or an adapter that
+does not load (a bad path, another base model's shapes, an unsupported target) stops
+the server before it serves, with status 1 and the entry named. More adapters come and
+go at run time (POST /v1/load_lora_adapter, /v1/unload_lora_adapter; gRPC
+LoadLoRAAdapter, UnloadLoRAAdapter).
+
 SIGTERM (or Ctrl-C) drains: the server reports NOT_SERVING (HTTP /health: 503),
 refuses new calls (HTTP: 503) and lets running ones finish for --drain_grace_s
 seconds before it exits; while the model is still loading, it exits at once. If the
@@ -47,6 +59,7 @@ from jaxserve.distributed.multihost import FollowerLostError, Leader, LeaderLost
 from jaxserve.llm import LLM, resolve_model_dir
 from server import reasoning_parsers, tool_parsers
 from server.cli.engine_flags import engine_kwargs
+from server.lora_registry import LoRAModule, LoRAModuleError, parse_lora_modules
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 for all).")
@@ -100,6 +113,15 @@ flags.DEFINE_enum(
     "HTTP chat completions: return the text between <think> and </think> as "
     "reasoning_content; output constraints apply to the answer after it.",
 )
+flags.DEFINE_multi_string(
+    "lora_modules",
+    [],
+    "With --enable_lora: a LoRA adapter served from start-up, as name=path (a PEFT "
+    'directory) or vLLM\'s JSON {"name": ..., "path": ..., "base_model_name": ...}; '
+    "repeat the flag for more. Requests select it by that name as their model "
+    "(HTTP `model`, gRPC `lora_name`); /v1/models lists it with the served model as its "
+    "parent. An adapter that does not load stops the server at start-up",
+)
 DECODE_TIER_BYTES = 1 << 30  # --role=decode without --kv_offload_bytes
 flags.DEFINE_string(
     "served_model_name",
@@ -133,7 +155,7 @@ def _exit_now(status: int, message: str) -> NoReturn:
     os._exit(status)
 
 
-def _options(role: str = "both"):
+def _options(role: str = "both", lora_modules: tuple[LoRAModule, ...] = ()):
     from server.app import ServerOptions
 
     return ServerOptions(
@@ -151,6 +173,7 @@ def _options(role: str = "both"):
         tool_call_parser=FLAGS.tool_call_parser,
         tool_call_constrained=FLAGS.tool_call_constrained,
         reasoning_parser=FLAGS.reasoning_parser,
+        lora_modules=lora_modules,
     )
 
 
@@ -179,12 +202,15 @@ async def _serve() -> None:
     from server.app import JaxServeServer, default_model_name
 
     if FLAGS.role == "router":
+        if FLAGS.lora_modules:
+            raise ValueError("--lora_modules is for the instances behind the router, not it")
         return await _route()
     if FLAGS.prefill_targets or FLAGS.decode_targets:
         raise ValueError(
             f"--prefill_targets/--decode_targets are for --role=router, not {FLAGS.role}"
         )
     model_dir, kwargs = _engine_args()
+    lora_modules = _lora_modules(kwargs)
     llm = None
 
     def make_engine():
@@ -192,7 +218,7 @@ async def _serve() -> None:
         llm = LLM(model_dir, **kwargs)
         return llm.engine, llm.tokenizer
 
-    options = _options(FLAGS.role)
+    options = _options(FLAGS.role, lora_modules)
     server = JaxServeServer(
         make_engine, options, model_name=FLAGS.served_model_name or default_model_name(model_dir)
     )
@@ -209,8 +235,11 @@ async def _serve() -> None:
         _exit_now(0, "stopped before the model finished loading")
     if load.exception() is not None:
         error = load.exception()
-        logging.error("loading the model failed", exc_info=error)
         stop.cancel()
+        if isinstance(error, LoRAModuleError):  # (its message names the entry and why)
+            await server.stop(grace=0)
+            raise SystemExit(f"jaxserve serve: {error}")
+        logging.error("loading the model failed", exc_info=error)
         await server.stop(grace=0)
         raise SystemExit(f"jaxserve serve: loading the model failed: {error!r}")
     leader = llm.leader  # multi-host: the followers' side of every step
@@ -238,6 +267,17 @@ def _engine_args() -> tuple[str, dict]:
     if FLAGS.role == "decode" and not kwargs["kv_offload_bytes"]:
         kwargs["kv_offload_bytes"] = DECODE_TIER_BYTES  # where pushed pages land
     return model_dir, kwargs
+
+
+def _lora_modules(kwargs: dict) -> tuple[LoRAModule, ...]:
+    """--lora_modules, parsed; LoRAModuleError naming the flag and the entry for one
+    that is malformed, or for any without --enable_lora."""
+    modules = tuple(parse_lora_modules(FLAGS.lora_modules))
+    if modules and not kwargs["enable_lora"]:
+        raise LoRAModuleError(
+            f"--lora_modules {FLAGS.lora_modules[0]!r}: serving LoRA adapters needs --enable_lora"
+        )
+    return modules
 
 
 def _follow() -> None:

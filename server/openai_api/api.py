@@ -5,9 +5,12 @@ Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
 (streamed as server-sent events with `stream`), `POST /v1/responses` (OpenAI's
 Responses API, stateless: `responses.py`), `POST /inference/v1/generate` (vLLM's
 tokens in, tokens out: `tokens.py`), `POST /tokenize`,
-`POST /detokenize`, `GET /health`, `GET /metrics`, and pause and sleep beside a
+`POST /detokenize`, `GET /health`, `GET /metrics`, pause and sleep beside a
 trainer (`/pause`, `/resume`, `/is_paused`, `/sleep`, `/wake_up`, `/is_sleeping`:
-`lifecycle_routes.py`). Errors are OpenAI's
+`lifecycle_routes.py`), and LoRA adapters loaded at run time (`/v1/load_lora_adapter`,
+`/v1/unload_lora_adapter`: `lora_routes.py`). A request's `model` is the served model
+or a LoRA adapter's name (`ServingState.lora_of`); `/v1/models` lists both, each
+adapter with the served model as its `parent`. Errors are OpenAI's
 `{"error": {"message", "type", "param", "code"}}`: 400 for an invalid field
 (naming it in `param`), 401 without the API key, 404 for an unknown model or
 route, 409 for a sleep while requests run, 429 past the pending-request bound, 503
@@ -34,10 +37,13 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from jaxserve.inputs import parse_prompt
+from jaxserve.lora import LoRARequest
 from server import auth, serving
+from server.lora_registry import UnknownModelError
 from server.openai_api.chat_output import ChatParsers
 from server.openai_api.completions import OpenAIServing, error_body, status_of
 from server.openai_api.lifecycle_routes import lifecycle_router
+from server.openai_api.lora_routes import lora_router
 from server.openai_api.protocol import (
     BadField,
     ChatCompletionRequest,
@@ -100,17 +106,12 @@ def build_app(
             401, "missing or wrong API key", "invalid_request_error", None, "invalid_api_key"
         )
 
-    def check_model(model: str | None) -> None:
-        engine = state.engine
-        known = {state.model_name} | ({engine.model_info.model_dir} if engine else set())
-        if model is not None and model not in known:
-            raise _Error(
-                404,
-                f"the model {model!r} does not exist; this server serves {state.model_name!r}",
-                "invalid_request_error",
-                "model",
-                "model_not_found",
-            )
+    def check_model(model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for an unknown name."""
+        try:
+            return state.lora_of(model)
+        except UnknownModelError as e:
+            raise _Error(404, str(e), "invalid_request_error", "model", "model_not_found") from None
 
     api = APIRouter(dependencies=[Depends(authorized)])
 
@@ -158,38 +159,44 @@ def build_app(
     @api.get("/v1/models")
     async def models():
         info = serving.ready(state).model_info
-        card = {
-            "id": state.model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "jaxserve",
-            "root": info.model_dir,
-            "parent": None,
-            "max_model_len": info.max_model_len,
-            "vocab_size": info.vocab_size,
-        }
-        return {"object": "list", "data": [card]}
+        created = int(time.time())
+
+        def card(name: str, root: str, parent: str | None) -> dict[str, Any]:
+            return {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "jaxserve",
+                "root": root,
+                "parent": parent,
+                "max_model_len": info.max_model_len,
+                "vocab_size": info.vocab_size,
+            }
+
+        cards = [card(state.model_name, info.model_dir, None)]
+        cards += [card(a.lora_name, a.lora_path, state.model_name) for a in state.loras.adapters()]
+        return {"object": "list", "data": cards}
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
-        job = await asyncio.to_thread(openai.completion_job, body)  # (tokenizes)
+        lora = check_model(body.model)
+        job = await asyncio.to_thread(openai.completion_job, body, lora)  # (tokenizes)
         if body.stream:
             return _sse(openai.complete_stream(job))
         return await _unless_disconnected(request, openai.complete(job))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
-        job = await asyncio.to_thread(openai.chat_job, body)  # (renders, tokenizes)
+        lora = check_model(body.model)
+        job = await asyncio.to_thread(openai.chat_job, body, lora)  # (renders, tokenizes)
         if body.stream:
             return _sse(openai.chat_stream(job))
         return await _unless_disconnected(request, openai.chat(job))
 
     @api.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
-        check_model(body.model)
-        job = await asyncio.to_thread(responses.job, body)
+        lora = check_model(body.model)
+        job = await asyncio.to_thread(responses.job, body, lora)
         rid = response_id()
         if body.stream:
             return _sse(responses.stream(job, body, rid))
@@ -197,8 +204,8 @@ def build_app(
 
     @api.post("/inference/v1/generate")
     async def generate_tokens(body: GenerateTokensRequest, request: Request):
-        check_model(body.model)
-        job = tokens.job(body)  # (no tokenizer work: on the event loop)
+        lora = check_model(body.model)
+        job = tokens.job(body, lora)  # (no tokenizer work: on the event loop)
         if body.stream:
             return _sse(tokens.stream(job))
         return await _unless_disconnected(request, tokens.respond(job))
@@ -244,6 +251,7 @@ def build_app(
         return {"prompt": tok.decode(body.tokens)}
 
     api.include_router(lifecycle_router(state, metrics))
+    api.include_router(lora_router(state, metrics))
     app.include_router(api)
     return app
 

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from jaxserve.front import EngineFront
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.inputs import ParsedPrompt, parse_prompt
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from server import serving
@@ -49,6 +50,7 @@ class _Job:
     requests: list[GenerateRequest]  # one per prompt
     params: SamplingParams
     body: CompletionRequest | ChatCompletionRequest
+    model: str  # as the replies name it: the served model's name, or the adapter's
     reading: ChatReading | None = None  # chat: how its replies are read
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -64,8 +66,17 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ admission
 
-    def _job(self, prefix: str, body, prompts: list, chat_kwargs=None, reading=None) -> _Job:
-        """Validates everything a request can get wrong before anything is queued."""
+    def _job(
+        self,
+        prefix: str,
+        body,
+        prompts: list,
+        lora: LoRARequest | None,
+        chat_kwargs=None,
+        reading=None,
+    ) -> _Job:
+        """Validates everything a request can get wrong before anything is queued;
+        `lora`: the adapter its model names (`ServingState.lora_of`)."""
         body.check_unsupported()
         engine = serving.admit(self.state, self.metrics, extra=len(prompts) - 1)
         prompt_field = "messages" if chat_kwargs is not None else "prompt"
@@ -98,6 +109,7 @@ class OpenAIServing:
                     priority=body.priority,
                     cache_salt=body.cache_salt,
                     beam=body.beam_search(params),
+                    lora=lora,
                 )
                 for i, p in enumerate(parsed)
             ]
@@ -108,15 +120,16 @@ class OpenAIServing:
         except ValueError as e:
             field = getattr(e, "field", None)
             raise serving.invalid(self.metrics, str(e), names.get(field, field)) from None
-        return _Job(rid, engine, parsed, requests, params, body, reading)
+        model = self.state.model_name if lora is None else lora.lora_name
+        return _Job(rid, engine, parsed, requests, params, body, model, reading)
 
     def _streams(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         return _merge([serving.stream(job.engine, self.metrics, r) for r in job.requests])
 
     # ---------------------------------------------------------------- completions
 
-    def completion_job(self, body: CompletionRequest) -> _Job:
-        return self._job("cmpl", body, body.prompts())
+    def completion_job(self, body: CompletionRequest, lora: LoRARequest | None = None) -> _Job:
+        return self._job("cmpl", body, body.prompts(), lora)
 
     async def complete(self, job: _Job) -> dict:
         finals = await _collect(self._streams(job), len(job.prompts))
@@ -147,7 +160,7 @@ class OpenAIServing:
             "id": job.request_id,
             "object": "text_completion",
             "created": job.created,
-            "model": self.state.model_name,
+            "model": job.model,
             "choices": choices,
             "usage": _usage(finals),
         }
@@ -186,7 +199,7 @@ class OpenAIServing:
                 "id": job.request_id,
                 "object": "text_completion",
                 "created": job.created,
-                "model": self.state.model_name,
+                "model": job.model,
                 "choices": [choice],
             }
 
@@ -201,10 +214,10 @@ class OpenAIServing:
 
     # ----------------------------------------------------------- chat completions
 
-    def chat_job(self, body: ChatCompletionRequest) -> _Job:
+    def chat_job(self, body: ChatCompletionRequest, lora: LoRARequest | None = None) -> _Job:
         prompt, kwargs = body.prompt()
         reading = ChatReading.of(self.parsers, self.state.tokenizer, body)
-        return self._job("chatcmpl", body, [prompt], chat_kwargs=kwargs, reading=reading)
+        return self._job("chatcmpl", body, [prompt], lora, chat_kwargs=kwargs, reading=reading)
 
     def _chat_echo(self, body: ChatCompletionRequest) -> str:
         last = body.messages[-1]
@@ -243,7 +256,7 @@ class OpenAIServing:
             "id": job.request_id,
             "object": "chat.completion",
             "created": job.created,
-            "model": self.state.model_name,
+            "model": job.model,
             "choices": choices,
             "usage": _usage([out]),
         }
@@ -260,7 +273,7 @@ class OpenAIServing:
                 "id": job.request_id,
                 "object": "chat.completion.chunk",
                 "created": job.created,
-                "model": self.state.model_name,
+                "model": job.model,
                 "choices": [choice],
             }
 
@@ -338,7 +351,7 @@ class OpenAIServing:
                             else "text_completion"
                         ),
                         "created": job.created,
-                        "model": self.state.model_name,
+                        "model": job.model,
                         "choices": [],
                         "usage": _usage(finals),
                     }

@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import RequestOutput
 from server import serving
 from server.openai_api.chat_output import ChoiceReader
@@ -165,10 +166,10 @@ class ResponsesServing:
     def __init__(self, chat: OpenAIServing):
         self.chat = chat
 
-    def job(self, body: ResponsesRequest) -> _Job:
+    def job(self, body: ResponsesRequest, lora: LoRARequest | None = None) -> _Job:
         """Validates the request; errors name the Responses field."""
         try:
-            return self.chat.chat_job(body.chat())
+            return self.chat.chat_job(body.chat(), lora)
         except BadField as e:
             message, param = _renamed(str(e)), chat_param(e.param)
             raise serving.invalid(self.chat.metrics, message, param) from None
@@ -259,7 +260,7 @@ class ResponsesServing:
             "incomplete_details": incomplete,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
-            "model": self.chat.state.model_name,
+            "model": job.model,
             "output": [public(item) for item in output],
             "parallel_tool_calls": body.parallel_tool_calls,
             "temperature": body.temperature,

@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field
 from jaxserve.front import EngineFront
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.inputs import parse_prompt
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import FIELDS, SamplingParams, StructuredOutputsParams
 from server import serving
@@ -98,6 +99,7 @@ class TokensJob:
     request: GenerateRequest
     stream_options: StreamOptions | None
     logprobs_mode: str  # the engine's: what the values are
+    model: str  # as the replies name it: the served model's name, or the adapter's
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -107,9 +109,9 @@ class TokensServing:
     def __init__(self, openai: OpenAIServing):
         self.state, self.metrics = openai.state, openai.metrics
 
-    def job(self, body: GenerateTokensRequest) -> TokensJob:
+    def job(self, body: GenerateTokensRequest, lora: LoRARequest | None = None) -> TokensJob:
         """The request validated before anything is queued; Refused (400) names the
-        field as this request does."""
+        field as this request does. `lora`: the adapter its model names."""
         engine = serving.admit(self.state, self.metrics)
         rid = body.request_id or f"gen-{uuid.uuid4().hex}"
         try:
@@ -121,6 +123,7 @@ class TokensServing:
                 params,
                 priority=body.priority,
                 cache_salt=body.cache_salt,
+                lora=lora,
             )
             engine.validate(request)
         except BadField as e:
@@ -128,7 +131,8 @@ class TokensServing:
         except ValueError as e:
             raise serving.invalid(self.metrics, str(e), _param(getattr(e, "field", None))) from None
         info = engine.model_info
-        return TokensJob(engine, request, body.stream_options, info.logprobs_mode)
+        model = self.state.model_name if lora is None else lora.lora_name
+        return TokensJob(engine, request, body.stream_options, info.logprobs_mode, model)
 
     async def respond(self, job: TokensJob) -> dict:
         final = None
@@ -182,7 +186,7 @@ class TokensServing:
         return {
             "request_id": out.request_id,
             "created": job.created,
-            "model": self.state.model_name,
+            "model": job.model,
             "logprobs_mode": job.logprobs_mode,
             "weight_version": out.weight_version,
             "first_weight_version": out.first_weight_version,

@@ -9,13 +9,14 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 from engine_utils import SMALL_LLM, engine_config
 from fake_devices import run_on_8_devices
 from hf_models import CASES, make_hf_model
-from lora_files import write_adapter
+from lora_files import adapters, write_adapter
 
 from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.config import LoRAConfig
@@ -28,15 +29,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 def make_llm(path, **kw):
     return LLM(path, **{**SMALL_LLM, **LORA, **kw})
-
-
-def adapters(llm: LLM, root, count: int, rank: int = 4) -> list[LoRARequest]:
-    """`count` adapters on every projection of the served model (random, distinct)."""
-    modules = llm.engine.adapters.layout.modules
-    return [
-        LoRARequest(f"ad{i}", i + 1, write_adapter(root / f"ad{i}", modules, rank=rank, seed=i))
-        for i in range(count)
-    ]
 
 
 def prompts(n: int, seed: int = 0, length: int = 12) -> list[dict]:
@@ -326,3 +318,60 @@ def test_structured_output_with_adapters_mixed_in_one_batch(tiny_model_dir, tmp_
         (solo,) = llm.generate(ps[i], params[i], lora_request=loras[i], use_tqdm=False)
         assert solo.outputs[0].text == mixed[i].outputs[0].text
     assert len({o.outputs[0].text for o in mixed[::2]}) > 1  # (the adapters do differ)
+
+
+def test_every_front_adds_removes_and_lists_adapters(tiny_model_dir, tmp_path, monkeypatch):
+    """vLLM's add_lora, remove_lora and list_loras through `AsyncLLMEngine`, a
+    `DataParallelEngine` of two replicas (on this one device), and a Ray replica (its
+    handle and actor, without Ray, as test_pause_fronts builds them); a front of an
+    engine without enable_lora says so."""
+    import ray
+
+    from jaxserve.async_engine import AsyncLLMEngine
+    from jaxserve.distributed.data_parallel import DataParallelEngine
+    from jaxserve.distributed.ray_actor import ReplicaActor
+    from jaxserve.distributed.ray_replicas import RayReplica
+    from jaxserve.engine import LLMEngine
+
+    engines = [LLMEngine(engine_config(tiny_model_dir, **LORA)) for _ in range(3)]
+    modules = engines[0].adapters.layout.modules
+    a = LoRARequest("a", 1, write_adapter(tmp_path / "a", modules, seed=1))
+    b = LoRARequest("b", 2, write_adapter(tmp_path / "b", modules, seed=2))
+    bad = LoRARequest("bad", 3, str(tmp_path / "missing"))
+    single = AsyncLLMEngine(engines[0])
+    replicas = DataParallelEngine([single, AsyncLLMEngine(engines[1])], engines[0].config)
+    actor = object.__new__(ReplicaActor)  # its __init__ needs a Ray worker
+    actor.engine = AsyncLLMEngine(engines[2])
+    handle = object.__new__(RayReplica)  # the same
+    handle.config, handle.index, handle.where = engines[2].config, 0, "here"
+    calls = ("add_lora", "remove_lora", "list_loras")
+    handle.actor = types.SimpleNamespace(
+        **{name: types.SimpleNamespace(remote=getattr(actor, name)) for name in calls}
+    )
+    monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)  # (no object refs)
+    plain = AsyncLLMEngine(LLMEngine(engine_config(tiny_model_dir)))
+
+    async def main():
+        for front in (replicas, handle):
+            assert front.list_loras() == []
+            assert await front.add_lora(a) is True and await front.add_lora(b) is True
+            assert front.list_loras() == [a, b]
+            with pytest.raises(ParamError, match="lora_path is not a directory") as e:
+                await front.add_lora(bad)
+            assert e.value.field == "lora" and front.list_loras() == [a, b]
+            assert await front.remove_lora(1) is True and front.list_loras() == [b]
+            assert await front.remove_lora(1) is False
+        assert single.list_loras() == [b] and list(engines[1].adapters.loaded()) == [b]
+        assert plain.list_loras() == []
+        for call in (plain.add_lora(a), plain.remove_lora(1)):
+            with pytest.raises(ValueError, match=r"start it with enable_lora=True"):
+                await call
+        handle.config = plain.engine.config
+        with pytest.raises(ValueError, match=r"start it with enable_lora=True"):
+            await handle.add_lora(a)
+
+    try:
+        replicas.run_sync(main())
+    finally:
+        for front in (replicas, actor.engine, plain):
+            front.shutdown()

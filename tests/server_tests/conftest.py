@@ -6,6 +6,16 @@ import pytest
 from jaxserve import LLM
 from server.app import JaxServeServer, ServerOptions
 
+# The `LLM` arguments of a test server's engine (`ServerThread`; `llm_kwargs` add to them).
+SERVER_LLM = dict(
+    max_model_len=128,
+    block_size=8,
+    num_kv_pages=256,
+    max_num_seqs=32,
+    max_num_batched_tokens=256,
+    warmup=False,
+)
+
 
 class ServerThread:
     """A JaxServeServer on its own event loop in a background thread."""
@@ -14,15 +24,7 @@ class ServerThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        kw = dict(
-            max_model_len=128,
-            block_size=8,
-            num_kv_pages=256,
-            max_num_seqs=32,
-            max_num_batched_tokens=256,
-            warmup=False,
-        )
-        kw.update(llm_kwargs or {})
+        kw = {**SERVER_LLM, **(llm_kwargs or {})}
 
         def make_engine():
             llm = LLM(model_dir, **kw)
