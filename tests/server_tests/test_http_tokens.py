@@ -8,21 +8,13 @@ import json
 import httpx
 import numpy as np
 import pytest
-from conftest import ServerThread
+from conftest import SERVER_LLM, ServerThread
 
 from jaxserve import LLM, SamplingParams
 from server.openai_api.api import HttpServer, build_app
 
 MODE = "processed_logprobs"
-ENGINE = dict(
-    max_model_len=128,
-    block_size=8,
-    num_kv_pages=256,
-    max_num_seqs=32,
-    max_num_batched_tokens=256,
-    warmup=False,
-    logprobs_mode=MODE,
-)
+ENGINE = dict(SERVER_LLM, logprobs_mode=MODE)
 PROMPT_IDS = [5, 17, 42, 99, 7, 250, 3]
 SAMPLED = dict(
     temperature=0.9,
