@@ -126,6 +126,15 @@ def test_beam_searches_in_one_batch_match_a_direct_run(budget, caching):
     assert any(c.finish_reason == "stop" for o in done.values() for c in o.outputs)
 
 
+def test_beam_tokens_count_as_generated():
+    """Each running beam's token of a step counts in generation_tokens (the stats and
+    Prometheus): the beams weren't counted at all before."""
+    engine = make_engine()
+    beam = BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True)
+    run(engine, {"b": ([11, 12, 13, 14, 15], beam)})
+    assert 4 * 5 <= engine.stats().generation_tokens <= 4 * 6
+
+
 def test_preemption_and_prefix_hits_change_nothing():
     requests = random_requests(random.Random(1), 8)
     engine = make_engine(num_pages=40, budget=16, debug_preemption_rate=0.3)
