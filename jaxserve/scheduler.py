@@ -295,11 +295,8 @@ class Scheduler:
             n = self._fork_prompt(seq, donor, budget)
             if n is not None:  # one prefill for the n samples (copy-on-write)
                 self.waiting.pop(0)
+                self._start(seq, slot, seq.num_computed, n, scheduled, groups)
                 held += seats
-                seq.status = Status.RUNNING
-                self.running.append(seq)
-                self._pin_slot(seq, slot)
-                scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
                 budget -= n
                 continue
             # Prompt logprobs need every prompt position's logits: no cached prefix.
@@ -331,13 +328,8 @@ class Scheduler:
                 seq.num_cached_tokens = computed
                 self.prefix_queries += cacheable
                 self.prefix_hits += computed
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            self._pin_slot(seq, slot)
+            self._start(seq, slot, computed, n, scheduled, groups)
             held += seats
-            if seq.seats > 1:
-                groups.add(seq.request_id)
-            scheduled.append(ScheduledSeq(seq, computed, n))
             budget -= n
         for seq in blocked:
             bisect.insort(self.waiting, seq, key=SequenceState.sort_key)
@@ -441,11 +433,26 @@ class Scheduler:
             self._preempt(seq)
         return len(running)
 
-    def _pin_slot(self, seq: SequenceState, slot: int) -> None:
-        """`seq` runs with its adapter in device slot `slot` (0: none)."""
+    def _start(
+        self,
+        seq: SequenceState,
+        slot: int,
+        computed: int,
+        n: int,
+        scheduled: list[ScheduledSeq],
+        groups: set[str],
+    ) -> None:
+        """An admitted `seq` joins the running batch, its adapter in device slot `slot`
+        (0: none), computing `n` tokens from `computed` this step; a beam search's
+        first running sequence takes its group's seats (`groups`)."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
         seq.lora_slot = slot
         if slot:
             self.lora.pin(slot)
+        if seq.seats > 1:
+            groups.add(seq.request_id)
+        scheduled.append(ScheduledSeq(seq, computed, n))
 
     def _stop_running(self, seq: SequenceState) -> None:
         self.running.remove(seq)
