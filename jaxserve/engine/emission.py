@@ -41,12 +41,10 @@ class Emitter:
             max_model_len,
         )
 
-    def apply(
-        self, step, out, prompt_lp
-    ) -> tuple[dict[SequenceState, list[int]], list[RequestOutput]]:
+    def apply(self, step, out, prompt_lp) -> tuple[int, list[RequestOutput]]:
         """Does a fetched step's host work: append its tokens, check stops, detokenize,
-        cache the pages they fill, propose drafts. Returns the tokens appended per
-        sequence and an output per request that made progress.
+        cache the pages they fill, propose drafts. Returns the tokens generated (each
+        running beam's one included) and an output per request that made progress.
 
         An exception in one request's work fails that request alone (`fail_request`):
         its output names the cause, and the step's other requests keep their tokens."""
@@ -60,6 +58,7 @@ class Emitter:
         touched: dict[str, RequestState] = {}
         new_tokens: dict[SequenceState, list[int]] = {}
         beams: dict[str, RequestState] = {}  # beam searches whose beams have all offered
+        beam_tokens = 0  # (a beam's token is chosen among its group's candidates)
         for item, first in step.sampled:
             seq = item.seq
             seq.num_placeholders -= 1
@@ -67,6 +66,7 @@ class Emitter:
                 continue
             req = self.requests[seq.request_id]
             if req.beam is not None:  # candidates, not a token (engine.beams)
+                beam_tokens += 1
                 try:
                     if req.beam.offer(item, out, first):
                         beams[req.request_id] = req
@@ -98,7 +98,8 @@ class Emitter:
                     outputs.append(req.output(new_tokens, step.weight_version))
                 except Exception as e:
                     self._fail(req, e, "building its output", failed)
-        return new_tokens, outputs + list(failed.values())
+        generated = sum(len(t) for t in new_tokens.values()) + beam_tokens
+        return generated, outputs + list(failed.values())
 
     def _record_prompt_logprobs(self, step, prompt_lp, failed: dict[str, RequestOutput]) -> None:
         offset = 0

@@ -215,14 +215,7 @@ class StepPipeline:
         t1 = time.perf_counter()
         out, prompt_lp = self.runner.fetch(step.pending)
         t2 = time.perf_counter()
-        beam_rows = sum(  # (a beam's token is chosen among its group's candidates)
-            1
-            for item, _ in step.sampled
-            if not item.seq.finished
-            and (req := self.requests.get(item.seq.request_id)) is not None
-            and req.beam is not None
-        )
-        new_tokens, outputs = self.emitter.apply(step, out, prompt_lp)
+        generated, outputs = self.emitter.apply(step, out, prompt_lp)
         for o in outputs:
             if o.finished:
                 self.forget(o.request_id)
@@ -230,7 +223,7 @@ class StepPipeline:
         t3 = time.perf_counter()
         self.stats.on_step(
             step.plan,
-            sum(len(t) for t in new_tokens.values()) + beam_rows,
+            generated,
             self.scheduler.running,
             host_s=(t1 - t0) + (t3 - t2),
             device_s=t2 - t1,
