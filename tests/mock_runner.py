@@ -16,6 +16,7 @@ import types
 
 import numpy as np
 
+from jaxserve.config import ModelConfig
 from jaxserve.runner.input_batch import (
     SamplingMetadata,
     StepShapes,
@@ -23,6 +24,21 @@ from jaxserve.runner.input_batch import (
     build_sampling,
     pick_bucket,
 )
+
+
+def mock_model(**hf) -> ModelConfig:
+    """A model for the mock runner (it reads only the config): a one-layer Llama,
+    8 wide, of 1000 tokens; `hf` overrides or adds config.json fields."""
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=1000,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        max_position_embeddings=256,
+    )
+    return ModelConfig.from_hf({**config, **hf})
 
 
 def mock_candidates(history: list[int], vocab: int) -> tuple[list[int], list[float]]:

@@ -10,10 +10,10 @@ beam that read a sibling's page, or a copy-on-write page not copied, fails here.
 import random
 
 import pytest
-from mock_runner import MockRunner, mock_candidates
+from mock_runner import MockRunner, mock_candidates, mock_model
 
 from jaxserve.beam_search import BeamGroup
-from jaxserve.config import ModelConfig, engine_config
+from jaxserve.config import engine_config
 from jaxserve.engine import LLMEngine
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.sampling_params import BeamSearchParams, ParamError, SamplingParams
@@ -23,18 +23,7 @@ EOS = 7
 
 
 def model(eos=EOS):
-    return ModelConfig.from_hf(
-        dict(
-            architectures=["LlamaForCausalLM"],
-            vocab_size=VOCAB,
-            hidden_size=8,
-            intermediate_size=8,
-            num_hidden_layers=1,
-            num_attention_heads=1,
-            max_position_embeddings=2048,
-            eos_token_id=eos,
-        )
-    )
+    return mock_model(vocab_size=VOCAB, max_position_embeddings=2048, eos_token_id=eos)
 
 
 def make_engine(*, num_pages=128, page_size=4, max_num_seqs=16, budget=32, **kw):

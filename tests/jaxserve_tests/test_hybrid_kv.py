@@ -9,7 +9,7 @@ are exact and every page's references are checked against its holders each step.
 import dataclasses
 
 import pytest
-from mock_runner import MockRunner, expected_tokens
+from mock_runner import MockRunner, expected_tokens, mock_model
 
 from jaxserve.config import ModelConfig, engine_config
 from jaxserve.config import kv_groups as kvg
@@ -23,17 +23,7 @@ from jaxserve.sequence import SequenceState
 VOCAB = 1000
 PAGE = 4
 WINDOW = 8
-BASE = ModelConfig.from_hf(
-    dict(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=VOCAB,
-        hidden_size=8,
-        intermediate_size=8,
-        num_hidden_layers=3,
-        num_attention_heads=1,
-        max_position_embeddings=256,
-    )
-)
+BASE = mock_model(vocab_size=VOCAB, num_hidden_layers=3)
 SHAPES = {
     "gemma2": (WINDOW, None, WINDOW),  # every other layer local
     "gemma3": (WINDOW, WINDOW, None),  # local layers, then a global one

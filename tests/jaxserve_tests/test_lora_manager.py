@@ -6,9 +6,9 @@ import types
 
 import pytest
 from lora_files import write_adapter
-from mock_runner import MockRunner
+from mock_runner import MockRunner, mock_model
 
-from jaxserve.config import ModelConfig, engine_config
+from jaxserve.config import engine_config
 from jaxserve.engine import LLMEngine
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.lora import AdapterCache, LoRALayout, LoRARequest, SlotTable
@@ -109,17 +109,7 @@ def test_an_id_names_one_adapter_while_it_is_used():
 
 # ------------------------------------------------ the scheduler, through the engine
 
-MODEL = ModelConfig.from_hf(
-    dict(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=1000,
-        hidden_size=8,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=1,
-        max_position_embeddings=256,
-    )
-)
+MODEL = mock_model()
 MODULES = {"layers.0.self_attn.q_proj": (8, 8)}
 
 

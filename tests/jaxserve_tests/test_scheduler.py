@@ -7,25 +7,15 @@ every step, so these tests assert exact outputs and exact page accounting.
 import random
 
 import pytest
-from mock_runner import MockRunner, expected_tokens
+from mock_runner import MockRunner, expected_tokens, mock_model
 
-from jaxserve.config import ModelConfig, engine_config
+from jaxserve.config import engine_config
 from jaxserve.engine import LLMEngine
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.sampling_params import SamplingParams
 
 VOCAB = 1000
-MODEL = ModelConfig.from_hf(
-    dict(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=VOCAB,
-        hidden_size=8,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=1,
-        max_position_embeddings=256,
-    )
-)
+MODEL = mock_model(vocab_size=VOCAB)
 
 
 # Every test here runs with synchronous and with asynchronous scheduling (the

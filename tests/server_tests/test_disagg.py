@@ -9,11 +9,11 @@ import threading
 import grpc
 import pytest
 from conftest import ServerThread
-from mock_runner import MockRunner
+from mock_runner import MockRunner, mock_model
 from test_server import request, stub, wait_idle
 
 from jaxserve.async_engine import AsyncLLMEngine
-from jaxserve.config import ModelConfig, engine_config
+from jaxserve.config import engine_config
 from jaxserve.distributed.data_parallel import DataParallelEngine
 from jaxserve.engine import LLMEngine
 from server import jaxserve_pb2 as pb
@@ -163,17 +163,7 @@ def test_bad_requests_through_the_router(cluster):
 
 def _data_parallel_front():
     """Two mock-runner replicas behind a DataParallelEngine (no model, no devices)."""
-    model = ModelConfig.from_hf(
-        dict(
-            architectures=["LlamaForCausalLM"],
-            vocab_size=1000,
-            hidden_size=8,
-            intermediate_size=8,
-            num_hidden_layers=1,
-            num_attention_heads=1,
-            max_position_embeddings=256,
-        )
-    )
+    model = mock_model()
     config = engine_config(
         "mock", model, max_model_len=256, block_size=4, num_kv_pages=64, warmup=False
     )

@@ -17,10 +17,10 @@ import types
 import grpc
 import httpx
 import pytest
-from mock_runner import MockRunner
+from mock_runner import MockRunner, mock_model
 
 from jaxserve.async_engine import AsyncLLMEngine
-from jaxserve.config import ModelConfig, engine_config
+from jaxserve.config import engine_config
 from jaxserve.engine import LLMEngine
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.request_state import RequestState
@@ -35,17 +35,7 @@ SNAPSHOT = StatsSnapshot(*([0] * 11))
 
 
 def mock_engine() -> LLMEngine:
-    model = ModelConfig.from_hf(
-        dict(
-            architectures=["LlamaForCausalLM"],
-            vocab_size=1000,
-            hidden_size=8,
-            intermediate_size=8,
-            num_hidden_layers=1,
-            num_attention_heads=1,
-            max_position_embeddings=256,
-        )
-    )
+    model = mock_model()
     config = engine_config(
         "mock", model, max_model_len=256, block_size=4, num_kv_pages=64, warmup=False
     )
