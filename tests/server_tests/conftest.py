@@ -50,6 +50,11 @@ class ServerThread:
     def engine(self):
         return self.server.state.engine.engine
 
+    @property
+    def http_url(self) -> str:
+        """The HTTP server's base URL (one started with http_port=0)."""
+        return f"http://127.0.0.1:{self.server.http_port}"
+
     def stop(self):
         self.call(self.server.stop(grace=1))
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -27,7 +27,7 @@ def served(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def http(served):
-    with httpx.Client(base_url=f"http://127.0.0.1:{served.server.http_port}", timeout=120) as c:
+    with httpx.Client(base_url=served.http_url, timeout=120) as c:
         yield c
 
 

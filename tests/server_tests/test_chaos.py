@@ -712,7 +712,7 @@ def test_chaos_storm(chaos_server):
 
 
 async def _chaos(server: ServerThread):
-    target, base_url = server.target, f"http://127.0.0.1:{server.server.http_port}"
+    target, base_url = server.target, server.http_url
     cases = make_cases(N_REQUESTS, seed=28)
     assert sum(c.proto == "http" for c in cases) == N_REQUESTS // 2
     # A smaller storm first compiles most step shapes and starts the threads the

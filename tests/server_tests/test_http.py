@@ -35,7 +35,7 @@ def served(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def base_url(served):
-    return f"http://127.0.0.1:{served.server.http_port}"
+    return served.http_url
 
 
 @pytest.fixture(scope="module")
@@ -457,7 +457,7 @@ def test_engine_failure_is_503(served, http, monkeypatch):
 
 def test_loading_then_serving_then_draining(tiny_model_dir, monkeypatch):
     server = ServerThread(tiny_model_dir, http_port=0, metrics_port=None, load=False)
-    base = f"http://127.0.0.1:{server.server.http_port}"
+    base = server.http_url
     assert httpx.get(f"{base}/health").status_code == 503  # the port is open, the model not
     r = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT})
     assert r.status_code == 503 and "still loading" in r.json()["error"]["message"]

@@ -40,7 +40,7 @@ def served(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def http(served):
-    with httpx.Client(base_url=f"http://127.0.0.1:{served.server.http_port}", timeout=60) as c:
+    with httpx.Client(base_url=served.http_url, timeout=60) as c:
         yield c
 
 

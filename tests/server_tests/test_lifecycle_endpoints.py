@@ -33,7 +33,7 @@ def served(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def http(served):
-    base = f"http://127.0.0.1:{served.server.http_port}"
+    base = served.http_url
     with httpx.Client(base_url=base, timeout=60, headers=AUTH) as c:
         yield c
 
@@ -59,7 +59,7 @@ def gauge(http, name: str) -> float:
 
 
 def test_http_routes_need_the_api_key(served):
-    base = f"http://127.0.0.1:{served.server.http_port}"
+    base = served.http_url
     for method, path in [
         ("POST", "/pause"),
         ("POST", "/resume"),

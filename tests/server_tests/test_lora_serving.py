@@ -62,7 +62,7 @@ def served(tiny_model_dir, offline):
 
 @pytest.fixture(scope="module")
 def http(served):
-    base = f"http://127.0.0.1:{served.server.http_port}"
+    base = served.http_url
     with httpx.Client(base_url=base, timeout=60, headers=AUTH) as c:
         yield c
 
@@ -222,7 +222,7 @@ def test_an_adapter_running_requests_use_is_not_unloaded(served, http, offline):
 
 
 def test_the_lora_routes_and_rpcs_need_the_api_key(served, stub):
-    base = f"http://127.0.0.1:{served.server.http_port}"
+    base = served.http_url
     for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
         r = httpx.post(base + path, json={"lora_name": "sql", "lora_path": "p"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

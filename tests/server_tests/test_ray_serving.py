@@ -51,7 +51,7 @@ def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(
             for msg in stub(server.target).Generate(request(prompt, **params)):
                 got += msg.token_ids
             assert got == tokens, prompt
-        with httpx.Client(base_url=f"http://127.0.0.1:{server.server.http_port}") as http:
+        with httpx.Client(base_url=server.http_url) as http:
             for prompt, tokens in zip(PROMPTS, want, strict=True):
                 body = dict(model="tiny", prompt=prompt, return_token_ids=True, **params)
                 choice = http.post("/v1/completions", json=body, timeout=60).json()["choices"][0]
@@ -75,7 +75,7 @@ def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(
             time.sleep(0.1)
 
         # Pause and sleep reach every replica's actor; the front answers their state.
-        with httpx.Client(base_url=f"http://127.0.0.1:{server.server.http_port}") as http:
+        with httpx.Client(base_url=server.http_url) as http:
             assert http.post("/pause", params={"mode": "keep"}, timeout=60).json()["is_paused"]
             assert all(r.is_paused for r in front.replicas)
             assert http.post("/sleep", params={"level": 2}, timeout=60).json()["is_sleeping"]

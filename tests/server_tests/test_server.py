@@ -588,7 +588,7 @@ def test_async_scheduling_over_grpc_and_http(tiny_model_dir):
             ignore_eos=True,
             return_token_ids=True,
         )
-        with httpx.Client(base_url=f"http://127.0.0.1:{server.server.http_port}") as http:
+        with httpx.Client(base_url=server.http_url) as http:
             choice = http.post("/v1/completions", json=body, timeout=60).json()["choices"][0]
         assert choice["token_ids"] == offline.outputs[0].token_ids
         call = stub(server.target).Generate(request(max_tokens=100, ignore_eos=True))
