@@ -495,19 +495,24 @@ def test_speculative_decoding_metrics_have_vllms_names():
     assert snapshot.spec_decode_mean_acceptance_length == 1.0 + 9 / 5
 
 
-def test_kv_tier_metrics_show_its_bytes_and_evictions():
+def stats_of(**fields):
+    """An engine's StatsSnapshot: `fields`, every other figure 0."""
     import dataclasses
 
+    from jaxserve.engine_stats import StatsSnapshot
+
+    required = [
+        f.name for f in dataclasses.fields(StatsSnapshot) if f.default is dataclasses.MISSING
+    ]
+    return StatsSnapshot(**{**dict.fromkeys(required, 0), **fields})
+
+
+def test_kv_tier_metrics_show_its_bytes_and_evictions():
     from prometheus_client import generate_latest
 
-    from jaxserve.engine_stats import StatsSnapshot
     from server.prometheus import ServerMetrics
 
-    zero = {
-        f.name: 0 for f in dataclasses.fields(StatsSnapshot) if f.default is dataclasses.MISSING
-    }
-    snapshot = StatsSnapshot(
-        **zero,
+    snapshot = stats_of(
         kv_tier_host_bytes=4096,
         kv_tier_disk_bytes=1 << 30,
         kv_tier_host_evictions=7,
@@ -524,26 +529,20 @@ def test_kv_tier_metrics_show_its_bytes_and_evictions():
 
 def test_lora_metrics_show_slots_and_requests_per_adapter():
     """LoRA figures (only with LoRA enabled), and replicas' summed by adapter name."""
-    import dataclasses
     from types import SimpleNamespace
 
     from prometheus_client import generate_latest
 
     from jaxserve.distributed.data_parallel import DataParallelEngine
-    from jaxserve.engine_stats import StatsSnapshot
     from server.prometheus import ServerMetrics
 
-    zero = {
-        f.name: 0 for f in dataclasses.fields(StatsSnapshot) if f.default is dataclasses.MISSING
-    }
-    plain = generate_latest(ServerMetrics("m", lambda: StatsSnapshot(**zero)).registry).decode()
+    plain = generate_latest(ServerMetrics("m", lambda: stats_of()).registry).decode()
     assert "lora" not in plain
     lora = dict(lora_slots=4, lora_slots_in_use=3, lora_loads=9, lora_evictions=5)
     replicas = [
-        StatsSnapshot(**zero, **lora, lora_requests_running=(("a", 2), ("b", 1))),
-        StatsSnapshot(**zero, **lora, lora_requests_running=(("b", 3),),
-                      lora_requests_waiting=(("c", 1),)),
-    ]  # fmt: skip
+        stats_of(**lora, lora_requests_running=(("a", 2), ("b", 1))),
+        stats_of(**lora, lora_requests_running=(("b", 3),), lora_requests_waiting=(("c", 1),)),
+    ]
     snapshot = DataParallelEngine.stats(SimpleNamespace(replica_stats=lambda: replicas))
     assert snapshot.lora_requests_running == (("a", 2), ("b", 4))
     assert snapshot.lora_requests_waiting == (("c", 1),) and snapshot.lora_slots == 8
@@ -601,20 +600,14 @@ def test_async_scheduling_over_grpc_and_http(tiny_model_dir):
 
 
 def test_metrics_show_the_mesh_and_each_replica():
-    import dataclasses
-
     from prometheus_client import generate_latest
 
-    from jaxserve.engine_stats import StatsSnapshot
     from jaxserve.outputs import ModelInfo
     from server.prometheus import ServerMetrics
 
-    zero = {
-        f.name: 0 for f in dataclasses.fields(StatsSnapshot) if f.default is dataclasses.MISSING
-    }
     replicas = [
-        StatsSnapshot(**{**zero, "num_running": 3, "kv_cache_usage": 0.5}),
-        StatsSnapshot(**{**zero, "num_waiting": 2}),
+        stats_of(num_running=3, kv_cache_usage=0.5),
+        stats_of(num_waiting=2),
     ]
     info = ModelInfo(
         *["m", "Llama", 128, 64, 8, "float32", "float32", None, 16, 100, 0, 0.0, 300],
