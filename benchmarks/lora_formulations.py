@@ -7,10 +7,10 @@ with `--slots` adapter slots of rank `--rank` and the rows' slots spread over th
 (sorted, as the host orders a batch), one jitted function computes every
 projection's LoRA term in sequence with each formulation of `models.lora`:
 
-- `gather`: each row's matrices gathered (the CPU's for few rows);
-- `one_hot`: every row against every slot, the others' columns zeroed (the CPU's for
-  more rows);
-- `ragged`: `lax.ragged_dot` over the rows grouped by slot (TPU and GPU).
+- `dense`: every row against every slot's columns in two plain matmuls, the others'
+  columns zeroed between them (the CPU's);
+- `ragged`: `lax.ragged_dot_general` over the rows grouped by slot (TPU and GPU);
+- `gather`: each row's own matrices gathered (A[slot[t]]), for comparison.
 
 Then a slot write's host -> device part, as the engine's (`runner/lora_io.py`) sends
 it: one array per matrix (336), against the same bytes as one vector cut on the
@@ -29,11 +29,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.lora import lora_gather, lora_one_hot, lora_ragged
+from models.lora import lora_dense, lora_ragged
 
 D, F, L = 896, 4864, 24
 PROJECTIONS = [(D, D), (D, 128), (D, 128), (D, D), (D, F), (D, F), (F, D)]  # (in, out)
-FORMULATIONS = {"gather": lora_gather, "one_hot": lora_one_hot, "ragged": lora_ragged}
+
+
+def gather(x, a, b, slots):
+    """Each row's slot's matrices gathered: T * (in + out) * r values read."""
+    h = jnp.einsum("ti,tri->tr", x, a[slots], preferred_element_type=jnp.float32)
+    return jnp.einsum("tr,tro->to", h.astype(b.dtype), b[slots], preferred_element_type=jnp.float32)
+
+
+FORMULATIONS = {"dense": lora_dense, "ragged": lora_ragged, "gather": gather}
 
 
 def timed(fn, *args, repeats: int) -> float:
@@ -50,7 +58,7 @@ def formulations(rows: list[int], slots: int, rank: int, dtype, repeats: int, rs
     """ms for the 168 projections' LoRA terms, per formulation and row count."""
     mats = [
         (
-            jnp.asarray(rs.randn(slots + 1, d_in, rank), dtype),
+            jnp.asarray(rs.randn(slots + 1, rank, d_in), dtype),
             jnp.asarray(rs.randn(slots + 1, rank, d_out), dtype),
         )
         for d_in, d_out in PROJECTIONS * L
@@ -65,7 +73,7 @@ def formulations(rows: list[int], slots: int, rank: int, dtype, repeats: int, rs
             def run(x, mats, ids, f=f):
                 total = jnp.zeros((), jnp.float32)
                 for a, b in mats:
-                    total += f(x[a.shape[1]], a, b, ids).sum()
+                    total += f(x[a.shape[2]], a, b, ids).sum()
                 return total
 
             out.setdefault(name, {})[t] = timed(run, x, mats, ids, repeats=repeats)
@@ -74,7 +82,7 @@ def formulations(rows: list[int], slots: int, rank: int, dtype, repeats: int, rs
 
 def slot_writes(slots: int, rank: int, dtype, repeats: int, rs) -> dict:
     """ms of a slot write's transfer and update: 336 arrays vs one vector."""
-    shapes = [s for d_in, d_out in PROJECTIONS * L for s in ((d_in, rank), (rank, d_out))]
+    shapes = [s for d_in, d_out in PROJECTIONS * L for s in ((rank, d_in), (rank, d_out))]
     stacked = [jnp.zeros((slots + 1, *s), dtype) for s in shapes]
     values = [rs.randn(*s).astype(np.float32) for s in shapes]
     packed = np.concatenate([v.ravel() for v in values])

@@ -196,7 +196,7 @@ def preflight(
         k = spec.num_speculative_tokens if spec and b <= spec.disable_by_batch_size else 0
         t = pick_bucket(b * (1 + k), runner.token_buckets, what="tokens")
         names = (
-            f"forward T={t}",
+            f"forward T={t}" + (" lora" if runner.lora is not None else ""),  # (the costlier)
             f"sample B={pick_bucket(b * (1 + k), runner.row_buckets, what='rows')}",
         )
         costs = [program_cost(compiled[n]) for n in names]

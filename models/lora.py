@@ -3,9 +3,9 @@
 `add_lora` wraps every attention and MLP projection (`LORA_TARGETS`: q/k/v/o and
 gate/up/down, wherever a model has them as linears: the dense layers and shared
 experts of the MoE families too, never the stacked experts) in a `LoRALinear`,
-which holds the adapters' matrices stacked by *slot*:
+which holds the adapters' matrices stacked by *slot*, each in PEFT's orientation:
 
-    lora_a [S + 1, in, r]    lora_b [S + 1, r, out]
+    lora_a [S + 1, r, in]    lora_b [S + 1, r, out]
 
 S = max_loras device slots and r = max_lora_rank (an adapter of lower rank is
 zero-padded; its scale, alpha / r, is folded into its B). Slot 0 is "no adapter":
@@ -13,29 +13,28 @@ zeros, so a token there gets exactly the base projection. The matrices are
 parameters like the weights (the step's inputs, placed once, sharded as their
 base layer: a column-parallel layer's B splits on its outputs, a row-parallel
 layer's A on its inputs), so writing an adapter into a slot changes data, never a
-program.
+program. Both are laid out so that all slots side by side are one matrix without a
+copy (A as [(S + 1) r, in], B as [(S + 1) r, out]).
 
-Each step binds one slot per token row (`bind_slots`, [T] int32), and each wrapped
-projection computes, per token t,
+Each step where a token has an adapter binds one slot per token row (`bind_slots`,
+[T] int32; a step where none has runs the base model's program, compiled apart:
+`jaxserve.runner.step`), and each wrapped projection computes, per token t,
 
-    y[t] = base(x)[t] + (x[t] @ A[slot[t]]) @ B[slot[t]]
+    y[t] = base(x)[t] + (x[t] @ A[slot[t]]^T) @ B[slot[t]]
 
-`lora_delta` has three formulations of the second term; which one runs is fixed
-when the step is traced (the platform, and the token count T, are static):
+`lora_delta` has two formulations of the second term; which one runs is fixed when
+the step is traced (by the platform):
 
-- TPU and GPU: `lax.ragged_dot` over token rows grouped by slot. The host orders
-  a batch's sequences by slot (`jaxserve.runner.input_batch.build_batch` checks
-  that the slots never decrease), so each slot's rows are one contiguous group.
-- CPU, T <= GATHER_MAX_ROWS (decode steps): each row's matrices gathered (A[slot]).
-- CPU, more rows: every row against every slot's A at once (one dot with S * r
-  columns), the other slots' columns zeroed, then one dot with the stacked B.
-  Measured on 2 cores of an AMD EPYC (family 26, Zen 5: AVX-512), float32,
-  r = 16, S = 4, ms per projection (gather / one-hot / ragged_dot as XLA:CPU
-  decomposes it):
-  896x896 at T=1: 0.017 / 0.037 / 0.041; T=8: 0.053 / 0.040 / 0.131;
-  T=256: 1.63 / 0.24 / 0.79; T=2048: 73 / 1.7 / 15. 4864x896 at T=1: 0.023 /
-  0.159 / 0.147; T=16: 0.22 / 0.17 / 0.38; T=2048: 355 / 7.7 / 230.
-  On the CPU a step where no token has an adapter skips the term (`lax.cond`).
+- TPU and GPU: `lax.ragged_dot_general` over token rows grouped by slot. The host
+  orders a batch's sequences by slot (`jaxserve.runner.input_batch.build_batch`
+  checks that the slots never decrease), so each slot's rows are one contiguous
+  group.
+- CPU: `lora_dense`, two plain matmuls over every slot's columns at once, the other
+  slots' columns of each row zeroed between them. Measured with
+  `benchmarks/lora_formulations.py` (2 cores of an AMD EPYC, Zen 5, float32, r = 16,
+  S = 4, the 168 projections of a 0.5B model), ms at T = 1 / 16 / 256 rows: dense
+  5.2 / 9.9 / 67; ragged_dot as XLA:CPU decomposes it 60 / 65 / 123; each row's own
+  matrices gathered 10.5 / 154 / 2877.
 """
 
 from __future__ import annotations
@@ -49,7 +48,6 @@ from jax import lax
 from models.layers import QuantizedLinear, RowsLinear, _axes
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GATHER_MAX_ROWS = 8  # CPU: up to this many rows gather their matrices (see above)
 
 
 class LoRAWeight(nnx.Param):
@@ -77,7 +75,7 @@ class LoRALinear(nnx.Module):
             value = jax.ShapeDtypeStruct(shape, dtype) if abstract else jnp.zeros(shape, dtype)
             return LoRAWeight(value, out_sharding=names, eager_sharding=False)
 
-        self.lora_a = zeros((num_slots + 1, d_in, rank), (None, in_axis, None))
+        self.lora_a = zeros((num_slots + 1, rank, d_in), (None, None, in_axis))
         self.lora_b = zeros((num_slots + 1, rank, d_out), (None, None, out_axis))
         self.slots = None  # [T] int32 for one step
 
@@ -127,51 +125,50 @@ def lora_modules(model: nnx.Module) -> dict[str, LoRALinear]:
 
 
 # ----------------------------------------------------------------------------
-# The LoRA term: x [T, in], a [S + 1, in, r], b [S + 1, r, out], slots [T] -> [T, out]
+# The LoRA term: x [T, in], a [S + 1, r, in], b [S + 1, r, out], slots [T] -> [T, out]
 # float32 (the dots accumulate in float32; between them the rank-r rows are cast to
 # the adapters' dtype, as PEFT computes B(A(x)) in the adapter's dtype).
 # ----------------------------------------------------------------------------
 
 
-def lora_gather(x, a, b, slots):
-    """Each row's slot's matrices gathered: T * (in + out) * r values read."""
-    h = jnp.einsum("ti,tir->tr", x.astype(a.dtype), a[slots], preferred_element_type=jnp.float32)
-    return jnp.einsum("tr,tro->to", h.astype(b.dtype), b[slots], preferred_element_type=jnp.float32)
-
-
-def lora_one_hot(x, a, b, slots):
-    """Every row against every slot 1..S, the other slots' columns zeroed: two dense
-    dots with S * r inner columns (slot 0, the zeros, is skipped)."""
-    h = jnp.einsum("ti,sir->tsr", x.astype(a.dtype), a[1:], preferred_element_type=jnp.float32)
-    mine = slots[:, None] == jnp.arange(1, a.shape[0], dtype=slots.dtype)[None, :]  # [T, S]
-    h = jnp.where(mine[:, :, None], h, 0.0)
-    return jnp.einsum("tsr,sro->to", h.astype(b.dtype), b[1:], preferred_element_type=jnp.float32)
+def lora_dense(x, a, b, slots):
+    """Every row against every slot's A at once ([T, in] x [(S + 1) r, in]^T), the
+    columns of other slots than the row's zeroed, then one matmul with every slot's
+    B ([(S + 1) r, out]): (S + 1) times a row's own work, in two plain matmuls."""
+    r = a.shape[1]
+    h = lax.dot_general(
+        x.astype(a.dtype),
+        a.reshape(-1, a.shape[2]),
+        (((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.float32,
+    )  # [T, (S + 1) r]
+    column_slot = jnp.arange(h.shape[1], dtype=slots.dtype) // r
+    h = jnp.where(slots[:, None] == column_slot[None, :], h, 0.0)
+    return jnp.dot(h.astype(b.dtype), b.reshape(-1, b.shape[2]), preferred_element_type=jnp.float32)
 
 
 def lora_ragged(x, a, b, slots):
-    """`lax.ragged_dot` over the rows grouped by slot: the slots must never decrease
-    (the host orders the batch so)."""
+    """`lax.ragged_dot_general` over the rows grouped by slot: the slots must never
+    decrease (the host orders the batch so)."""
     groups = jnp.arange(a.shape[0], dtype=slots.dtype)
     sizes = jnp.sum(slots[:, None] == groups[None, :], axis=0, dtype=jnp.int32)  # [S + 1]
-    h = lax.ragged_dot(x.astype(a.dtype), a, sizes, preferred_element_type=jnp.float32)
+    transposed = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())),  # x [T, in] . A[g] [r, in]
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0],
+    )
+    h = lax.ragged_dot_general(
+        x.astype(a.dtype), a, sizes, transposed, preferred_element_type=jnp.float32
+    )
     return lax.ragged_dot(h.astype(b.dtype), b, sizes, preferred_element_type=jnp.float32)
 
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
     """The LoRA term of each row (see the module docstring for which formulation)."""
-
-    def cpu(x, a, b, slots):
-        f = lora_gather if x.shape[0] <= GATHER_MAX_ROWS else lora_one_hot
-        # A step where no token has an adapter skips the term. (Not on the GPU, where
-        # XLA reads a conditional's predicate back to the host: a sync per projection
-        # made an H200's steps 1.8x slower.)
-        zeros = jnp.zeros((x.shape[0], b.shape[2]), jnp.float32)
-        return lax.cond(jnp.any(slots > 0), lambda: f(x, a, b, slots), lambda: zeros)
-
-    return lax.platform_dependent(x, a, b, slots, cpu=cpu, default=lora_ragged)
+    return lax.platform_dependent(x, a, b, slots, cpu=lora_dense, default=lora_ragged)
 
 
 def lora_reference(x, a, b, slots) -> np.ndarray:
     """The LoRA term row by row in numpy (float64), for tests."""
     x, a, b = (np.asarray(v, np.float64) for v in (x, a, b))
-    return np.stack([x[t] @ a[s] @ b[s] for t, s in enumerate(np.asarray(slots))])
+    return np.stack([x[t] @ a[s].T @ b[s] for t, s in enumerate(np.asarray(slots))])

@@ -72,7 +72,7 @@ def check_shardings(runner):
         a, b = (runner.weights[i].sharding.spec for i in (e.a, e.b))
         a, b = tuple(a) + (None,) * (3 - len(a)), tuple(b) + (None,) * (3 - len(b))
         if e.name.endswith(("o_proj", "down_proj")):  # row-parallel
-            assert a == (None, "model", None) and b == (None, None, None), (e.name, a, b)
+            assert a == (None, None, "model") and b == (None, None, None), (e.name, a, b)
         else:
             assert a == (None, None, None) and b == (None, None, "model"), (e.name, a, b)
 

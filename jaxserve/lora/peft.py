@@ -77,9 +77,10 @@ class LoRALayout:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Adapter:
-    """An adapter read and checked: its matrices per projection, (A [in, r],
-    B [r, out]) float32, its scale folded into B. `key` is a digest of its files'
-    contents: its identity on the device (slots) and in the prefix cache."""
+    """An adapter read and checked: its matrices per projection, (A [r, in] as PEFT
+    stores it, B [r, out]: PEFT's transposed) float32, its scale folded into B. `key`
+    is a digest of its files' contents: its identity on the device (slots) and in the
+    prefix cache."""
 
     request: LoRARequest
     key: str
@@ -119,11 +120,11 @@ def load_adapter(request: LoRARequest, layout: LoRALayout, model_dir: str = "") 
         patterns = config.get("alpha_pattern") or {}
         a_m = patterns.get(_pattern_key(patterns, module), alpha)
         scale = a_m / math.sqrt(r) if config.get("use_rslora") else a_m / r
-        weights[key] = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T * np.float32(scale)))
+        weights[key] = (np.ascontiguousarray(a), np.ascontiguousarray(b.T * np.float32(scale)))
     digest = hashlib.blake2b(config_bytes, digest_size=16)
     digest.update(weights_bytes)
     return Adapter(
-        request, digest.hexdigest(), max(a.shape[1] for a, _ in weights.values()), weights
+        request, digest.hexdigest(), max(a.shape[0] for a, _ in weights.values()), weights
     )
 
 

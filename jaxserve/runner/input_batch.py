@@ -133,7 +133,9 @@ class HostBatch:
     logits_indices: np.ndarray  # [R] or [T] int32: the rows sampling reads
     prompt_targets: np.ndarray  # [T] int32: -1 where no prompt logprob is wanted
     prev_rows: np.ndarray  # [T] int32: the previous step's sampled row to read, -1 none
-    lora_slots: np.ndarray  # [T] int32: each token's LoRA slot (padding: the last one's)
+    # [T] int32: each token's LoRA slot (padding: the last one's); [0] when no token has
+    # an adapter, so the step runs the base model's program (`step._forward`).
+    lora_slots: np.ndarray
     # A hybrid KV cache's layer groups after the first (G - 1 = 0 for one group): each
     # group's own slots and page table; kv_lens and cu_q_lens are every group's.
     group_slot_mapping: np.ndarray = dataclasses.field(  # [G - 1, T] int32
@@ -233,6 +235,8 @@ def build_batch(
         logits_indices[r : r + w.num_samples] = np.arange(t - w.num_samples, t)
         r += w.num_samples
     cu_q_lens[len(work) + 1 :] = t
+    if not lora_slots.any():
+        lora_slots = lora_slots[:0]
     if all_logits:
         logits_indices = np.arange(token_bucket, dtype=np.int32)
     return HostBatch(

@@ -60,7 +60,7 @@ def _write(arrays: list[jax.Array], slot: jax.Array, values: list[jax.Array]) ->
 @dataclasses.dataclass(frozen=True)
 class _Entry:
     name: str  # `module_key`: 'layers.0.self_attn.q_proj'
-    a: int  # index of lora_a [S + 1, in, r] in the weights list
+    a: int  # index of lora_a [S + 1, r, in] in the weights list
     b: int  # index of lora_b [S + 1, r, out]
     d_in: int
     d_out: int
@@ -84,7 +84,7 @@ class LoRAWeights:
             key = module_key(path)
             if key is None:
                 raise ValueError(f"LoRA projection {path} is outside the decoder layers")
-            self.entries.append(_Entry(key, ab["lora_a"], ab["lora_b"], a.shape[1], b.shape[2]))
+            self.entries.append(_Entry(key, ab["lora_a"], ab["lora_b"], a.shape[2], b.shape[2]))
         self.indices = [i for e in self.entries for i in (e.a, e.b)]
         self.rank = config.lora.max_lora_rank
         self.num_slots = config.lora.max_loras
@@ -117,13 +117,13 @@ class LoRAWeights:
         out = []
         for e in self.entries:
             pair = adapter.weights.get(e.name) if adapter is not None else None
-            a_pad = self._zero((e.d_in, self.rank))
+            a_pad = self._zero((self.rank, e.d_in))
             b_pad = self._zero((self.rank, e.d_out))
             if pair is not None:
                 a, b = pair
-                r = a.shape[1]
+                r = a.shape[0]
                 a_pad, b_pad = a_pad.copy(), b_pad.copy()
-                a_pad[:, :r], b_pad[:r] = a, b
+                a_pad[:r], b_pad[:r] = a, b
             out += [a_pad, b_pad]
         return out
 

@@ -17,8 +17,12 @@ The program layout (what is compiled, and for which shapes):
 
 So a configuration compiles 2 * len(token buckets) + 2 * len(row buckets) programs
 (38 for the defaults; `input_batch.StepShapes` lists the buckets), instead of
-one forward per (T, B) pair. Speculation with k drafts adds the row buckets up
-to S * (1 + k) and a token and row bucket of 1 + k (a lone speculating sequence).
+one forward per (T, B) pair. With multi-LoRA, each token bucket has a second
+forward, with the adapters' terms (`lora_slots` [T]): a step where no token has an
+adapter passes no slots ([0]) and runs the first, the base model's, at its cost
+(vLLM's `cudagraph_specialize_lora` makes the same split). Speculation with k
+drafts adds the row buckets up to S * (1 + k) and a token and row bucket of 1 + k
+(a lone speculating sequence).
 
 Asynchronous scheduling needs no program of its own: a step reads the tokens the
 host does not have yet from the previous step's sampled ids, an [R] array on the
@@ -60,7 +64,8 @@ class StepInput:
     # from the previous step's sampled ids, still on the device (no round trip).
     prev_rows: jax.Array  # [T] int32: the row of `prev_tokens` to read; -1: input_ids
     prev_tokens: jax.Array  # [R] int32: the previous step's sampled ids (`sample_step`)
-    lora_slots: jax.Array  # [T] int32: each token row's LoRA adapter slot; 0 none (or no LoRA)
+    # [T] int32: each token row's LoRA adapter slot, 0 none; [0]: no row has an adapter.
+    lora_slots: jax.Array
 
     @classmethod
     def from_host(
@@ -155,7 +160,8 @@ def _forward(
     serves every sequence count.
     """
     model = model_def.merge(weights)
-    bind_slots(model, batch.lora_slots)  # (a model without LoRA projections: nothing)
+    if batch.lora_slots.shape[0]:  # (else no token has an adapter: the base model's program)
+        bind_slots(model, batch.lora_slots)
     prev = batch.prev_tokens[jnp.maximum(batch.prev_rows, 0)]
     input_ids = jnp.where(batch.prev_rows >= 0, prev, batch.input_ids)
     hidden, kv_caches = model(kv_caches, input_ids, batch.positions, batch.attention)

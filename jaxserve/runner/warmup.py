@@ -4,6 +4,7 @@ compiled ahead of time (`ModelRunner.warmup`)."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import time
@@ -39,6 +40,7 @@ def warm_up(
             )
             lowered.append((f"forward T={t}", program))
             bar.update(1)
+        lora_forwards = _lower_lora_forwards(runner) if runner.lora is not None else []
         # The LM head over each token bucket's rows, for prompt logprobs.
         for (_, forward), t in zip(list(lowered), runner.token_buckets, strict=True):
             targets = abstract_tree(np.zeros(t, np.int32))
@@ -57,6 +59,10 @@ def warm_up(
                 )
                 lowered.append((f"sample{'+history' if history else ''} B={b}", program))
                 bar.update(1)
+        lowered += lora_forwards
+        total += len(lora_forwards)
+        bar.total = 2 * total
+        bar.update(len(lora_forwards))
         # Copy-on-write's page copies (forked sequences: n > 1 samples, beams).
         copies = kv_io.lower_copies(runner.kv_caches, runner.copy_buckets)
         lowered += copies
@@ -97,7 +103,7 @@ def warm_up(
         "page copy, %d more) ready in %.1fs%s: %d built, %d of them loaded from the "
         "persistent compilation cache",
         total,
-        len(runner.token_buckets),
+        len(runner.token_buckets) + len(lora_forwards),
         len(runner.token_buckets),
         num_sampling,
         len(copies),
@@ -108,6 +114,21 @@ def warm_up(
         runner.compiles.cache_hits - hits,
     )
     return compiled
+
+
+def _lower_lora_forwards(runner) -> list[tuple[str, jax.stages.Lowered]]:
+    """Each token bucket's forward with the LoRA terms ('forward T=64 lora'): the
+    steps where a token has an adapter (those without run the base forward)."""
+    lowered = []
+    for t in runner.token_buckets:
+        batch = runner.build([], token_bucket=t)
+        batch = dataclasses.replace(batch, lora_slots=np.ones(t, np.int32))
+        batch = abstract_tree(StepInput.from_host(batch, layer_group=runner.layer_group))
+        program = runner.programs.forward.lower(
+            runner.model_def, runner.weights, runner.kv_caches, batch
+        )
+        lowered.append((f"forward T={t} lora", program))
+    return lowered
 
 
 def abstract_tree(tree):

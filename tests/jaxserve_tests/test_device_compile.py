@@ -128,8 +128,8 @@ def expected_programs(engine: LLMEngine) -> int:
     count = 2 * len(runner.token_buckets) + 2 * len(runner.row_buckets)
     if engine.drafter is not None:  # a forward per token bucket and the proposer
         count += len(runner.token_buckets) + 1
-    if runner.lora is not None:  # the LoRA slot write
-        count += 1
+    if runner.lora is not None:  # a forward with the adapters per token bucket, the slot write
+        count += len(runner.token_buckets) + 1
     return count + len(runner.copy_buckets)  # copy-on-write's page copies
 
 
@@ -145,9 +145,10 @@ def check(engine: LLMEngine, target: str) -> None:
             assert flops > 0, name
     kernel = "tpu_custom_call" if chip.platform == "tpu" else "__gpu$xla.gpu.triton"
     assert kernel in programs["forward T=1"].as_text()  # the Pallas kernels, not the reference
-    if engine.runner.lora is not None:  # XLA's ragged dot, not the CPU's formulations
-        text = programs["forward T=64"].as_text()
-        assert "lora_ragged" in text and "lora_one_hot" not in text
+    if engine.runner.lora is not None:  # XLA's ragged dot, not the CPU's formulation
+        text = programs["forward T=64 lora"].as_text()
+        assert "lora_ragged" in text and "lora_dense" not in text
+        assert "lora_ragged" not in programs["forward T=64"].as_text()  # no adapter: none
 
 
 SMALL_CASES = [

@@ -28,7 +28,7 @@ def test_ragged_lora_term_matches_the_reference(dtype):
     slots = np.sort(rs.randint(0, 5, size=77)).astype(np.int32)  # 5 groups, some empty
     slots[slots == 3] = 2
     x = rs.randn(77, 96).astype(np.float32)
-    a = (0.1 * rs.randn(5, 96, 8)).astype(np.float32)
+    a = (0.1 * rs.randn(5, 8, 96)).astype(np.float32)
     b = (0.1 * rs.randn(5, 8, 40)).astype(np.float32)
     a[0], b[0] = 0, 0
     with jax.default_matmul_precision("highest"):

@@ -68,6 +68,30 @@ def test_no_compilation_while_adapters_load_swap_and_unload(
     assert llm.engine.runner.compiles.count == compiled
 
 
+def test_a_step_without_adapters_runs_the_base_models_program(tiny_model_dir, tmp_path):
+    llm = make_llm(tiny_model_dir, warmup=True, max_num_batched_tokens=32, max_num_seqs=4)
+    runner = llm.engine.runner
+    t = max(runner.token_buckets)
+    assert "lora_dense" in llm.engine.compiled[f"forward T={t} lora"].as_text()
+    assert "lora_dense" not in llm.engine.compiled[f"forward T={t}"].as_text()
+    with_slots = []  # per step: whether the forward got the tokens' slots
+
+    def spy(model_def, weights, kv_caches, batch):
+        with_slots.append(batch.lora_slots.shape[0] > 0)
+        return forward(model_def, weights, kv_caches, batch)
+
+    forward = runner.programs.forward
+    runner.programs = dataclasses.replace(runner.programs, forward=spy)
+    base = tokens(llm.generate(prompts(3), GREEDY, use_tqdm=False))
+    assert with_slots and not any(with_slots)
+    lora = adapters(llm, tmp_path, 1)[0]
+    with_slots.clear()
+    llm.generate(prompts(3), GREEDY, lora_request=[None, lora, None], use_tqdm=False)
+    assert with_slots and all(with_slots)
+    plain = LLM(tiny_model_dir, **{**SMALL_LLM, "max_num_batched_tokens": 32, "max_num_seqs": 4})
+    assert base == tokens(plain.generate(prompts(3), GREEDY, use_tqdm=False))
+
+
 def test_adapters_change_outputs_and_mixing_them_changes_none(tiny_model_dir, tmp_path):
     """A prompt's tokens under an adapter are the same alone or batched with other
     adapters and the base model, and differ from the base model's."""

@@ -20,15 +20,15 @@ def read(path, layout=LAYOUT, model_dir=""):
     return load_adapter(LoRARequest("ad", 1, str(path)), layout, model_dir)
 
 
-def test_matrices_are_transposed_and_scaled_as_peft_computes(tmp_path):
+def test_matrices_are_laid_out_and_scaled_as_peft_computes(tmp_path):
     write_adapter(tmp_path, {Q: (16, 32), DOWN: (24, 16)}, rank=4, alpha=8.0)
     adapter = read(tmp_path)
     assert set(adapter.weights) == {Q, DOWN} and adapter.rank == 4
     a, b = adapter.weights[Q]
-    assert a.shape == (16, 4) and b.shape == (4, 32)
+    assert a.shape == (4, 16) and b.shape == (4, 32)
     rs = np.random.RandomState(0)
     peft_a, peft_b = rs.randn(4, 16).astype(np.float32), rs.randn(32, 4).astype(np.float32)
-    np.testing.assert_allclose(a, peft_a.T)
+    np.testing.assert_allclose(a, peft_a)
     np.testing.assert_allclose(b, peft_b.T * 2.0)  # alpha / r
 
 
@@ -84,7 +84,7 @@ def test_bfloat16_and_float16_tensors_are_read(tmp_path):
     with open(tmp_path / "adapter_model.safetensors", "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw + bits.tobytes() + b.tobytes())
     got_a, got_b = read(tmp_path).weights[Q]
-    np.testing.assert_allclose(got_a, (bits.astype(np.uint32) << 16).view(np.float32).T)
+    np.testing.assert_allclose(got_a, (bits.astype(np.uint32) << 16).view(np.float32))
     np.testing.assert_allclose(got_b, b.astype(np.float32).T * 2.0)
 
 

@@ -181,7 +181,7 @@ def test_adapters_are_read_as_peft_saves_them(adapters):
     assert adapter.rank == 6  # down_proj's rank_pattern
     a, b = adapter.weights["layers.1.mlp.up_proj"]
     peft = "base_model.model.model.layers.1.mlp.up_proj.lora_{}.default.weight"
-    np.testing.assert_allclose(a, state[peft.format("A")].T)
+    np.testing.assert_allclose(a, state[peft.format("A")])
     # The scale folded into B: up_proj's alpha_pattern (10) over r (2).
     np.testing.assert_allclose(b, state[peft.format("B")].T * (10 / 2), rtol=1e-6)
-    assert adapter.weights["layers.0.mlp.down_proj"][0].shape == (96, 6)
+    assert adapter.weights["layers.0.mlp.down_proj"][0].shape == (6, 96)
