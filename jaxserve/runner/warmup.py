@@ -27,22 +27,22 @@ def warm_up(
 
     t0, before, hits = time.perf_counter(), runner.compiles.count, runner.compiles.cache_hits
     num_sampling = 2 * len(runner.row_buckets)
-    total = 2 * len(runner.token_buckets) + num_sampling
+    # With multi-LoRA, each token bucket's forward twice: without and with the adapters.
+    variants = ("", " lora") if runner.lora is not None else ("",)
+    num_forwards = len(variants) * len(runner.token_buckets)
+    total = num_forwards + len(runner.token_buckets) + num_sampling
     bar = tqdm(total=2 * total, desc=f"warm-up: tracing, then compiling {total} programs")
     lowered: list[tuple[str, jax.stages.Lowered]] = []
     # Traced in the context the steps run in (the mesh), for the device compiled for.
     with runner.on_mesh(), runner.on_target_device():
         for t in runner.token_buckets:
-            batch = runner.build([], token_bucket=t)
-            batch = abstract_tree(StepInput.from_host(batch, layer_group=runner.layer_group))
-            program = runner.programs.forward.lower(
-                runner.model_def, runner.weights, runner.kv_caches, batch
-            )
-            lowered.append((f"forward T={t}", program))
-            bar.update(1)
-        lora_forwards = _lower_lora_forwards(runner) if runner.lora is not None else []
+            for variant in variants:
+                lowered.append((f"forward T={t}{variant}", _lower_forward(runner, t, variant)))
+                bar.update(1)
         # The LM head over each token bucket's rows, for prompt logprobs.
-        for (_, forward), t in zip(list(lowered), runner.token_buckets, strict=True):
+        forwards = dict(lowered)
+        for t in runner.token_buckets:
+            forward = forwards[f"forward T={t}"]
             targets = abstract_tree(np.zeros(t, np.int32))
             program = runner.programs.prompt_logprobs.lower(
                 runner.model_def, runner.weights, forward.out_info[1], targets
@@ -59,10 +59,6 @@ def warm_up(
                 )
                 lowered.append((f"sample{'+history' if history else ''} B={b}", program))
                 bar.update(1)
-        lowered += lora_forwards
-        total += len(lora_forwards)
-        bar.total = 2 * total
-        bar.update(len(lora_forwards))
         # Copy-on-write's page copies (forked sequences: n > 1 samples, beams).
         copies = kv_io.lower_copies(runner.kv_caches, runner.copy_buckets)
         lowered += copies
@@ -103,7 +99,7 @@ def warm_up(
         "page copy, %d more) ready in %.1fs%s: %d built, %d of them loaded from the "
         "persistent compilation cache",
         total,
-        len(runner.token_buckets) + len(lora_forwards),
+        num_forwards,
         len(runner.token_buckets),
         num_sampling,
         len(copies),
@@ -116,19 +112,14 @@ def warm_up(
     return compiled
 
 
-def _lower_lora_forwards(runner) -> list[tuple[str, jax.stages.Lowered]]:
-    """Each token bucket's forward with the LoRA terms ('forward T=64 lora'): the
-    steps where a token has an adapter (those without run the base forward)."""
-    lowered = []
-    for t in runner.token_buckets:
-        batch = runner.build([], token_bucket=t)
+def _lower_forward(runner, t: int, variant: str) -> jax.stages.Lowered:
+    """Token bucket `t`'s forward; `variant` " lora": with every row's adapter slot (the
+    steps where a token has an adapter; those without run the base forward)."""
+    batch = runner.build([], token_bucket=t)
+    if variant:
         batch = dataclasses.replace(batch, lora_slots=np.ones(t, np.int32))
-        batch = abstract_tree(StepInput.from_host(batch, layer_group=runner.layer_group))
-        program = runner.programs.forward.lower(
-            runner.model_def, runner.weights, runner.kv_caches, batch
-        )
-        lowered.append((f"forward T={t} lora", program))
-    return lowered
+    batch = abstract_tree(StepInput.from_host(batch, layer_group=runner.layer_group))
+    return runner.programs.forward.lower(runner.model_def, runner.weights, runner.kv_caches, batch)
 
 
 def abstract_tree(tree):
