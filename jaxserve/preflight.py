@@ -295,13 +295,9 @@ def program_cost(compiled) -> tuple[float, float]:
     analysis (with each Pallas kernel's own `pl.CostEstimate`). Where the platform's
     executable offers none (XLA:GPU), the same analysis runs over its optimized
     module with the host's XLA."""
-    analysis = compiled.cost_analysis()
-    if not analysis:
-        from jax._src import xla_bridge
-        from jax._src.lib import xla_client
+    from jaxserve.compile_records import module_cost
 
-        module = compiled.runtime_executable().hlo_modules()[0]
-        analysis = xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+    analysis = module_cost(compiled)
     if isinstance(analysis, list):
         analysis = analysis[0]
     return float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))

@@ -5,6 +5,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from cache_dir import test_cache_dir
+
 # The test extras install the TPU and GPU compilers (libtpu, the CUDA plugin) for
 # deviceless compilation (`jaxserve.targets`). The tests run on the CPU: neither may
 # try to bring up a device that is not here (the CUDA plugin's failed start would also
@@ -16,6 +18,22 @@ if os.environ.get("JAXSERVE_TEST_ACCELERATOR") != "1":
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # test processes side by side
 ACCELERATOR = os.environ.get("JAXSERVE_TEST_ACCELERATOR") == "1"
+
+# JAX's persistent compilation cache, for every test process and every process a test
+# starts (they inherit the environment): outside the clone, so a second run on the same
+# machine loads the programs a first one compiled (79 s -> 7 s for the demo model's
+# warm-up), and one test module loads what another compiled. A hit is the same module,
+# compiled by the same compiler with the same flags, so it proves what a compile does;
+# programs for compile-only TPUs and GPUs are kept as records in its `compile-only`
+# folder (`jaxserve.compile_records`). JAXSERVE_TEST_CACHE names another directory, or
+# none (empty): every program compiled afresh.
+TEST_CACHE = test_cache_dir()
+if TEST_CACHE:
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(TEST_CACHE, "xla"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    # Bounded, JAX locks each entry's read and write (processes run side by side) and
+    # evicts the least recently used.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -70,22 +88,19 @@ def tiny_model_dir_new(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _no_persistent_compilation_cache():
-    """In-process tests never use JAX's persistent compilation cache: they would write
-    thousands of test-shaped programs into its directory. Nothing sets it unless asked
-    (`LLM(compilation_cache_dir=...)`, the command line; an engine never does), and
-    `test_compilation_cache.py` asks only in subprocesses: this checks that no test
-    module's code set it. (The crashes once blamed on the cache, in XLA serializing an
-    executable, were the process running out of memory mappings: see
-    `_release_compiled_programs`.)
-    """
+def _the_test_compilation_cache():
+    """Every test process uses the test runs' persistent compilation cache (above);
+    this checks that no test module's code pointed JAX's process-wide cache elsewhere
+    (`LLM(compilation_cache_dir=...)` and the command line set it: tests of those run
+    them in subprocesses)."""
     yield
     jax = sys.modules.get("jax")  # (not imported: nothing set it)
     if jax is not None:
-        assert jax.config.jax_compilation_cache_dir is None, (
-            "a test set JAX's process-wide persistent compilation cache: "
-            f"{jax.config.jax_compilation_cache_dir!r}"
+        now, want = (
+            jax.config.jax_compilation_cache_dir,
+            os.environ.get("JAX_COMPILATION_CACHE_DIR"),
         )
+        assert now == want, f"a test moved JAX's persistent compilation cache: {now!r}"
 
 
 @pytest.fixture(autouse=True, scope="module")

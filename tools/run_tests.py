@@ -1,5 +1,5 @@
 """Runs the test suite as README.md gives it: pytest processes of at most
-FILES_PER_PROCESS test files each, folder by folder.
+FILES_PER_PROCESS test files of one folder each, JOBS of them at a time.
 
 Each group of files (of jaxserve_tests, models_tests, pallas_kernels_tests,
 server_tests) runs in a fresh process, so what one leaves behind (compiled
@@ -8,9 +8,19 @@ Long single processes used to die inside XLA (a segfault or abort ~60% into a
 750-test folder, every file passing alone): the cause was the kernel's limit on a
 process's memory mappings (`vm.max_map_count`, 65,530), which XLA:CPU's compiled
 programs used up; `tests/conftest.py` now releases them after each module, and
-the fresh processes keep a margin. Extra arguments go to every pytest
-(e.g. `-m "not slow"`, `-x`). Exits non-zero if any group fails (a crash
-included) or a folder runs no test.
+the fresh processes keep a margin.
+
+Two processes run side by side (`--jobs`): one test's Python, tracing and waiting
+leaves a core idle that the other's compiling and stepping takes. Groups are packed
+from the last run's test durations (kept beside the test compilation cache,
+`tests/cache_dir.py`) and started longest first, so the two finish together. A
+group starts only while the machine has MIN_FREE_BYTES of memory available, so two
+never push it into the out-of-memory killer; each group's peak memory is printed.
+
+At the end: each group's wall time and peak memory, the total, the SLOWEST tests,
+and one "N passed, N failed" line. Extra arguments go to every pytest (e.g.
+`-m "not slow"`, `-x`). Exits non-zero if any group fails (a crash included) or a
+folder runs no test.
 
 `--accelerator` runs the accelerator suite instead, on a GPU or TPU machine: the
 tests marked `accelerator` (native Pallas kernels against the reference, greedy
@@ -22,16 +32,42 @@ pytest, not the test extras (torch, transformers, ... for the CPU suite).
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
 
 TESTS = pathlib.Path(__file__).resolve().parents[1] / "tests"
+sys.path.insert(0, str(TESTS))
+from cache_dir import test_cache_dir  # noqa: E402
+
 FILES_PER_PROCESS = 12
+JOBS = 2
+MIN_FREE_BYTES = 6 << 30  # memory a group needs free to start beside another
+SLOWEST = 15
 NO_TESTS = 5  # pytest's exit code when nothing ran (e.g. all deselected)
+DURATIONS = "durations.json"  # seconds per test file, from the last run
 _MARK = "pytest.mark.accelerator"
+
+
+@dataclasses.dataclass
+class Group:
+    folder: str
+    files: list[str]
+    expected: float  # seconds, from the last run (or the files' sizes)
+    proc: subprocess.Popen | None = None
+    junit: str = ""
+    log: object = None
+    started: float = 0.0
+    seconds: float = 0.0
+    peak_bytes: int = 0
+    code: int = 0
 
 
 def main(argv: list[str]) -> int:
@@ -41,34 +77,171 @@ def main(argv: list[str]) -> int:
         files = [str(p) for p in sorted(TESTS.rglob("test_*.py")) if _MARK in p.read_text()]
         cmd = [sys.executable, "-m", "pytest", *files, "-m", "accelerator", "-s", *argv]
         return subprocess.run(cmd, env=env).returncode
-    folders = sorted(p for p in TESTS.iterdir() if p.is_dir() and p.name.endswith("_tests"))
-    totals: dict[str, int] = {}
-    failed = []
-    for folder in folders:
-        files = sorted(str(p) for p in folder.glob("test_*.py"))
-        groups = [files[i : i + FILES_PER_PROCESS] for i in range(0, len(files), FILES_PER_PROCESS)]
-        codes = []
-        for group in groups:
-            print(f"\n=== {folder.relative_to(TESTS.parent)}: {len(group)} files", flush=True)
-            proc = subprocess.run(
-                [sys.executable, "-m", "pytest", *group, *argv],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--jobs", type=int, default=JOBS)
+    ours, pytest_args = parser.parse_known_args(argv)
+    if ours.jobs < 1:
+        raise SystemExit(f"--jobs must be at least 1, got {ours.jobs}")
+    cache = test_cache_dir()
+    last = _read_durations(cache)
+    groups = _groups(last)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        _run(groups, pytest_args, ours.jobs, tmp)
+        tests = _test_times(groups)
+    total = time.perf_counter() - t0
+    if cache:
+        _write_durations(cache, last, tests)
+    return _report(groups, tests, total)
+
+
+def _groups(last: dict[str, float]) -> list[Group]:
+    """Each folder's files packed into groups of at most FILES_PER_PROCESS, balanced
+    by expected time (longest file first into the least loaded group); longest first."""
+    groups = []
+    for folder in sorted(p for p in TESTS.iterdir() if p.is_dir() and p.name.endswith("_tests")):
+        files = sorted(folder.glob("test_*.py"))
+        if not files:
+            continue
+        # A file never run before: a second per 10 lines (about what compiling tests cost).
+        cost = {
+            str(f): last.get(str(f.relative_to(TESTS.parent)), len(f.read_text()) / 400)
+            for f in files
+        }
+        count = -(-len(files) // FILES_PER_PROCESS)
+        packed = [Group(folder.name, [], 0.0) for _ in range(count)]
+        for f in sorted(cost, key=cost.get, reverse=True):
+            group = min(
+                (g for g in packed if len(g.files) < FILES_PER_PROCESS), key=lambda g: g.expected
             )
-            sys.stdout.write(proc.stdout)
-            sys.stdout.flush()
-            last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-            for count, what in re.findall(r"(\d+) (passed|failed|errors?|skipped)", last):
-                totals[what] = totals.get(what, 0) + int(count)
-            if proc.returncode < 0:
-                print(f"\n!!! pytest died of signal {-proc.returncode}", flush=True)
-            codes.append(proc.returncode)
-        if any(c not in (0, NO_TESTS) for c in codes) or all(c == NO_TESTS for c in codes):
-            failed.append(f"{folder.name} (exit codes {codes})")
+            group.files.append(f)
+            group.expected += cost[f]
+        groups += packed
+    return sorted(groups, key=lambda g: g.expected, reverse=True)
+
+
+def _run(groups: list[Group], pytest_args: list[str], jobs: int, tmp: str) -> None:
+    waiting, running = list(groups), []
+    while waiting or running:
+        while waiting and len(running) < jobs and (not running or _available() >= MIN_FREE_BYTES):
+            group = waiting.pop(0)
+            group.junit = os.path.join(tmp, f"{id(group)}.xml")
+            group.log = open(os.path.join(tmp, f"{id(group)}.log"), "w+")  # noqa: SIM115
+            print(f"=== start {group.folder}: {len(group.files)} files", flush=True)
+            group.started = time.perf_counter()
+            group.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    *sorted(group.files),
+                    *pytest_args,
+                    f"--junitxml={group.junit}",
+                ],
+                stdout=group.log,
+                stderr=subprocess.STDOUT,
+            )
+            running.append(group)
+        pid, status, usage = os.wait4(-1, 0)
+        group = next(g for g in running if g.proc.pid == pid)
+        running.remove(group)
+        group.proc.returncode = group.code = os.waitstatus_to_exitcode(status)
+        group.seconds = time.perf_counter() - group.started
+        group.peak_bytes = usage.ru_maxrss * 1024
+        group.log.seek(0)
+        out = group.log.read()
+        group.log.close()
+        print(
+            f"\n=== {group.folder}: {len(group.files)} files, {group.seconds:.0f}s\n{out}",
+            flush=True,
+        )
+        if group.code < 0:
+            print(f"\n!!! pytest died of signal {-group.code}", flush=True)
+
+
+def _available() -> int:
+    """MemAvailable, in bytes (Linux); elsewhere, as if there were room."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return MIN_FREE_BYTES
+
+
+def _test_times(groups: list[Group]) -> dict[str, float]:
+    """Seconds per test (setup, call and teardown), from each group's JUnit XML."""
+    times = {}
+    for group in groups:
+        if not os.path.exists(group.junit):
+            continue
+        for case in ET.parse(group.junit).iter("testcase"):
+            name = f"{case.get('classname', '')}::{case.get('name', '')}"
+            times[name] = times.get(name, 0.0) + float(case.get("time") or 0.0)
+    return times
+
+
+def _file_of(test: str) -> str:
+    """'tests.jaxserve_tests.test_x::test_y[a]' -> 'tests/jaxserve_tests/test_x.py'."""
+    module = test.split("::")[0]
+    parts = module.split(".")
+    while parts and not parts[-1].startswith("test_"):
+        parts.pop()  # a test class's name
+    return "/".join(parts) + ".py"
+
+
+def _read_durations(cache: str) -> dict[str, float]:
+    try:
+        with open(os.path.join(cache, DURATIONS)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_durations(cache: str, last: dict[str, float], tests: dict[str, float]) -> None:
+    per_file = dict(last)
+    ran: dict[str, float] = {}
+    for test, seconds in tests.items():
+        ran[_file_of(test)] = ran.get(_file_of(test), 0.0) + seconds
+    per_file.update(ran)
+    os.makedirs(cache, exist_ok=True)
+    with open(os.path.join(cache, DURATIONS + ".tmp"), "w") as f:
+        json.dump(per_file, f, indent=1, sort_keys=True)
+    os.replace(os.path.join(cache, DURATIONS + ".tmp"), os.path.join(cache, DURATIONS))
+
+
+def _report(groups: list[Group], tests: dict[str, float], total: float) -> int:
+    totals: dict[str, int] = {}
+    codes: dict[str, list[int]] = {}
+    print("\n=== groups (wall time, peak memory of the pytest process):")
+    for group in groups:
+        codes.setdefault(group.folder, []).append(group.code)
+        print(
+            f"{group.seconds:7.0f}s {group.peak_bytes / 2**30:5.1f} GiB  exit {group.code:3d}  "
+            f"{group.folder}: {', '.join(pathlib.Path(f).stem for f in group.files)}"
+        )
+        if os.path.exists(group.junit):
+            suite = next(ET.parse(group.junit).iter("testsuite"))
+            skipped = int(suite.get("skipped", 0))
+            failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+            totals["passed"] = (
+                totals.get("passed", 0) + int(suite.get("tests", 0)) - skipped - failed
+            )
+            totals["failed"] = totals.get("failed", 0) + failed
+    print(f"\n=== the {SLOWEST} slowest tests:")
+    for name, seconds in sorted(tests.items(), key=lambda kv: kv[1], reverse=True)[:SLOWEST]:
+        print(f"{seconds:7.1f}s  {name}")
+    failing = [
+        f"{folder} (exit codes {c})"
+        for folder, c in codes.items()
+        if any(x not in (0, NO_TESTS) for x in c) or all(x == NO_TESTS for x in c)
+    ]
+    print(f"\n=== total {total:.0f}s ({total / 60:.1f} min) wall")
     summary = ", ".join(f"{totals.get(k, 0)} {k}" for k in ("passed", "failed"))
-    print(f"\n{summary}" + (f"; failing: {', '.join(failed)}" if failed else ""))
-    return 1 if failed else 0
+    print(f"\n{summary}" + (f"; failing: {', '.join(failing)}" if failing else ""))
+    return 1 if failing else 0
 
 
 if __name__ == "__main__":

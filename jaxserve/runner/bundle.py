@@ -37,6 +37,7 @@ import numpy as np
 from jax.experimental import serialize_executable
 
 import jaxserve
+from jaxserve import compile_records
 from jaxserve.config import EngineConfig
 from jaxserve.runner.step import StepPrograms
 from pallas_kernels.cpu import features as cpu_features
@@ -208,7 +209,7 @@ def save(directory: str, compiled: dict[str, jax.stages.Compiled], described: di
         raise ValueError(f"{directory} is not empty and holds no bundle: give a new directory")
     programs, total = {}, 0
     for name, program in sorted(compiled.items()):
-        data = pickle.dumps(serialize_executable.serialize(program))
+        data = pickle.dumps(compile_records.serialized(program))
         file = _file_name(name)
         with open(os.path.join(directory, file), "wb") as f:
             f.write(data)

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxserve import compile_records
 from jaxserve.runner import kv_io
 from jaxserve.runner.step import StepInput
 
@@ -81,7 +82,10 @@ def warm_up(
 
             def compile_one(program: jax.stages.Lowered) -> jax.stages.Compiled:
                 with runner.on_target_device():  # (a thread's default device is its own)
-                    compiled = program.compile()
+                    if runner.compile_device is None:
+                        compiled = program.compile()
+                    else:  # compile-only: answered from a record where one was made
+                        compiled = compile_records.compile_for(program, runner.mesh.devices.flat)
                 bar.update(1)
                 return compiled
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
@@ -149,13 +150,13 @@ def test_a_request_refused_on_the_engine_thread_after_its_client_left():
         engine = make_engine()
         aengine = AsyncLLMEngine(engine)
         original = engine.add_request
-        entered = asyncio.Event()
+        entered, cancelled = asyncio.Event(), threading.Event()
         loop = asyncio.get_running_loop()
 
         def slow_refusal(request):
             if request.request_id == "doomed":
                 loop.call_soon_threadsafe(entered.set)
-                time.sleep(0.2)  # the client cancels meanwhile
+                assert cancelled.wait(10)  # the client cancels meanwhile
                 raise ValueError("refused on the engine thread")
             return original(request)
 
@@ -165,6 +166,7 @@ def test_a_request_refused_on_the_engine_thread_after_its_client_left():
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        cancelled.set()
         await asyncio.sleep(0.4)
         assert aengine.healthy, aengine.error
         outs = await collect(aengine, "after", [4, 5], 3)

@@ -19,12 +19,18 @@ print("built", c.count, "from_cache", c.cache_hits)
 """
 
 
+# These processes start with no cache but the one they set (the test runs' own, which
+# tests/conftest.py puts in the environment, left out).
+NO_CACHE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+
+
 def _start(cache_dir):
     proc = subprocess.run(
         [sys.executable, "-c", SNIPPET, str(cache_dir)],
         capture_output=True,
         text=True,
         timeout=300,
+        env=NO_CACHE_ENV,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("built"))
@@ -74,6 +80,7 @@ def test_only_the_command_line_and_an_opted_in_llm_set_the_cache(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
+        env=NO_CACHE_ENV,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-4:] == [
@@ -82,3 +89,69 @@ def test_only_the_command_line_and_an_opted_in_llm_set_the_cache(tmp_path):
         "flag default True",
         f"command line {tmp_path}",
     ]
+
+
+# A Pallas kernel compiled for a compile-only TPU and GPU three times: as it is, again,
+# and with its source changed (one constant). Each line: the target, whether a record
+# answered, how many programs XLA built, and the flops XLA:TPU read from the kernel.
+KERNEL_CHANGE = """
+import functools, sys
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxserve.compile_records import CompiledRecord, compile_for
+from jaxserve.engine.startup import use_compilation_cache
+from jaxserve.runner.compile_counter import CompileCounter
+from jaxserve.targets import Target, compiling_for
+
+use_compilation_cache(sys.argv[1])
+counter = CompileCounter()
+
+def kernel(scale, x_ref, o_ref):
+    o_ref[...] = x_ref[...] * scale
+
+def program(target, scale):
+    dev = Target.parse(target).devices()[0]
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(dev))
+    kw = {}
+    if dev.platform == "tpu":  # the kernel's declared cost says which source compiled
+        kw["cost_estimate"] = pl.CostEstimate(flops=int(scale), bytes_accessed=1, transcendentals=0)
+    else:
+        kw["compiler_params"] = plgpu.CompilerParams(num_warps=4)
+    call = pl.pallas_call(functools.partial(kernel, scale), out_shape=x, **kw)
+    with compiling_for(dev):
+        return compile_for(jax.jit(call).lower(x), [dev])
+
+for target in ("v5e", "h100"):
+    for scale in (1000.0, 1000.0, 3000.0):
+        before = counter.count
+        compiled = program(target, scale)
+        cost = compiled.cost_analysis()
+        flops = int(cost["flops"]) if cost else None
+        print(target, isinstance(compiled, CompiledRecord), counter.count - before, flops)
+"""
+
+
+@pytest.mark.slow
+def test_a_changed_kernel_misses_the_records_and_compiles_for_real(tmp_path):
+    """Programs for compile-only TPUs and GPUs are answered from records
+    (`jaxserve.compile_records`) only for the same module: a kernel's source is part of
+    the key, so an edited kernel compiles again, for real."""
+    proc = subprocess.run(
+        [sys.executable, "-c", KERNEL_CHANGE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=NO_CACHE_ENV,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    for target in ("v5e", "h100"):
+        first, again, changed = [line[1:] for line in lines if line[0] == target]
+        assert first[:2] == ["False", "1"]  # compiled
+        assert again[:2] == ["True", "0"]  # the record: nothing built
+        assert again[2:] == first[2:]
+        assert changed[:2] == ["False", "1"]  # the edited kernel: compiled again
+        if target == "v5e":  # Mosaic's custom call carries the kernel's declared cost
+            assert (first[2], changed[2]) == ("1000", "3000")
+    assert len(os.listdir(tmp_path / "compile-only")) == 4  # a record per program compiled

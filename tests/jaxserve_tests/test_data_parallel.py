@@ -154,22 +154,25 @@ def test_closing_the_loop_ends_a_synchronous_call_still_running_on_it():
     caller (`run_sync`), whose wait then never ended."""
     import asyncio
     import threading
-    import time
 
     from jaxserve.distributed import data_parallel
     from jaxserve.front import EngineDeadError
 
-    loop, ended = data_parallel._LoopThread(), []
+    loop, ended, running = data_parallel._LoopThread(), [], threading.Event()
+
+    async def forever():
+        running.set()
+        await asyncio.sleep(3600)
 
     def caller():
         try:
-            loop.run(asyncio.sleep(3600))
+            loop.run(forever())
         except EngineDeadError as e:
             ended.append(e)
 
     thread = threading.Thread(target=caller)
     thread.start()
-    time.sleep(0.2)
+    assert running.wait(10)  # the call is on the loop when it closes
     loop.close(timeout=5)
     thread.join(5)
     assert not thread.is_alive() and "closed" in str(ended[0])

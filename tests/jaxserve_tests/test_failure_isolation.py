@@ -272,7 +272,8 @@ def test_a_call_whose_loop_closed_does_not_end_the_engine():
     loop.run_until_complete(asyncio.sleep(0))
     loop.close()
     release.set()  # the answer goes to a closed loop
-    time.sleep(0.3)
+    # The engine thread answers calls in order: this one's answer comes after that one.
+    assert asyncio.run(aengine.call(lambda e: 2)) == 2
     assert aengine.healthy, aengine.error
 
     async def after():

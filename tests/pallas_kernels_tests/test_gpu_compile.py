@@ -25,6 +25,7 @@ from jax.experimental import topologies
 from test_reference import make_case
 
 from jaxserve import targets
+from jaxserve.compile_records import compile_for
 from jaxserve.targets import Target, compiling_for
 from pallas_kernels import backends
 from pallas_kernels import ragged_paged_attention as ref
@@ -195,7 +196,7 @@ def compile_step(case: Case, dev, block_sizes=None):
         lowered = step.lower(queries, keys, keys, cache, md)
         text = lowered.as_text()
         assert "ragged_paged_attention_gpu" in text and "write_kv_gpu" in text
-        return lowered.compile()
+        return compile_for(lowered, [dev])
 
 
 @pytest.mark.parametrize("case", GRID, ids=[case.id for case in GRID])

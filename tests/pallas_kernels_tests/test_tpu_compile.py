@@ -139,10 +139,11 @@ def _structs(device, shapes_and_dtypes):
 
 
 def _compile(device, fn, args, **jit_kw):
+    from jaxserve.compile_records import compile_for
     from jaxserve.targets import compiling_for
 
     with compiling_for(device):
-        return jax.jit(fn, **jit_kw).lower(*args).compile()
+        return compile_for(jax.jit(fn, **jit_kw).lower(*args), [device])
 
 
 def attention_args(case: dict):

@@ -316,10 +316,11 @@ def test_a_prompt_being_tokenized_holds_up_no_other_request(http, monkeypatch):
     prompt's tokenizing waits until another request has been answered."""
     from server.openai_api import completions
 
-    parse, released = completions.parse_prompt, threading.Event()
+    parse, entered, released = completions.parse_prompt, threading.Event(), threading.Event()
 
     def parse_slowly(prompt, *a, **kw):
         if prompt.get("prompt") == "hold me":
+            entered.set()
             assert released.wait(30), "the other request was held up"
         return parse(prompt, *a, **kw)
 
@@ -331,7 +332,7 @@ def test_a_prompt_being_tokenized_holds_up_no_other_request(http, monkeypatch):
         )
     )
     slow.start()
-    time.sleep(0.2)
+    assert entered.wait(30)  # the slow prompt is being tokenized, and stays so until released
     r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
     released.set()
     slow.join(30)

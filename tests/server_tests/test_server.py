@@ -247,14 +247,14 @@ BAD = [
 def test_a_prompt_being_tokenized_holds_up_no_other_call(served, monkeypatch):
     """As over HTTP (test_http.py): tokenizing ran on the server's event loop."""
     import threading
-    import time
 
     from server import servicer
 
-    parse, released = servicer.parse_prompt, threading.Event()
+    parse, entered, released = servicer.parse_prompt, threading.Event(), threading.Event()
 
     def parse_slowly(prompt, *a, **kw):
         if prompt.get("prompt") == "hold me":
+            entered.set()
             assert released.wait(30), "the other call was held up"
         return parse(prompt, *a, **kw)
 
@@ -264,7 +264,7 @@ def test_a_prompt_being_tokenized_holds_up_no_other_call(served, monkeypatch):
         target=lambda: held.append(stub(served.target).Complete(request("hold me", max_tokens=2)))
     )
     slow.start()
-    time.sleep(0.2)
+    assert entered.wait(30)  # the slow prompt is being tokenized, and stays so until released
     fast = stub(served.target).Complete(request(max_tokens=2), timeout=30)
     released.set()
     slow.join(30)

@@ -1,0 +1,16 @@
+"""Where the test runs keep what outlives one run: JAX's persistent compilation cache
+(`tests/conftest.py`) and the last run's test durations (`tools/run_tests.py`).
+Outside the clone, so a second run on the same machine, from any clone, finds them."""
+
+import os
+
+DEFAULT = "~/.cache/jaxserve-tests"
+
+
+def test_cache_dir() -> str:
+    """`JAXSERVE_TEST_CACHE`, or the default; empty: none (every program compiled
+    afresh, nothing recorded)."""
+    return os.path.expanduser(os.environ.get("JAXSERVE_TEST_CACHE", DEFAULT))
+
+
+test_cache_dir.__test__ = False  # (not a test: its name only says what it returns)
