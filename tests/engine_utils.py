@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from jaxserve import config
@@ -56,29 +58,27 @@ def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list
     return [results[str(i)] for i in range(len(prompts))]
 
 
-def demo_validation_ids(num_tokens: int) -> list[int]:
-    """The first `num_tokens` token ids of the demo models' held-out validation text
-    (the documents `tools/train_demo_model.py` sets aside, tokenized as it does).
+HELDOUT = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "data", "demo_heldout.json"
+)
 
-    Computed in a subprocess: the training script defines absl flags that would
-    clash with the CLI's in this process."""
+
+def demo_validation_ids(num_tokens: int | None = None) -> list[int]:
+    """The first `num_tokens` (default all) token ids of the demo models' held-out
+    validation text, shipped in `tests/data` (the documents `tools/train_demo_model.py`
+    sets aside and never trains on), tokenized as it does: each document followed by
+    the end-of-text token."""
     import json
-    import os
-    import subprocess
-    import sys
+
+    from tokenizers import Tokenizer as HFTokenizer
 
     from jaxserve.assets import EMBEDDED_MODELS
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    tokenizer = os.path.join(EMBEDDED_MODELS["demo-model"], "tokenizer.json")
-    code = (
-        "import json, sys; sys.path.insert(0, 'tools'); import train_demo_model as t\n"
-        "from tokenizers import Tokenizer\n"
-        f"tok = Tokenizer.from_file({tokenizer!r})\n"
-        "_, val = t.split(t.build_corpus())\n"
-        f"print(json.dumps(t.encode(tok, val)[:{num_tokens}].tolist()))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
-    )
-    return json.loads(out.stdout)
+    with open(HELDOUT) as f:
+        docs = json.load(f)["documents"]
+    tok = HFTokenizer.from_file(os.path.join(EMBEDDED_MODELS["demo-model"], "tokenizer.json"))
+    eot = tok.token_to_id("<|endoftext|>")
+    ids = []
+    for enc in tok.encode_batch(docs, add_special_tokens=False):
+        ids += [*enc.ids, eot]
+    return ids[:num_tokens]
