@@ -13,6 +13,8 @@
   parameters (~0.4B active), 24 layers, hidden 1024, 16 query and 8 KV heads of
   64, 32 experts of hidden 512 with top-8 routing (renormalised), vocabulary
   49,155, tied embeddings (Qwen3-MoE adds q/k norms: 2 x 64 weights a layer).
+- `tiny`: a 2-layer `LlamaForCausalLM` (hidden 256, 4 heads of 64, vocabulary 2,048),
+  whose steps are mostly the engine's own work (`host_path.py`, the peers' host path).
 
 Made with `save_pretrained`, seeded. The tokenizer files are the embedded demo
 model's (benchmarks feed token ids, so only their shape matters). Needs the test
@@ -69,6 +71,20 @@ def _config(shape: str) -> transformers.PretrainedConfig:
         )
         cfg.architectures = ["Qwen2ForCausalLM"]
         return cfg
+    if shape == "tiny":
+        cfg = transformers.LlamaConfig(
+            vocab_size=2048,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=40960,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        cfg.architectures = ["LlamaForCausalLM"]
+        return cfg
     cfg = transformers.LlamaConfig(
         vocab_size=32000,
         hidden_size=512,
@@ -86,7 +102,7 @@ def _config(shape: str) -> transformers.PretrainedConfig:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--shape", choices=("qwen05", "llama60m", "moe1b"), default="qwen05")
+    p.add_argument("--shape", choices=("qwen05", "llama60m", "moe1b", "tiny"), default="qwen05")
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()

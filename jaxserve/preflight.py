@@ -309,16 +309,11 @@ def kernel_cost(runner, token_bucket: int) -> tuple[float, float]:
     step: the figures XLA:GPU's analysis cannot see (JAX's Triton lowering drops them;
     Mosaic's custom calls carry them into XLA:TPU's)."""
     from jaxserve.distributed import meshes
-    from jaxserve.runner.step import StepInput
-    from jaxserve.runner.warmup import abstract_tree
+    from jaxserve.runner.warmup import forward_args
     from jaxserve.targets import compiling_for
 
-    batch = runner.build([], token_bucket=token_bucket)
-    batch = abstract_tree(StepInput.from_host(batch, layer_group=runner.layer_group))
     with meshes.on_mesh(runner.mesh), compiling_for(runner.compile_device):
-        traced = runner.programs.forward.trace(
-            runner.model_def, runner.weights, runner.kv_caches, batch
-        )
+        traced = runner.programs.forward.trace(*forward_args(runner, token_bucket))
     return _traced_kernel_cost(traced)
 
 

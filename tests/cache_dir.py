@@ -14,3 +14,10 @@ def test_cache_dir() -> str:
 
 
 test_cache_dir.__test__ = False  # (not a test: its name only says what it returns)
+
+
+def env_without_compilation_cache() -> dict[str, str]:
+    """This process's environment less JAX's persistent-cache settings: for a process
+    a test starts that must compile what it saves (XLA:CPU cannot serialize a program it
+    loaded from a cache again), or that tests who sets the cache."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}

@@ -58,9 +58,7 @@ def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list
     return [results[str(i)] for i in range(len(prompts))]
 
 
-HELDOUT = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "data", "demo_heldout.json"
-)
+HELDOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo_heldout.json")
 
 
 def demo_validation_ids(num_tokens: int | None = None) -> list[int]:

@@ -187,7 +187,7 @@ class MockRunner:
                 upto = end - w.num_samples + k + 1
                 # (-2 - r: a token in flight, the previous step's sampled row r)
                 # (a chunk short of the end has computed only its row's first `upto`)
-                known = row.token_ids[:upto]
+                known = [*row.token_ids, *row.more_ids][:upto]
                 expected = [t if t >= 0 else int(prev.tokens[-2 - t]) for t in known]
                 for g, table in enumerate(tables):
                     window = self.windows[g]
@@ -200,7 +200,8 @@ class MockRunner:
         top_logprobs = np.zeros((len(token_ids), 20))
         for i, row in enumerate(self._rows):
             if row.beam > 0:  # a beam search's candidates (`mock_candidates`)
-                history = [t if t >= 0 else int(prev.tokens[-2 - t]) for t in row.token_ids]
+                ids = [*row.token_ids, *row.more_ids]
+                history = [t if t >= 0 else int(prev.tokens[-2 - t]) for t in ids]
                 top_ids[i], top_logprobs[i] = mock_candidates(history, self.vocab)
         out = types.SimpleNamespace(
             token_ids=token_ids,

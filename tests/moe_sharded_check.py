@@ -79,7 +79,11 @@ def check_model(model_dir: str, mesh) -> None:
     batch = runner.build(work, all_logits=True)
     with runner.on_mesh():  # the context every step of the runner is traced in
         text = forward.lower(
-            runner.model_def, runner.weights, runner.kv_caches, StepInput.from_host(batch)
+            runner.model_def,
+            runner.weights,
+            runner.kv_caches,
+            StepInput.packed(batch),
+            runner.no_prev_tokens,
         ).as_text()
     assert "manual_computation" in text or "shard_map" in text, "no expert-parallel region"
     got = logits(runner)

@@ -14,6 +14,7 @@ import functools
 from collections.abc import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -203,6 +204,15 @@ def zeros_kv(
     )
     zeros = {n: _zeros_program(layout, n, kv_dtype, sharding) for n in set(counts)}
     return [zeros[n]() for n in counts]
+
+
+def replicated_zeros(mesh: Mesh | None, like: np.ndarray) -> jax.Array:
+    """Zeros shaped as `like`, made on the devices (replicated on `mesh`; uncommitted on
+    one device, as the step programs' other arguments), with no transfer."""
+    if mesh is None:
+        return jnp.zeros(like.shape, like.dtype)
+    rep = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(lambda: jnp.zeros(like.shape, like.dtype), out_shardings=rep)()
 
 
 @functools.lru_cache(maxsize=8)

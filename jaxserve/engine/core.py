@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.distributed import meshes
 from jaxserve.engine import beams, reporting
 from jaxserve.engine.adapters import EngineAdapters
 from jaxserve.engine.disagg_io import KVTransfer
@@ -172,8 +173,22 @@ class LLMEngine(EngineLifecycle, KVTransfer):  # pause and sleep; KV pages that 
     def save_compiled(self, directory: str) -> int:
         """Writes warm-up's programs and their manifest into `directory`, a bundle
         that `compiled=directory` loads instead of compiling (`jaxserve.runner.bundle`);
-        returns the bytes written."""
-        described = self.runner.manifest(kv_transfer=self.tier is not None)
+        returns the bytes written.
+
+        XLA:CPU cannot serialize again a program it loaded from the persistent
+        compilation cache (the copy lacks its compiled kernels: "Function ... not found"
+        when the bundle runs), so an engine whose warm-up loaded any from there is
+        refused, naming the fix."""
+        runner = self.runner
+        on_cpu = meshes.mesh_devices(runner.mesh)[0].platform == "cpu"
+        if runner.warmup_cache_hits and runner.compile_device is None and on_cpu:
+            raise ValueError(
+                f"{runner.warmup_cache_hits} of this engine's programs were loaded from the "
+                "persistent compilation cache, and XLA:CPU cannot serialize a loaded "
+                "program again: build the engine that saves the bundle with "
+                "compilation_cache_dir=None (--compilation_cache_dir=)"
+            )
+        described = runner.manifest(kv_transfer=self.tier is not None)
         return bundle.save(directory, self.compiled, described)
 
     # ------------------------------------------------------------- its lifetime

@@ -258,18 +258,20 @@ class StepPipeline:
         req = self.requests[seq.request_id]
         # A constrained sequence never speculates (`Emitter.propose`): only its row 0 exists.
         grammar = req.matchers[seq.index] if req.matchers is not None else None
-        token_ids = seq.token_ids + list(draft[:j]) if j else seq.token_ids
-        if ahead:  # the penalties' history reads it on the device
-            token_ids = token_ids + [-2 - prev_row]
+        # The sequence's own list, not a copy (O(1) a step, whatever the context); what
+        # follows it apart: the drafts before row j, a token in flight (the penalties'
+        # history reads that one on the device).
+        more = (*draft[:j], -2 - prev_row) if ahead else tuple(draft[:j])
         return SampleRow(
             seq.params,
-            token_ids,
+            seq.token_ids,
             seq.num_prompt_tokens,
             seq.seed,
             blocked,
             draft=draft[j] if j < len(draft) else -1,
             grammar=grammar,
             beam=req.beam.temperature if req.beam is not None else 0.0,
+            more_ids=more,
         )
 
 

@@ -42,7 +42,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.runner.step import StepPrograms
 from pallas_kernels.cpu import features as cpu_features
 
-FORMAT = 1
+FORMAT = 2  # 2: the step programs take packed batches (runner.packing)
 MANIFEST = "manifest.json"
 
 # ----------------------------------------------------------------- manifest
@@ -272,12 +272,14 @@ class ByShape:
             args = program.args_info[0]
             key = self._key([args[i] for i in key_argnums])
             if key in self.by_key:  # the shapes could not tell them apart
-                raise ValueError(f"{what} programs {name!r} and another take shapes {key}")
+                raise ValueError(f"{what} programs {name!r} and another take shapes {key[1]}")
             self.by_key[key] = program
 
     @staticmethod
     def _key(args) -> tuple:
-        return tuple(tuple(np.shape(x)) for x in jax.tree.leaves(args))
+        """The arguments' structure (a packed batch's layout with it) and shapes."""
+        leaves, structure = jax.tree.flatten(args)
+        return structure, tuple(tuple(np.shape(x)) for x in leaves)
 
     def __call__(self, *args):
         args = [a for i, a in enumerate(args) if i not in self.static]
@@ -285,7 +287,7 @@ class ByShape:
         program = self.by_key.get(key)
         if program is None:
             raise ValueError(
-                f"no compiled {self.what} program for argument shapes {key} in the bundle "
+                f"no compiled {self.what} program for argument shapes {key[1]} in the bundle "
                 f"(it has {', '.join(self.names)})"
             )
         return program(*args)

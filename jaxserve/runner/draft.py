@@ -176,6 +176,10 @@ class DraftRunner:
             *where, draft_config.num_layers, layout, num_pages, config.kv_dtype
         )
         self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches)
+        # Its forward's `prev_tokens`: none (the target's steps carry the tokens in flight).
+        self.no_prev_tokens = np.zeros(shapes.max_rows, np.int32)
+        if compile_only is None:
+            self.no_prev_tokens = meshes.replicated_zeros(mesh, self.no_prev_tokens)
         self.propose_step = place_propose_step(mesh, self.weights, self.kv_caches)
         logger.info(
             "draft model %s (%s, %d layers): weights %.1f MiB, its KV %.1f MiB on the "
@@ -241,7 +245,11 @@ class DraftRunner:
             )
             with meshes.on_mesh(self.mesh):
                 _, _, self.kv_caches = self.programs.forward(
-                    self.model_def, self.weights, self.kv_caches, StepInput.from_host(batch)
+                    self.model_def,
+                    self.weights,
+                    self.kv_caches,
+                    StepInput.packed(batch),
+                    self.no_prev_tokens,
                 )
             todo = [seq for seq in todo if seq.draft_computed < seq.num_tokens - 1]
 
@@ -281,7 +289,11 @@ class DraftRunner:
                 num_rows=self.shapes.max_rows,
             )
             program = self.programs.forward.lower(
-                self.model_def, self.weights, self.kv_caches, abstract(StepInput.from_host(batch))
+                self.model_def,
+                self.weights,
+                self.kv_caches,
+                abstract(StepInput.packed(batch)),
+                self.no_prev_tokens,  # (as it is: its placement is part of the jit key)
             )
             lowered.append((f"draft forward T={t}", program))
         program = self.propose_step.lower(*self.propose_args(abstract))

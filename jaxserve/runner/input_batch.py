@@ -302,6 +302,14 @@ class SampleRow:
     draft: int = -1  # a proposed token this row verifies (speculative decoding)
     grammar: GrammarMatcher | None = None  # structured output: fills the row's bitmask
     beam: float = 0.0  # a beam search's row: its candidates' temperature (1: raw)
+    # Ids that follow `token_ids` (drafts before the row's, a token in flight): apart,
+    # so that a row shares its sequence's list instead of copying it every step.
+    more_ids: Sequence[int] = ()
+
+    @property
+    def length(self) -> int:
+        """Tokens so far: `token_ids` then `more_ids`."""
+        return len(self.token_ids) + len(self.more_ids)
 
 
 def wants_history(p: SamplingParams) -> bool:
@@ -407,7 +415,7 @@ def _pack_row(i: int, row: SampleRow, columns, *, max_bias: int, vocab_size: int
     presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
     repetition[i] = p.repetition_penalty
     seed[i] = row.seed & 0xFFFFFFFF
-    position[i] = len(row.token_ids) - row.num_prompt
+    position[i] = row.length - row.num_prompt
     bias = p.logit_bias or {}
     if len(bias) > max_bias:
         raise ValueError(f"logit_bias has {len(bias)} entries; the cap is {max_bias}")
@@ -423,7 +431,9 @@ def _pack_row(i: int, row: SampleRow, columns, *, max_bias: int, vocab_size: int
         np.bitwise_and.at(allowed[i], blocked // 32, ~bits)
         masked[i] = True
     if wants_history(p):
-        history[i, : len(row.token_ids)] = row.token_ids
+        n = len(row.token_ids)
+        history[i, :n] = row.token_ids
+        history[i, n : row.length] = row.more_ids
         num_prompt[i] = row.num_prompt
     draft[i] = row.draft
     return p.logprobs is not None

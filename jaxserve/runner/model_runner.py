@@ -30,7 +30,8 @@ from jaxserve.runner.input_batch import (
     pick_bucket,
 )
 from jaxserve.runner.kv_plan import KVPlan
-from jaxserve.runner.sampler import SamplerOutput
+from jaxserve.runner.packing import pack, unpack_on_host
+from jaxserve.runner.sampler import SamplerOutput, prompt_logprobs_layout
 from jaxserve.runner.step import ModelDef, StepInput, StepPrograms
 from jaxserve.runner.weight_update import WeightConverter, load_serving_model
 from jaxserve.targets import Target, compiling_for
@@ -42,11 +43,14 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class PendingStep:
-    """A dispatched step whose results are still on the device."""
+    """A dispatched step whose results are still on the device, each packed in one
+    vector (`runner.packing`) whose copy to the host started at dispatch."""
 
-    out: SamplerOutput
-    prompt_lp: tuple[jax.Array, jax.Array, jax.Array] | None  # None: no row asked
+    out: jax.Array  # a packed SamplerOutput of `rows` rows
+    prompt_lp: jax.Array | None  # packed (logprob, top ids, top logprobs) [T]; None: none asked
     tokens: jax.Array  # [R] int32: the sampled ids padded, for the next step's inputs
+    rows: int  # B: the sampling rows
+    token_rows: int  # T: the token bucket (prompt logprobs' rows)
 
 
 class ModelRunner:
@@ -131,8 +135,11 @@ class ModelRunner:
         self.copy_buckets = kv_io.copy_buckets(self.shapes.max_seqs)
         self.token_buckets, self.row_buckets = self.shapes.token_buckets, self.shapes.row_buckets
         self.history_len = config.pages_per_seq * config.cache.page_size
-        # A step's `prev_tokens` when no step before it is in flight.
+        # A step's `prev_tokens` when no step before it is in flight: made on the devices
+        # once, not sent with every step (a compile-only target's: its shape alone).
         self.no_prev_tokens = np.zeros(self.shapes.max_rows, np.int32)
+        if target is None:
+            self.no_prev_tokens = meshes.replicated_zeros(mesh, self.no_prev_tokens)
         self.compiles = CompileCounter()  # its listeners removed by `close`
         self.closed = False
         # The draft model's KV arrays share the target's page tables (and pool).
@@ -151,6 +158,7 @@ class ModelRunner:
         self._step_wait = step_wait
         self.warmed_up = False
         self.warmup_seconds = 0.0
+        self.warmup_cache_hits = 0  # of its programs, loaded from the persistent cache
         self.kv_tokens = (self.num_pages - 1) * config.cache.page_size  # (group 0's)
         self.kv_bytes_per_device = self.kv_plan.bytes_per_device
         self.max_concurrency = self.kv_plan.max_concurrency(config)  # at max_model_len
@@ -317,7 +325,8 @@ class ModelRunner:
                 self.model_def,
                 self.weights,
                 self.kv_caches,
-                StepInput.from_host(batch, prev_tokens, self.layer_group),
+                StepInput.packed(batch, self.layer_group),  # (one transfer)
+                self.no_prev_tokens if prev_tokens is None else prev_tokens,
             )
         return selected, hidden
 
@@ -356,18 +365,21 @@ class ModelRunner:
         prompt_lp = None
         with self.on_mesh():
             out, tokens = self.programs.sample_step(
-                self.model_def, self.weights, selected, sampling, prev_tokens
+                self.model_def, self.weights, selected, pack(sampling), prev_tokens
             )
+            _copy_to_host_async(out)
             if (batch.prompt_targets >= 0).any():
                 prompt_lp = self.programs.prompt_logprobs(
                     self.model_def, self.weights, hidden, batch.prompt_targets
                 )
+                _copy_to_host_async(prompt_lp)
         if self.warmed_up and self.compiles.count != before and self.config.compile_guard:
             raise RuntimeError(
                 f"a step compiled after warm-up (token bucket {len(batch.input_ids)}, "
                 f"sampling bucket {len(sampling.temperature)}): a shape escaped the buckets"
             )
-        return PendingStep(out, prompt_lp, tokens)
+        rows, token_rows = len(sampling.temperature), len(batch.input_ids)
+        return PendingStep(out, prompt_lp, tokens, rows, token_rows)
 
     def fetch(self, pending: PendingStep):
         """Waits for a dispatched step; returns (SamplerOutput, prompt logprobs) as numpy.
@@ -378,7 +390,12 @@ class ModelRunner:
         """
         if self._step_wait is not None:
             self._step_wait((pending.out, pending.prompt_lp))
-        return jax.tree.map(_to_host, (pending.out, pending.prompt_lp))
+        out = unpack_on_host(_to_host(pending.out), SamplerOutput.layout(pending.rows))
+        prompt_lp = None
+        if pending.prompt_lp is not None:
+            layout = prompt_logprobs_layout(pending.token_rows)
+            prompt_lp = unpack_on_host(_to_host(pending.prompt_lp), layout)
+        return out, prompt_lp
 
     def execute_and_sample(self, batch: HostBatch, sampling: SamplingMetadata):
         return self.fetch(self.dispatch(batch, sampling))
@@ -462,6 +479,12 @@ def _bundle_pages(directory: str, budget: int) -> int:
     budget holds that many; else the budget's (and the manifest check refuses it)."""
     pages = bundle.read_manifest(directory).get("engine", {}).get("num_kv_pages")
     return pages if isinstance(pages, int) and 2 <= pages <= budget else budget
+
+
+def _copy_to_host_async(x: jax.Array) -> None:
+    """Starts `x`'s copy to the host, so that `fetch` finds it there."""
+    if x.is_fully_addressable:
+        x.copy_to_host_async()
 
 
 def _to_host(x) -> np.ndarray:

@@ -62,6 +62,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxserve.runner.input_batch import MAX_TOP_LOGPROBS, SamplingMetadata
+from jaxserve.runner.packing import Layout
 
 # Built on the host (JAX-free) in input_batch; a pytree of data fields here.
 jax.tree_util.register_dataclass(
@@ -79,6 +80,25 @@ class SamplerOutput:
     top_ids: jax.Array  # [B, 20] i32 (zeros unless requested)
     top_logprobs: jax.Array  # [B, 20] f32: the top values (logprobs or logits, by mode)
     accepted: jax.Array  # [B] bool: the row's draft was accepted (its token is the draft)
+
+    @staticmethod
+    @functools.cache
+    def layout(rows: int) -> Layout:
+        """How `sample_step` packs the output of `rows` rows (the host unpacks it)."""
+        i32, f32 = jnp.int32, jnp.float32
+        sds = jax.ShapeDtypeStruct
+        top = (rows, MAX_TOP_LOGPROBS)
+        shapes = SamplerOutput(
+            sds((rows,), i32), sds((rows,), f32), sds(top, i32), sds(top, f32), sds((rows,), bool)
+        )
+        return Layout.of(shapes)
+
+
+@functools.cache
+def prompt_logprobs_layout(rows: int) -> Layout:
+    """How `prompt_logprobs_step` packs `token_logprobs` of `rows` rows."""
+    sds, top = jax.ShapeDtypeStruct, (rows, MAX_TOP_LOGPROBS)
+    return Layout.of((sds((rows,), jnp.float32), sds(top, jnp.int32), sds(top, jnp.float32)))
 
 
 def _apply_penalties(logits, md: SamplingMetadata):

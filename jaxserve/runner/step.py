@@ -37,13 +37,13 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import PyTreeDef
 
 from jaxserve.runner.input_batch import HostBatch, SamplingMetadata
-from jaxserve.runner.sampler import SamplerOutput, sample, token_logprobs
+from jaxserve.runner.packing import Packed, pack, pack_on_device, unpack
+from jaxserve.runner.sampler import sample, token_logprobs
 from models.lora import bind_slots
 from pallas_kernels import AttentionMetadata, GroupedMetadata
 
@@ -63,22 +63,15 @@ class StepInput:
     # Asynchronous scheduling: a token row whose id the host does not know yet reads it
     # from the previous step's sampled ids, still on the device (no round trip).
     prev_rows: jax.Array  # [T] int32: the row of `prev_tokens` to read; -1: input_ids
-    prev_tokens: jax.Array  # [R] int32: the previous step's sampled ids (`sample_step`)
+    #   (`prev_tokens` [R] int32, the previous step's sampled ids from `sample_step`, is
+    #   the forward's argument beside the batch: it is on the device already)
     # [T] int32: each token row's LoRA adapter slot, 0 none; [0]: no row has an adapter.
     lora_slots: jax.Array
 
     @classmethod
-    def from_host(
-        cls,
-        b: HostBatch,
-        prev_tokens: jax.Array | None = None,
-        layer_group: tuple[int, ...] = (),
-    ) -> StepInput:
-        """`prev_tokens`: the previous step's padded sampled ids (default: none).
-        `layer_group`: each layer's group, where the batch has several (a hybrid KV
+    def from_host(cls, b: HostBatch, layer_group: tuple[int, ...] = ()) -> StepInput:
+        """`layer_group`: each layer's group, where the batch has several (a hybrid KV
         cache: `ModelRunner.layer_group`)."""
-        if prev_tokens is None:
-            prev_tokens = np.zeros(len(b.logits_indices), np.int32)
         attention: AttentionMetadata | GroupedMetadata = AttentionMetadata(
             slot_mapping=b.slot_mapping,
             kv_lens=b.kv_lens,
@@ -105,9 +98,13 @@ class StepInput:
             logits_indices=b.logits_indices,
             prompt_targets=b.prompt_targets,
             prev_rows=b.prev_rows,
-            prev_tokens=prev_tokens,
             lora_slots=b.lora_slots,
         )
+
+    @classmethod
+    def packed(cls, b: HostBatch, layer_group: tuple[int, ...] = ()) -> Packed:
+        """The batch as one buffer: what a step sends to the device (`runner.packing`)."""
+        return pack(cls.from_host(b, layer_group))
 
 
 class ModelDef:
@@ -149,20 +146,27 @@ class ModelDef:
 
 
 def _forward(
-    model_def: ModelDef, weights: list[jax.Array], kv_caches: list[jax.Array], batch: StepInput
+    model_def: ModelDef,
+    weights: list[jax.Array],
+    kv_caches: list[jax.Array],
+    packed: Packed,
+    prev_tokens: jax.Array,
 ) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
-    """One forward pass: the hidden states of the rows to sample [R, D], those of
-    every token row [T, D] (for `prompt_logprobs_step`), and the updated KV caches.
+    """One forward pass of the batch (a packed `StepInput`) -> the hidden states of the
+    rows to sample [R, D], those of every token row [T, D] (for
+    `prompt_logprobs_step`), and the updated KV caches. `prev_tokens` [R]: the previous
+    step's sampled ids (asynchronous scheduling; zeros when none is in flight).
 
     The KV caches are donated: XLA updates them in place, and the caller must use
     the returned ones from then on. The sampled rows' LM head is left to
     `sample_step`, which depends on B alone, so that a program per token bucket
     serves every sequence count.
     """
+    batch: StepInput = unpack(packed)
     model = model_def.merge(weights)
     if batch.lora_slots.shape[0]:  # (else no token has an adapter: the base model's program)
         bind_slots(model, batch.lora_slots)
-    prev = batch.prev_tokens[jnp.maximum(batch.prev_rows, 0)]
+    prev = prev_tokens[jnp.maximum(batch.prev_rows, 0)]
     input_ids = jnp.where(batch.prev_rows >= 0, prev, batch.input_ids)
     hidden, kv_caches = model(kv_caches, input_ids, batch.positions, batch.attention)
     return hidden[batch.logits_indices], hidden, kv_caches
@@ -174,9 +178,10 @@ def _prompt_logprobs(
     hidden: jax.Array,
     targets: jax.Array,
     logprobs_mode: str = "raw_logprobs",
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> jax.Array:
     """Every token row's hidden state [T, D] and its next prompt token [T] (-1: none)
-    -> (the target's logprob, top ids, top logprobs) per row.
+    -> (the target's logprob, top ids, top logprobs) per row, packed in one vector
+    (`prompt_logprobs_layout(T)`).
 
     As vLLM's: `*_logits` modes give the logits, `*_logprobs` modes their log_softmax,
     of the model's raw distribution in the processed modes too. No sampling
@@ -184,7 +189,7 @@ def _prompt_logprobs(
     belong to drawing a token, and no token is drawn there."""
     logits = model_def.merge(weights).compute_logits(hidden)
     as_logits = logprobs_mode.endswith("logits")
-    return token_logprobs(logits, jnp.maximum(targets, 0), as_logits=as_logits)
+    return pack_on_device(token_logprobs(logits, jnp.maximum(targets, 0), as_logits=as_logits))
 
 
 def _logits(model_def: ModelDef, weights: list[jax.Array], hidden: jax.Array) -> jax.Array:
@@ -196,23 +201,25 @@ def _sample(
     model_def: ModelDef,
     weights: list[jax.Array],
     selected: jax.Array,
-    sampling: SamplingMetadata,
+    packed: Packed,
     prev_tokens: jax.Array,
     logprobs_mode: str = "raw_logprobs",
-) -> tuple[SamplerOutput, jax.Array]:
-    """The first B rows of `selected` [R, D] (B from the sampling metadata) -> one
-    sampled token per row (logits never leave the device), and the sampled ids padded
-    to [R]: the next step's `prev_tokens` under asynchronous scheduling (one shape
-    whatever B, so it selects no forward program).
+) -> tuple[jax.Array, jax.Array]:
+    """The first B rows of `selected` [R, D] (B from the packed `SamplingMetadata`) ->
+    one sampled token per row (logits never leave the device), as a packed
+    `SamplerOutput` (one vector: one copy to the host, `SamplerOutput.layout(B)`), and
+    the sampled ids padded to [R]: the next step's `prev_tokens` under asynchronous
+    scheduling (one shape whatever B, so it selects no forward program).
 
     `prev_tokens` [R]: the previous step's, for the history's tokens in flight.
     `logprobs_mode`: the engine's (static: bound at construction, `StepPrograms.place`)."""
+    sampling: SamplingMetadata = unpack(packed)
     rows, b = selected.shape[0], sampling.temperature.shape[0]
     history = sampling.history  # ids <= -2: -2 - (a row of prev_tokens)
     in_flight = prev_tokens[jnp.clip(-2 - history, 0, rows - 1)]
     sampling = dataclasses.replace(sampling, history=jnp.where(history <= -2, in_flight, history))
     out = sample(model_def.merge(weights).compute_logits(selected[:b]), sampling, logprobs_mode)
-    return out, jnp.pad(out.token_ids, (0, rows - b))
+    return pack_on_device(out), jnp.pad(out.token_ids, (0, rows - b))
 
 
 # Unsharded (one device): the shardings follow the arguments. Weights and KV caches
@@ -262,7 +269,7 @@ class StepPrograms:
                 _forward,
                 static_argnums=0,
                 donate_argnums=2,
-                in_shardings=(w, kv, rep),
+                in_shardings=(w, kv, rep, rep),
                 out_shardings=(rep, rep, kv),
             ),
             logits_step=jax.jit(

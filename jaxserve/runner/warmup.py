@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from jaxserve import compile_records
 from jaxserve.runner import kv_io
+from jaxserve.runner.packing import pack
 from jaxserve.runner.step import StepInput
 
 logger = logging.getLogger("jaxserve.runner.model_runner")  # (where warm-up always logged)
@@ -44,17 +45,17 @@ def warm_up(
         forwards = dict(lowered)
         for t in runner.token_buckets:
             forward = forwards[f"forward T={t}"]
-            targets = abstract_tree(np.zeros(t, np.int32))
+            targets = abstract_tree(np.zeros(t, np.int32))  # (sent only when asked for)
             program = runner.programs.prompt_logprobs.lower(
                 runner.model_def, runner.weights, forward.out_info[1], targets
             )
             lowered.append((f"prompt logprobs T={t}", program))
             bar.update(1)
         selected = lowered[0][1].out_info[0]  # [R, D] whatever the token bucket
-        no_prev = abstract_tree(runner.no_prev_tokens)
+        no_prev = runner.no_prev_tokens  # (as it is: its placement is part of the jit key)
         for b in runner.row_buckets:
             for history in (False, True):
-                sampling = abstract_tree(runner.build_sampling([], b, with_history=history))
+                sampling = abstract_tree(pack(runner.build_sampling([], b, with_history=history)))
                 program = runner.programs.sample_step.lower(
                     runner.model_def, runner.weights, selected, sampling, no_prev
                 )
@@ -78,6 +79,9 @@ def warm_up(
             # libtpu's compile-only client crashed (a segfault) compiling two programs
             # at once in 2 of ~10 warm-ups here; one at a time never did.
             threads = 1
+        target_devices = (
+            list(runner.mesh.devices.flat) if runner.mesh is not None else [runner.compile_device]
+        )
         with bar, concurrent.futures.ThreadPoolExecutor(threads) as pool:
 
             def compile_one(program: jax.stages.Lowered) -> jax.stages.Compiled:
@@ -85,7 +89,7 @@ def warm_up(
                     if runner.compile_device is None:
                         compiled = program.compile()
                     else:  # compile-only: answered from a record where one was made
-                        compiled = compile_records.compile_for(program, runner.mesh.devices.flat)
+                        compiled = compile_records.compile_for(program, target_devices)
                 bar.update(1)
                 return compiled
 
@@ -98,6 +102,7 @@ def warm_up(
             )
     runner.warmed_up = True
     runner.warmup_seconds = time.perf_counter() - t0
+    runner.warmup_cache_hits = runner.compiles.cache_hits - hits
     logger.info(
         "warm-up: %d step programs (%d forward, %d prompt logprobs, %d sampling, %d "
         "page copy, %d more) ready in %.1fs%s: %d built, %d of them loaded from the "
@@ -117,14 +122,24 @@ def warm_up(
 
 
 def _lower_forward(runner, t: int, variant: str) -> jax.stages.Lowered:
-    """Token bucket `t`'s forward; `variant` " lora": with every row's adapter slot (the
-    steps where a token has an adapter; those without run the base forward)."""
+    return runner.programs.forward.lower(*forward_args(runner, t, variant))
+
+
+def forward_args(runner, t: int, variant: str = "") -> tuple:
+    """Token bucket `t`'s forward arguments, the batch abstract; `variant` " lora": with
+    every row's adapter slot (the steps where a token has an adapter; those without run
+    the base forward)."""
     batch = runner.build([], token_bucket=t)
     if variant:
         batch = dataclasses.replace(batch, lora_slots=np.ones(t, np.int32))
-    batch = abstract_tree(StepInput.from_host(batch, layer_group=runner.layer_group))
-    return runner.programs.forward.lower(runner.model_def, runner.weights, runner.kv_caches, batch)
+    batch = abstract_tree(StepInput.packed(batch, layer_group=runner.layer_group))
+    # `no_prev_tokens` as it is, not abstract: its placement (committed and replicated on
+    # a mesh) is part of the jit key the steps look their programs up by.
+    return runner.model_def, runner.weights, runner.kv_caches, batch, runner.no_prev_tokens
 
 
 def abstract_tree(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
+    def abstract(x):
+        return jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", None) or np.asarray(x).dtype)
+
+    return jax.tree.map(abstract, tree)

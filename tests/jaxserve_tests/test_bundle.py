@@ -11,6 +11,7 @@ import sys
 
 import jax
 import pytest
+from cache_dir import env_without_compilation_cache
 
 from jaxserve import LLM
 from jaxserve.config import engine_config
@@ -117,7 +118,11 @@ print("RESULT " + json.dumps({
 
 
 def _run(mode: str, bundle_dir, cache_dir, devices: int = 1, **kw) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    # Without the test runs' compilation cache (tests/conftest.py): `make` compiles what
+    # it saves (XLA:CPU cannot serialize a program it loaded from a cache again), and
+    # `load` must compile nothing and find no cache.
+    env = env_without_compilation_cache()
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     proc = subprocess.run(
         [
             sys.executable,
@@ -292,15 +297,37 @@ def test_a_corrupt_program_file_is_refused(tmp_path):
         bundle.load(str(tmp_path), {"engine": {}}, jax.devices()[:1])
 
 
+BY_SHAPE = r"""
+import sys
+import jax
+from jaxserve.runner import bundle
+args = [jax.ShapeDtypeStruct((n,), "float32") for n in (2, 4)]
+compiled = {f"f n={a.shape[0]}": jax.jit(lambda x: x * 2).lower(a).compile() for a in args}
+bundle.save(sys.argv[1], compiled, {"engine": {}})
+loaded = bundle.load(sys.argv[1], {"engine": {}}, jax.devices()[:1])
+f = bundle.by_shape(loaded, "f n=", key_argnums=(0,))
+print(f(jax.numpy.ones(4)).tolist())
+try:
+    f(jax.numpy.ones(3))
+except ValueError as e:
+    print(e)
+"""
+
+
 def test_a_shape_without_a_program_raises_instead_of_compiling(tmp_path):
-    args = [jax.ShapeDtypeStruct((n,), "float32") for n in (2, 4)]
-    compiled = {f"f n={a.shape[0]}": jax.jit(lambda x: x * 2).lower(a).compile() for a in args}
-    bundle.save(str(tmp_path), compiled, {"engine": {}})
-    loaded = bundle.load(str(tmp_path), {"engine": {}}, jax.devices()[:1])
-    f = bundle.by_shape(loaded, "f n=", key_argnums=(0,))
-    assert f(jax.numpy.ones(4)).tolist() == [2.0] * 4
-    with pytest.raises(ValueError, match=r"no compiled f program for argument shapes \(\(3,\),\)"):
-        f(jax.numpy.ones(3))
+    # In a process without the test runs' compilation cache: what it saves it compiled.
+    env = env_without_compilation_cache()
+    proc = subprocess.run(
+        [sys.executable, "-c", BY_SHAPE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ran, refused = proc.stdout.strip().splitlines()[-2:]
+    assert ran == str([2.0] * 4)
+    assert refused.startswith("no compiled f program for argument shapes ((3,),)"), refused
 
 
 @pytest.mark.slow
@@ -326,3 +353,36 @@ def test_preflight_writes_a_gpu_bundle_that_this_cpu_refuses(tmp_path):
     assert len(found["programs"]) == report.num_programs == 21  # (3 page copies)
     with pytest.raises(ValueError, match="target.platform: bundle's 'gpu', this engine's 'cpu'"):
         LLM(model_dir, compiled=out, **gpu)
+
+
+SAVE_FROM_CACHE = """
+import sys
+from jaxserve import LLM
+llm = LLM("demo-model-tiny", max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64,
+          skip_tokenizer_init=True, compilation_cache_dir=sys.argv[1])
+try:
+    print("saved", llm.save_compiled(sys.argv[2]) > 0)
+except ValueError as e:
+    print("refused", e)
+"""
+
+
+def test_programs_loaded_from_the_compilation_cache_are_not_saved(tmp_path):
+    """XLA:CPU serializes a program it loaded from the persistent cache without its
+    compiled kernels (the bundle then fails to run: "Function ... not found"), so an
+    engine whose warm-up loaded programs from there refuses to save them, naming the
+    fix; one that compiled them saves."""
+    env = env_without_compilation_cache()
+    said = []
+    for name in ("first", "second"):  # the second start finds every program in the cache
+        proc = subprocess.run(
+            [sys.executable, "-c", SAVE_FROM_CACHE, str(tmp_path / "xla"), str(tmp_path / name)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        said.append(proc.stdout.strip().splitlines()[-1])
+    assert said[0] == "saved True"
+    assert said[1].startswith("refused") and "compilation_cache_dir=None" in said[1], said[1]

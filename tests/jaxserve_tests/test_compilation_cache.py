@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from cache_dir import env_without_compilation_cache
 
 SNIPPET = """
 import sys
@@ -21,7 +22,7 @@ print("built", c.count, "from_cache", c.cache_hits)
 
 # These processes start with no cache but the one they set (the test runs' own, which
 # tests/conftest.py puts in the environment, left out).
-NO_CACHE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+NO_CACHE_ENV = env_without_compilation_cache()
 
 
 def _start(cache_dir):

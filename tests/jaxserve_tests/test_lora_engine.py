@@ -13,6 +13,7 @@ import types
 
 import numpy as np
 import pytest
+from cache_dir import env_without_compilation_cache
 from engine_utils import SMALL_LLM, engine_config
 from fake_devices import run_on_8_devices
 from hf_models import CASES, make_hf_model
@@ -76,9 +77,9 @@ def test_a_step_without_adapters_runs_the_base_models_program(tiny_model_dir, tm
     assert "lora_dense" not in llm.engine.compiled[f"forward T={t}"].as_text()
     with_slots = []  # per step: whether the forward got the tokens' slots
 
-    def spy(model_def, weights, kv_caches, batch):
-        with_slots.append(batch.lora_slots.shape[0] > 0)
-        return forward(model_def, weights, kv_caches, batch)
+    def spy(model_def, weights, kv_caches, batch, prev_tokens):
+        with_slots.append(batch.layout.shapes().lora_slots[0] > 0)  # (a packed StepInput)
+        return forward(model_def, weights, kv_caches, batch, prev_tokens)
 
     forward = runner.programs.forward
     runner.programs = dataclasses.replace(runner.programs, forward=spy)
@@ -242,8 +243,12 @@ print("RESULT " + json.dumps({
 def _bundle_run(mode: str, tmp_path) -> dict:
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = [mode, str(tmp_path / "bundle"), str(tmp_path), tests]
-    proc = subprocess.run(
-        [sys.executable, "-c", BUNDLE_SCRIPT, *args], capture_output=True, text=True, timeout=600
+    proc = subprocess.run(  # (without the tests' cache: `make` compiles what it saves)
+        [sys.executable, "-c", BUNDLE_SCRIPT, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env_without_compilation_cache(),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))

@@ -28,7 +28,11 @@ def test_the_step_never_copies_a_kv_cache(runner, q_lens):
     work = [SeqWork([3] * n, 20 - n, [1 + 2 * i, 2 + 2 * i]) for i, n in enumerate(q_lens)]
     batch = runner.build(work)
     compiled = forward.lower(
-        runner.model_def, runner.weights, runner.kv_caches, StepInput.from_host(batch)
+        runner.model_def,
+        runner.weights,
+        runner.kv_caches,
+        StepInput.packed(batch),
+        runner.no_prev_tokens,
     ).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < runner.kv_caches[0].nbytes
 
@@ -39,7 +43,8 @@ def test_the_forward_program_holds_no_lm_head_over_its_token_rows(runner):
     # temporaries. They are a program of their own now, dispatched when asked.
     batch = runner.build([SeqWork([3] * 5, 0, [1])])
     t, vocab = len(batch.input_ids), runner.config.model.vocab_size
-    args = (runner.model_def, runner.weights, runner.kv_caches, StepInput.from_host(batch))
+    args = (runner.model_def, runner.weights, runner.kv_caches, StepInput.packed(batch))
+    args += (runner.no_prev_tokens,)
     compiled = forward.lower(*args).compile()
     assert f"[{t},{vocab}]" not in compiled.as_text()
     flops = compiled.cost_analysis()["flops"]

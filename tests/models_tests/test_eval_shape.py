@@ -10,6 +10,7 @@ import pytest
 from jaxserve.checkpoint import abstract_model
 from jaxserve.config import ModelConfig
 from jaxserve.runner.input_batch import SeqWork, build_batch
+from jaxserve.runner.sampler import prompt_logprobs_layout
 from jaxserve.runner.step import ModelDef, StepInput, forward, logits_step, prompt_logprobs_step
 from models import supported_architectures
 
@@ -257,7 +258,11 @@ def test_real_size_builds_and_traces_abstractly(name):
         seq_bucket=4,
     )
     selected, hidden, new_kv = jax.eval_shape(
-        functools.partial(forward, model_def), leaves, kv, StepInput.from_host(batch)
+        functools.partial(forward, model_def),
+        leaves,
+        kv,
+        StepInput.packed(batch),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
     )
     logits = jax.eval_shape(functools.partial(logits_step, model_def), leaves, selected)
     prompt_lp = jax.eval_shape(
@@ -265,6 +270,7 @@ def test_real_size_builds_and_traces_abstractly(name):
     )
     assert selected.shape == (4, config.hidden_size)
     assert hidden.shape == (32, config.hidden_size)
-    assert [x.shape for x in prompt_lp] == [(32,), (32, 20), (32, 20)]
+    assert prompt_lp.shape == (prompt_logprobs_layout(32).size,)  # packed:
+    assert prompt_logprobs_layout(32).shapes() == ((32,), (32, 20), (32, 20))
     assert logits.shape == (4, config.vocab_size) and logits.dtype == jnp.float32
     assert [x.shape for x in new_kv] == [x.shape for x in kv]

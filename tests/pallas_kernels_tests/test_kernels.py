@@ -256,7 +256,7 @@ def lower_engine_step(
     layout = get_backend(backend).cache_layout(16, config.num_kv_heads, config.head_dim, shards)
     shapes = (layout.pages_shape(32), layout.scales_shape(32))
     kv = [jax.eval_shape(lambda: zeros_kv(*shapes[:1], kv_dtype, shapes[1]))] * config.num_layers
-    batch = StepInput.from_host(
+    batch = StepInput.packed(
         build_batch(
             [SeqWork(list(range(20)), 0, [1, 2]), SeqWork([5], 40, [3, 4, 5])],
             page_size=16,
@@ -282,7 +282,7 @@ def lower_engine_step(
         ] * len(kv)
 
     def step(weights, kv, batch):
-        return forward(model_def, weights, kv, batch)
+        return forward(model_def, weights, kv, batch, jnp.zeros(4, jnp.int32))
 
     text = lower(step, (weights, kv, batch), platform, tp=tp).mlir_module()
     assert ("tpu_custom_call" in text) if platform == "tpu" else ("triton" in text)

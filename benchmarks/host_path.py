@@ -1,0 +1,118 @@
+"""The host's share of a decode step (issue 35): microseconds of host work per step
+and per running sequence, by running count and context length, on a tiny model whose
+device work is small (so the engine's own work shows).
+
+    python benchmarks/make_model.py --shape=tiny --out=/tmp/tiny
+    python benchmarks/host_path.py --model=/tmp/tiny --out=benchmarks/results/host_path.json
+
+For each (running, context): every sequence's prompt is one shared prefix of
+`context` tokens (prefilled once, then found in the prefix cache, so the KV cache
+holds it once) and 16 tokens of its own; once all of them decode, STEPS steps are
+measured. Host time is the engine's own timer (`EngineStats.host_seconds`:
+scheduling, building the step's inputs, dispatching, processing the outputs; the wait
+for the device apart), per step and per running sequence. Greedy, float32, end of
+sequence ignored. To compare two versions of the engine, run this file from each
+tree: it imports the `jaxserve` beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+OWN = 16  # each sequence's own prompt tokens after the shared prefix
+STEPS = 16
+
+
+def measure(model: str, running: int, context: int, steps: int) -> dict:
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.generate_request import GenerateRequest
+
+    page = 16
+    max_len = context + OWN + steps + 64
+    pages = context // page + running * (-(-(OWN + steps + 64) // page) + 1) + 16
+    llm = LLM(
+        model,
+        max_num_seqs=running,
+        max_model_len=max_len,
+        block_size=page,
+        num_kv_pages=pages,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=True,
+        skip_tokenizer_init=True,
+        dtype="float32",
+    )
+    engine = llm.engine
+    prefix = [(i * 7919) % 1000 + 3 for i in range(context)]
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 32, ignore_eos=True)
+    engine.add_request(GenerateRequest("prefix", prefix, SamplingParams(max_tokens=1)))
+    while engine.has_unfinished():
+        engine.step()
+    for r in range(running):
+        own = [(r * 31 + j) % 1000 + 3 for j in range(OWN)]
+        engine.add_request(GenerateRequest(f"r{r}", prefix + own, params))
+    while len(engine.scheduler.running) < running or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(4):  # every sequence decoding
+        engine.step()
+    before = engine.stats.snapshot()
+    tokens = before.generation_tokens
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - t0
+    after = engine.stats.snapshot()
+    host = after.host_seconds - before.host_seconds
+    device = after.device_seconds - before.device_seconds
+    generated = after.generation_tokens - tokens
+    llm.close()
+    return {
+        "running": running,
+        "context": context,
+        "steps": steps,
+        "host_us_per_step": round(host / steps * 1e6, 1),
+        "host_us_per_seq": round(host / steps / running * 1e6, 2),
+        "device_us_per_step": round(device / steps * 1e6, 1),
+        "host_share": round(host / (host + device), 3),
+        "output_tok_s": round(generated / wall, 1),
+    }
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--running", default="16,64,256")
+    p.add_argument("--contexts", default="512,8192,32768")
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--out", help="a JSON file for the results")
+    args = p.parse_args()
+    rows = []
+    for running in map(int, args.running.split(",")):
+        for context in map(int, args.contexts.split(",")):
+            row = measure(args.model, running, context, args.steps)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"cpu": cpu_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
