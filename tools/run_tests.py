@@ -1,5 +1,6 @@
 """Runs the test suite as README.md gives it: pytest processes of at most
-FILES_PER_PROCESS test files of one folder each, JOBS of them at a time.
+FILES_PER_PROCESS test files of one folder each (a long file's tests split over
+several), JOBS of them at a time.
 
 Each group of files (of jaxserve_tests, models_tests, pallas_kernels_tests,
 server_tests) runs in a fresh process, so what one leaves behind (compiled
@@ -48,11 +49,14 @@ sys.path.insert(0, str(TESTS))
 from cache_dir import test_cache_dir  # noqa: E402
 
 FILES_PER_PROCESS = 12
+GROUP_SECONDS = 300  # a group's expected time: a heavier folder gets more groups
 JOBS = 2
 MIN_FREE_BYTES = 6 << 30  # memory a group needs free to start beside another
 SLOWEST = 15
 NO_TESTS = 5  # pytest's exit code when nothing ran (e.g. all deselected)
 DURATIONS = "durations.json"  # seconds per test file, from the last run
+# A new machine's (no last run): a cold run's, committed (`tests/durations.json`).
+COLD_DURATIONS = TESTS / DURATIONS
 _MARK = "pytest.mark.accelerator"
 
 
@@ -68,6 +72,13 @@ class Group:
     seconds: float = 0.0
     peak_bytes: int = 0
     code: int = 0
+
+    def describe(self) -> str:
+        """Its files, or the file and how many of its tests (a split file's share)."""
+        if any("::" in f for f in self.files):
+            file = pathlib.Path(self.files[0].split("::")[0]).stem
+            return f"{self.folder}: {len(self.files)} tests of {file}"
+        return f"{self.folder}: {', '.join(pathlib.Path(f).stem for f in self.files)}"
 
 
 def main(argv: list[str]) -> int:
@@ -89,15 +100,17 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         _run(groups, pytest_args, ours.jobs, tmp)
         tests = _test_times(groups)
-    total = time.perf_counter() - t0
-    if cache:
-        _write_durations(cache, last, tests)
-    return _report(groups, tests, total)
+        total = time.perf_counter() - t0
+        if cache:
+            _write_durations(cache, last, tests)
+        return _report(groups, tests, total)  # (reads the groups' JUnit files in tmp)
 
 
 def _groups(last: dict[str, float]) -> list[Group]:
-    """Each folder's files packed into groups of at most FILES_PER_PROCESS, balanced
-    by expected time (longest file first into the least loaded group); longest first."""
+    """Each folder's files packed into groups of at most FILES_PER_PROCESS files and
+    about GROUP_SECONDS (a file never split), balanced by expected time (longest file
+    first into the least loaded group); the groups longest first, so that the last to
+    finish are short."""
     groups = []
     for folder in sorted(p for p in TESTS.iterdir() if p.is_dir() and p.name.endswith("_tests")):
         files = sorted(folder.glob("test_*.py"))
@@ -108,7 +121,17 @@ def _groups(last: dict[str, float]) -> list[Group]:
             str(f): last.get(str(f.relative_to(TESTS.parent)), len(f.read_text()) / 400)
             for f in files
         }
-        count = -(-len(files) // FILES_PER_PROCESS)
+        # A file of more than two groups' time is split: its tests dealt out in turn (a
+        # parametrized grid's cases alternate) to processes of about GROUP_SECONDS each.
+        for f in [f for f, seconds in cost.items() if seconds > 2 * GROUP_SECONDS]:
+            parts = round(cost[f] / GROUP_SECONDS)
+            ids = _test_ids(f)
+            for i in range(min(parts, len(ids))):
+                groups.append(Group(folder.name, ids[i::parts], cost[f] / parts))
+            if ids:
+                del cost[f]
+        by_time = round(sum(cost.values()) / GROUP_SECONDS)
+        count = min(len(cost), max(-(-len(cost) // FILES_PER_PROCESS), by_time))
         packed = [Group(folder.name, [], 0.0) for _ in range(count)]
         for f in sorted(cost, key=cost.get, reverse=True):
             group = min(
@@ -120,6 +143,18 @@ def _groups(last: dict[str, float]) -> list[Group]:
     return sorted(groups, key=lambda g: g.expected, reverse=True)
 
 
+def _test_ids(path: str) -> list[str]:
+    """A test file's test ids, in order (pytest's collection; [] if it fails: the file
+    then runs whole, and reports the failure)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", path],
+        capture_output=True,
+        text=True,
+        cwd=TESTS.parent,
+    )
+    return [line for line in proc.stdout.splitlines() if "::" in line]
+
+
 def _run(groups: list[Group], pytest_args: list[str], jobs: int, tmp: str) -> None:
     waiting, running = list(groups), []
     while waiting or running:
@@ -127,7 +162,7 @@ def _run(groups: list[Group], pytest_args: list[str], jobs: int, tmp: str) -> No
             group = waiting.pop(0)
             group.junit = os.path.join(tmp, f"{id(group)}.xml")
             group.log = open(os.path.join(tmp, f"{id(group)}.log"), "w+")  # noqa: SIM115
-            print(f"=== start {group.folder}: {len(group.files)} files", flush=True)
+            print(f"=== start {group.describe()}", flush=True)
             group.started = time.perf_counter()
             group.proc = subprocess.Popen(
                 [
@@ -140,6 +175,7 @@ def _run(groups: list[Group], pytest_args: list[str], jobs: int, tmp: str) -> No
                 ],
                 stdout=group.log,
                 stderr=subprocess.STDOUT,
+                cwd=TESTS.parent,  # (a split file's test ids are relative to it)
             )
             running.append(group)
         pid, status, usage = os.wait4(-1, 0)
@@ -152,7 +188,7 @@ def _run(groups: list[Group], pytest_args: list[str], jobs: int, tmp: str) -> No
         out = group.log.read()
         group.log.close()
         print(
-            f"\n=== {group.folder}: {len(group.files)} files, {group.seconds:.0f}s\n{out}",
+            f"\n=== {group.describe()}: {group.seconds:.0f}s\n{out}",
             flush=True,
         )
         if group.code < 0:
@@ -193,11 +229,15 @@ def _file_of(test: str) -> str:
 
 
 def _read_durations(cache: str) -> dict[str, float]:
-    try:
-        with open(os.path.join(cache, DURATIONS)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
+    """The last run's seconds per file, over a cold run's (committed) for the rest."""
+    found = {}
+    for path in (COLD_DURATIONS, os.path.join(cache, DURATIONS) if cache else None):
+        try:
+            with open(path) as f:
+                found.update(json.load(f))
+        except (OSError, TypeError, ValueError):
+            pass
+    return found
 
 
 def _write_durations(cache: str, last: dict[str, float], tests: dict[str, float]) -> None:
@@ -218,10 +258,8 @@ def _report(groups: list[Group], tests: dict[str, float], total: float) -> int:
     print("\n=== groups (wall time, peak memory of the pytest process):")
     for group in groups:
         codes.setdefault(group.folder, []).append(group.code)
-        print(
-            f"{group.seconds:7.0f}s {group.peak_bytes / 2**30:5.1f} GiB  exit {group.code:3d}  "
-            f"{group.folder}: {', '.join(pathlib.Path(f).stem for f in group.files)}"
-        )
+        seconds, gib = group.seconds, group.peak_bytes / 2**30
+        print(f"{seconds:7.0f}s {gib:5.1f} GiB  exit {group.code:3d}  {group.describe()}")
         if os.path.exists(group.junit):
             suite = next(ET.parse(group.junit).iter("testsuite"))
             skipped = int(suite.get("skipped", 0))

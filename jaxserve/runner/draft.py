@@ -256,7 +256,7 @@ class DraftRunner:
     def close(self) -> None:
         """Drops the draft model's device buffers and programs (the target's runner
         closes the shared compile counter); it proposes nothing after it."""
-        self.weights = self.kv_caches = None
+        self.weights = self.kv_caches = self.no_prev_tokens = None
         self.programs = self.propose_step = None
 
     def _check_compiles(self, before: int) -> None:

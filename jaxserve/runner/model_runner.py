@@ -213,7 +213,7 @@ class ModelRunner:
         Idempotent; the runner runs no step after it."""
         self.compiles.close()
         self.closed = True
-        self.weights = self.kv_caches = None
+        self.weights = self.kv_caches = self.no_prev_tokens = None
         self.programs = self.kv_programs = self.copy_program = None
         if self.drafter is not None:
             self.drafter.close()

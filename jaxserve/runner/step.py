@@ -26,7 +26,12 @@ drafts adds the row buckets up to S * (1 + k) and a token and row bucket of 1 + 
 
 Asynchronous scheduling needs no program of its own: a step reads the tokens the
 host does not have yet from the previous step's sampled ids, an [R] array on the
-device (`StepInput.prev_tokens`, `sample_step`'s second output).
+device (the forward's `prev_tokens`, `sample_step`'s second output).
+
+Each direction of a step is one transfer (`runner.packing`): the forward takes its
+batch, and sampling its settings, as one packed int32 buffer each, unpacked inside the
+program by static slices; sampling (and prompt logprobs) return one packed vector,
+which the host copies back at once and unpacks.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ DEVICE_SIDE = {
     "jaxserve.runner.kv_plan",  # the KV arrays per layer group
     "jaxserve.runner.lora_io",  # the LoRA matrices' placement and slot write
     "jaxserve.runner.model_runner",
+    "jaxserve.runner.packing",  # a step's arrays in one buffer (unpacked in the program)
     "jaxserve.runner.residency",  # device buffers deleted and allocated again (sleep)
     "jaxserve.runner.sampler",
     "jaxserve.runner.step",

@@ -174,7 +174,8 @@ def test_min_tokens_blocks_a_stop_token_on_every_verified_row():
     rows = [engine.pipeline.sample_row(seq, (1, 2, 3, 4), j) for j in range(5)]
     assert [7 in r.blocked_ids for r in rows] == [True, True, True, False, False]
     assert [r.draft for r in rows] == [1, 2, 3, 4, -1]
-    assert [len(r.token_ids) for r in rows] == [5, 6, 7, 8, 9]
+    assert [r.length for r in rows] == [5, 6, 7, 8, 9]
+    assert [list(r.more_ids) for r in rows] == [[], [1], [1, 2], [1, 2, 3], [1, 2, 3, 4]]
 
 
 def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size():
