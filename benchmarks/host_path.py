@@ -61,13 +61,13 @@ def measure(model: str, running: int, context: int, steps: int) -> dict:
         engine.step()
     for _ in range(4):  # every sequence decoding
         engine.step()
-    before = engine.stats.snapshot()
+    before = engine.stats()
     tokens = before.generation_tokens
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     wall = time.perf_counter() - t0
-    after = engine.stats.snapshot()
+    after = engine.stats()
     host = after.host_seconds - before.host_seconds
     device = after.device_seconds - before.device_seconds
     generated = after.generation_tokens - tokens
