@@ -20,21 +20,23 @@ print("built", c.count, "from_cache", c.cache_hits)
 """
 
 
-# These processes start with no cache but the one they set (the test runs' own, which
-# tests/conftest.py puts in the environment, left out).
-NO_CACHE_ENV = env_without_compilation_cache()
-
-
-def _start(cache_dir):
+def _python(code: str, directory) -> list[str]:
+    """The lines `code` prints, run in a fresh process with `directory` as its argument,
+    and with no cache but the one it sets (the test runs' own, which tests/conftest.py
+    puts in the environment, left out)."""
     proc = subprocess.run(
-        [sys.executable, "-c", SNIPPET, str(cache_dir)],
+        [sys.executable, "-c", code, str(directory)],
         capture_output=True,
         text=True,
         timeout=300,
-        env=NO_CACHE_ENV,
+        env=env_without_compilation_cache(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("built"))
+    return proc.stdout.splitlines()
+
+
+def _start(cache_dir):
+    line = next(x for x in _python(SNIPPET, cache_dir) if x.startswith("built"))
     _, built, _, hits = line.split()
     return int(built), int(hits)
 
@@ -76,15 +78,7 @@ print("command line", jax.config.jax_compilation_cache_dir)
 
 @pytest.mark.slow
 def test_only_the_command_line_and_an_opted_in_llm_set_the_cache(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-c", WHO_SETS_IT, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=NO_CACHE_ENV,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines()[-4:] == [
+    assert _python(WHO_SETS_IT, tmp_path)[-4:] == [
         "LLM() None",
         "LLMEngine None",
         "flag default True",
@@ -138,15 +132,7 @@ def test_a_changed_kernel_misses_the_records_and_compiles_for_real(tmp_path):
     """Programs for compile-only TPUs and GPUs are answered from records
     (`jaxserve.compile_records`) only for the same module: a kernel's source is part of
     the key, so an edited kernel compiles again, for real."""
-    proc = subprocess.run(
-        [sys.executable, "-c", KERNEL_CHANGE, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=NO_CACHE_ENV,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line.split() for line in proc.stdout.splitlines()]
+    lines = [line.split() for line in _python(KERNEL_CHANGE, tmp_path)]
     for target in ("v5e", "h100"):
         first, again, changed = [line[1:] for line in lines if line[0] == target]
         assert first[:2] == ["False", "1"]  # compiled
