@@ -31,6 +31,11 @@ import transformers
 
 from jaxserve.assets import EMBEDDED_MODELS
 
+LLAMA_SHAPES = {
+    "llama60m": (32000, 512, 1536, 8, 8, 2048),
+    "tiny": (2048, 256, 768, 2, 4, 40960),
+}
+
 
 def _config(shape: str) -> transformers.PretrainedConfig:
     if shape == "moe1b":
@@ -71,28 +76,16 @@ def _config(shape: str) -> transformers.PretrainedConfig:
         )
         cfg.architectures = ["Qwen2ForCausalLM"]
         return cfg
-    if shape == "tiny":
-        cfg = transformers.LlamaConfig(
-            vocab_size=2048,
-            hidden_size=256,
-            intermediate_size=768,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=40960,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-        cfg.architectures = ["LlamaForCausalLM"]
-        return cfg
+    # The Llama shapes: (vocabulary, hidden, MLP, layers, heads, positions); KV heads = heads.
+    vocab, hidden, mlp, layers, heads, positions = LLAMA_SHAPES[shape]
     cfg = transformers.LlamaConfig(
-        vocab_size=32000,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=2048,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=positions,
         bos_token_id=1,
         eos_token_id=2,
     )
@@ -102,7 +95,7 @@ def _config(shape: str) -> transformers.PretrainedConfig:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--shape", choices=("qwen05", "llama60m", "moe1b", "tiny"), default="qwen05")
+    p.add_argument("--shape", choices=("qwen05", "moe1b", *LLAMA_SHAPES), default="qwen05")
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
