@@ -206,13 +206,17 @@ def zeros_kv(
     return [zeros[n]() for n in counts]
 
 
-def replicated_zeros(mesh: Mesh | None, like: np.ndarray) -> jax.Array:
-    """Zeros shaped as `like`, made on the devices (replicated on `mesh`; uncommitted on
-    one device, as the step programs' other arguments), with no transfer."""
+def no_prev_tokens(mesh: Mesh | None, rows: int, compile_only: bool) -> jax.Array | np.ndarray:
+    """A step's `prev_tokens` [rows] int32 when no step is in flight: zeros made on the
+    devices once (replicated on `mesh`; uncommitted on one device, as the step programs'
+    other arguments), not sent with every step; for a compile-only target, its shape
+    alone (numpy)."""
+    if compile_only:
+        return np.zeros(rows, np.int32)
     if mesh is None:
-        return jnp.zeros(like.shape, like.dtype)
+        return jnp.zeros(rows, jnp.int32)
     rep = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(lambda: jnp.zeros(like.shape, like.dtype), out_shardings=rep)()
+    return jax.jit(lambda: jnp.zeros(rows, jnp.int32), out_shardings=rep)()
 
 
 @functools.lru_cache(maxsize=8)

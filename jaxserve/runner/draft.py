@@ -177,9 +177,7 @@ class DraftRunner:
         )
         self.programs = StepPrograms.place(mesh, self.weights, self.kv_caches)
         # Its forward's `prev_tokens`: none (the target's steps carry the tokens in flight).
-        self.no_prev_tokens = np.zeros(shapes.max_rows, np.int32)
-        if compile_only is None:
-            self.no_prev_tokens = meshes.replicated_zeros(mesh, self.no_prev_tokens)
+        self.no_prev_tokens = meshes.no_prev_tokens(mesh, shapes.max_rows, compile_only is not None)
         self.propose_step = place_propose_step(mesh, self.weights, self.kv_caches)
         logger.info(
             "draft model %s (%s, %d layers): weights %.1f MiB, its KV %.1f MiB on the "

@@ -135,11 +135,8 @@ class ModelRunner:
         self.copy_buckets = kv_io.copy_buckets(self.shapes.max_seqs)
         self.token_buckets, self.row_buckets = self.shapes.token_buckets, self.shapes.row_buckets
         self.history_len = config.pages_per_seq * config.cache.page_size
-        # A step's `prev_tokens` when no step before it is in flight: made on the devices
-        # once, not sent with every step (a compile-only target's: its shape alone).
-        self.no_prev_tokens = np.zeros(self.shapes.max_rows, np.int32)
-        if target is None:
-            self.no_prev_tokens = meshes.replicated_zeros(mesh, self.no_prev_tokens)
+        # A step's `prev_tokens` when no step before it is in flight.
+        self.no_prev_tokens = meshes.no_prev_tokens(mesh, self.shapes.max_rows, target is not None)
         self.compiles = CompileCounter()  # its listeners removed by `close`
         self.closed = False
         # The draft model's KV arrays share the target's page tables (and pool).

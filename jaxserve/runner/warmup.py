@@ -39,7 +39,8 @@ def warm_up(
     with runner.on_mesh(), runner.on_target_device():
         for t in runner.token_buckets:
             for variant in variants:
-                lowered.append((f"forward T={t}{variant}", _lower_forward(runner, t, variant)))
+                program = runner.programs.forward.lower(*forward_args(runner, t, variant))
+                lowered.append((f"forward T={t}{variant}", program))
                 bar.update(1)
         # The LM head over each token bucket's rows, for prompt logprobs.
         forwards = dict(lowered)
@@ -121,10 +122,6 @@ def warm_up(
     return compiled
 
 
-def _lower_forward(runner, t: int, variant: str) -> jax.stages.Lowered:
-    return runner.programs.forward.lower(*forward_args(runner, t, variant))
-
-
 def forward_args(runner, t: int, variant: str = "") -> tuple:
     """Token bucket `t`'s forward arguments, the batch abstract; `variant` " lora": with
     every row's adapter slot (the steps where a token has an adapter; those without run
@@ -139,7 +136,4 @@ def forward_args(runner, t: int, variant: str = "") -> tuple:
 
 
 def abstract_tree(tree):
-    def abstract(x):
-        return jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", None) or np.asarray(x).dtype)
-
-    return jax.tree.map(abstract, tree)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
