@@ -55,7 +55,10 @@ class Layout:
     @classmethod
     def of(cls, tree: Any) -> Layout:
         """The layout of a tree of arrays (numpy, jax or ShapeDtypeStructs)."""
-        leaves, treedef = jax.tree.flatten(tree)
+        return cls._of(*jax.tree.flatten(tree))
+
+    @classmethod
+    def _of(cls, leaves: list, treedef: PyTreeDef) -> Layout:
         for x in leaves:
             dtype = np.dtype(x.dtype)
             if dtype != WORD and dtype not in _BITCAST and dtype != np.bool_:
@@ -74,11 +77,10 @@ class Packed:
 
 def pack(tree: Any) -> Packed:
     """Host side: numpy arrays -> one numpy buffer (a copy of each leaf, no more)."""
-    layout = Layout.of(tree)
+    leaves, treedef = jax.tree.flatten(tree)  # (once: a step packs twice)
+    layout = Layout._of(leaves, treedef)
     words = np.empty(layout.size, WORD)
-    for x, start, end in zip(
-        jax.tree.leaves(tree), layout.offsets[:-1], layout.offsets[1:], strict=True
-    ):
+    for x, start, end in zip(leaves, layout.offsets[:-1], layout.offsets[1:], strict=True):
         x = np.asarray(x)
         words[start:end] = x.reshape(-1).view(WORD) if x.dtype in _BITCAST else x.reshape(-1)
     return Packed(words, layout)
