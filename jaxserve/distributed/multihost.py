@@ -228,8 +228,17 @@ class Leader:
 
     def wait(self, arrays) -> None:
         """Waits until a step's arrays are computed: at most `step_timeout_s`, less if
-        a follower is lost meanwhile (the step never completes then)."""
-        if not _wait_ready(arrays, self.timeout, lambda: self.lost):
+        a follower is lost meanwhile (the step never completes then). A step whose
+        collective failed (a follower's connection dropped before its heartbeat went
+        silent) raises FollowerLostError once the heartbeat names the follower."""
+        try:
+            done = _wait_ready(arrays, self.timeout, lambda: self.lost)
+        except jax.errors.JaxRuntimeError as e:
+            lost = _within(self.timeout + 2 * self.heartbeat.interval, lambda: self.lost)
+            if lost is None:
+                raise  # not a lost follower: the step's own error
+            raise FollowerLostError(f"{lost}; the step failed: {e}") from e
+        if not done:
             self._error = FollowerLostError(
                 f"a step did not complete within step_timeout_s={self.timeout}s: "
                 f"{self._silent()} is dead or stalled"
@@ -290,7 +299,15 @@ class Follower:
 
     def wait(self, arrays) -> None:
         """Waits until a step's arrays are computed, at most `step_timeout_s`."""
-        if not _wait_ready(arrays, self.timeout, lambda: None):
+        try:
+            done = _wait_ready(arrays, self.timeout, lambda: None)
+        except jax.errors.JaxRuntimeError as e:  # a collective failed: the leader's?
+            wait_s = min(1.0, self.heartbeat.interval)
+            lost = _within(self.timeout + 2 * wait_s, lambda: self._leader_lost(wait_s))
+            if lost is None:
+                raise
+            raise lost from e
+        if not done:
             lost = self._leader_lost(min(1.0, self.heartbeat.interval))
             raise lost or LeaderLostError(
                 f"a step did not complete within step_timeout_s={self.timeout}s: the "
@@ -373,7 +390,8 @@ def _decode(plan: bytes) -> tuple[HostBatch, SamplingMetadata]:
 def _wait_ready(tree, timeout: float, lost: Callable[[], BaseException | None]) -> bool:
     """Waits until every array of `tree` is computed; False if `timeout` seconds
     pass first (a step whose collectives a lost peer never joins never completes).
-    Raises `lost()` as soon as it is not None."""
+    Raises `lost()` as soon as it is not None, and a step's error (JaxRuntimeError:
+    a collective fails at once when a peer's connection drops)."""
     deadline = time.monotonic() + timeout
     leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
     while not all(x.is_ready() for x in leaves):
@@ -382,4 +400,13 @@ def _wait_ready(tree, timeout: float, lost: Callable[[], BaseException | None]) 
         if time.monotonic() > deadline:
             return False
         time.sleep(0.0005)
+    jax.block_until_ready(leaves)  # computed, or failed: raises the step's error
     return True
+
+
+def _within(timeout: float, lost: Callable[[], BaseException | None]) -> BaseException | None:
+    """`lost()` once it is not None, or None if `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while (error := lost()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return error

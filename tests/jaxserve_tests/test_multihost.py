@@ -347,3 +347,29 @@ def test_a_silent_follower_is_lost_and_named_and_no_plan_goes_out():
         leader.send(*_plan())
     assert not [k for k in store.values if "/plan/" in k]
     leader.heartbeat.stop()
+
+
+@pytest.mark.parametrize("follower_dies", [True, False])
+def test_a_step_whose_collective_failed_names_the_lost_follower(monkeypatch, follower_dies):
+    """A collective fails as soon as a dead follower's connection drops, before its
+    heartbeat goes silent (CI saw 'Gloo collective permute failed: Connection reset by
+    peer' reach the client). The leader names the follower once its heartbeat is
+    silent; a step that failed with every follower alive raises its own error."""
+    collective = jax.errors.JaxRuntimeError("UNKNOWN: Gloo collective permute failed")
+
+    def failed_step(*_):
+        raise collective
+
+    monkeypatch.setattr(multihost, "_wait_ready", failed_step)
+    _, leader, follower = _pair(timeout=0.4)
+    if follower_dies:
+        follower.heartbeat.stop()
+        with pytest.raises(multihost.FollowerLostError, match="follower process 1") as e:
+            leader.wait([])
+        assert "Gloo collective permute failed" in str(e.value)
+    else:
+        with pytest.raises(jax.errors.JaxRuntimeError) as e:
+            leader.wait([])
+        assert e.value is collective
+        follower.heartbeat.stop()
+    leader.heartbeat.stop()
