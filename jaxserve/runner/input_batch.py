@@ -149,6 +149,47 @@ class HostBatch:
     copies: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 2), np.int32))
 
 
+class PageRows:
+    """Each running sequence's page table as a numpy row, kept across steps and
+    brought up to date from what may have changed, so that building a step costs what
+    changed and not the context's length (a 32k-token sequence has 2,048 pages).
+
+    A row is found by its page list's identity (the scheduler replaces the list when
+    it gives a sequence other pages: a prefix-cache hit, a fork, a preemption). In the
+    same list, pages only change where the step writes: appended pages, and
+    copy-on-write's copies of shared pages from the first written token on. A row
+    unused by a step is dropped (a sequence not scheduled rebuilds its row when it is).
+    """
+
+    def __init__(self, pages_per_seq: int):
+        self.width = pages_per_seq
+        # id(pages) -> (pages: held, so that the id is not reused; row; entries synced)
+        self._rows: dict[int, tuple[Sequence[int], np.ndarray, int]] = {}
+        self._used: dict[int, tuple[Sequence[int], np.ndarray, int]] = {}
+
+    def row(self, pages: Sequence[int], first_written: int) -> np.ndarray:
+        """`pages` as an int32 row of `width` entries (past them: the null page), given
+        that entries before index `first_written` did not change since the last step."""
+        key = id(pages)
+        entry = self._rows.get(key) or self._used.get(key)
+        if entry is None or entry[0] is not pages:
+            row, synced = np.full(self.width, NULL_PAGE, np.int32), 0
+        else:
+            _, row, synced = entry
+        n = len(pages)
+        lo = min(synced, first_written, n)
+        if lo < n:
+            row[lo:n] = pages[lo:n]
+        if n < synced:  # (never in a list the scheduler keeps; a caller's own list)
+            row[n:synced] = NULL_PAGE
+        self._used[key] = (pages, row, n)
+        return row
+
+    def end_step(self) -> None:
+        """Keeps the rows this step used, drops the others."""
+        self._rows, self._used = self._used, {}
+
+
 def build_batch(
     work: Sequence[SeqWork],
     *,
@@ -160,13 +201,15 @@ def build_batch(
     all_logits: bool = False,
     num_groups: int = 1,
     copies: Sequence[tuple[int, int]] = (),
+    page_rows: PageRows | None = None,
 ) -> HostBatch:
     """Packs `work` into padded arrays (`num_groups`: the KV cache's layer groups, each
     with its page table and slot mapping); `copies` (copy-on-write page pairs) go along.
 
     `logits_indices` [num_rows] (default: seq_bucket) selects each sequence's last
     `num_samples` tokens, in order (what sampling needs), or with `all_logits`
-    every token of the bucket (tests).
+    every token of the bucket (tests). `page_rows` keeps the page tables' rows from
+    step to step (the runner's); without it each row is built from its list.
     """
     num_tokens = sum(len(w.token_ids) for w in work)
     if num_tokens > token_bucket:
@@ -208,20 +251,30 @@ def build_batch(
                 f"sequence {b} has tables for {len(w.group_pages)} more layer groups, "
                 f"the batch {extra}"
             )
-        pages = np.asarray(w.pages, np.int32)
-        pos = np.arange(w.start, end, dtype=np.int32)
-        input_ids[t : t + n] = w.token_ids
+        if page_rows is not None:
+            page_indices[b] = pages = page_rows.row(w.pages, w.start // page_size)
+        else:
+            pages = np.asarray(w.pages, np.int32)
+            page_indices[b, : len(pages)] = pages
+        if n == 1:  # a decode step's row: scalars (small numpy ops cost more)
+            input_ids[t] = w.token_ids[0]
+            positions[t] = w.start
+            slot_mapping[t] = pages[w.start // page_size] * page_size + w.start % page_size
+        else:
+            pos = np.arange(w.start, end, dtype=np.int32)
+            input_ids[t : t + n] = w.token_ids
+            positions[t : t + n] = pos
+            slot_mapping[t : t + n] = pages[pos // page_size] * page_size + pos % page_size
         if len(w.prompt_targets):
             prompt_targets[t : t + n] = w.prompt_targets
         if w.prev_row >= 0:  # the step reads the token on the device
             input_ids[t + n - 1] = 0
             prev_rows[t + n - 1] = w.prev_row
-        positions[t : t + n] = pos
-        lora_slots[t:] = w.lora_slot  # (the padding after the last sequence too)
-        slot_mapping[t : t + n] = pages[pos // page_size] * page_size + pos % page_size
+        if w.lora_slot:
+            lora_slots[t:] = w.lora_slot  # (the padding after the last sequence too)
         kv_lens[b] = end
-        page_indices[b, : len(pages)] = pages
         for g in range(extra):
+            pos = np.arange(w.start, end, dtype=np.int32)
             table = np.asarray(w.group_pages[g] if w.group_pages else w.pages, np.int32)
             group_slots[g, t : t + n] = table[pos // page_size] * page_size + pos % page_size
             group_tables[g, b, : len(table)] = table
@@ -235,6 +288,8 @@ def build_batch(
         logits_indices[r : r + w.num_samples] = np.arange(t - w.num_samples, t)
         r += w.num_samples
     cu_q_lens[len(work) + 1 :] = t
+    if page_rows is not None:
+        page_rows.end_step()
     if not lora_slots.any():
         lora_slots = lora_slots[:0]
     if all_logits:

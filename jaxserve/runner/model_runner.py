@@ -21,6 +21,7 @@ from jaxserve.runner.compile_counter import CompileCounter
 from jaxserve.runner.draft import DraftRunner, load_draft
 from jaxserve.runner.input_batch import (
     HostBatch,
+    PageRows,
     SampleRow,
     SamplingMetadata,
     SeqWork,
@@ -153,6 +154,7 @@ class ModelRunner:
             )
         self._plan_sink = plan_sink
         self._step_wait = step_wait
+        self._page_rows = PageRows(config.pages_per_seq)  # the page tables' rows, kept
         self.warmed_up = False
         self.warmup_seconds = 0.0
         self.warmup_cache_hits = 0  # of its programs, loaded from the persistent cache
@@ -285,6 +287,7 @@ class ModelRunner:
             all_logits=all_logits,
             num_groups=len(self.group_pages),
             copies=copies,
+            page_rows=self._page_rows,
         )
 
     def build_sampling(

@@ -1,9 +1,17 @@
 """Packing ragged work into fixed-shape arrays."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from jaxserve.runner.input_batch import SeqWork, build_batch, pick_bucket, pow2_buckets
+from jaxserve.runner.input_batch import (
+    PageRows,
+    SeqWork,
+    build_batch,
+    pick_bucket,
+    pow2_buckets,
+)
 
 
 def test_buckets():
@@ -60,3 +68,41 @@ def test_step_shapes_give_a_lone_speculating_sequence_its_own_bucket():
     # 16 sequences, 8 of them with 4 drafts: 48 rows at most
     assert spec.row_buckets == (1, 2, 4, 5, 8, 16, 32, 64)
     assert spec.max_rows == 64 and spec.max_seqs == 16
+
+
+def test_kept_page_rows_build_the_same_steps_as_rows_built_from_the_lists():
+    """The runner keeps each sequence's page-table row from step to step and brings
+    it up to date from what the scheduler may change (appended pages, copy-on-write
+    from the first written token on, a list replaced by a prefix hit, a fork or a
+    preemption; a sequence skipping steps). Every step equals one built from scratch."""
+    rng = np.random.default_rng(0)
+    page, width, kw = 4, 12, dict(page_size=4, pages_per_seq=12, token_bucket=64, seq_bucket=8)
+    rows = PageRows(width)
+    seqs = [{"pages": [], "done": 0} for _ in range(6)]
+    fresh = iter(range(1, 10_000))
+    for _ in range(300):
+        work = []
+        for s in seqs:
+            if rng.random() < 0.2:  # not scheduled this step
+                continue
+            if rng.random() < 0.05 or s["done"] + 8 > width * page:  # replaced: hit/preempted
+                s["done"] = int(rng.integers(0, 9))
+                s["pages"] = [next(fresh) for _ in range(-(-s["done"] // page))]
+            n = int(rng.integers(1, 5)) if rng.random() < 0.3 else 1
+            end = s["done"] + n
+            pages = s["pages"]
+            first = s["done"] // page
+            if pages and first < len(pages) and rng.random() < 0.3:  # copy-on-write
+                pages[first] = next(fresh)
+            pages.extend(next(fresh) for _ in range(-(-end // page) - len(pages)))
+            work.append(SeqWork(list(range(n)), s["done"], pages))
+            # speculation may take some back: the next step starts earlier, same pages
+            s["done"] = end - int(rng.integers(0, n)) if n > 1 else end
+        if not work:
+            continue
+        kept = build_batch(work, page_rows=rows, **kw)
+        built = build_batch(work, **kw)
+        for field in dataclasses.fields(built):
+            want, got = getattr(built, field.name), getattr(kept, field.name)
+            np.testing.assert_array_equal(got, want, err_msg=field.name)
+    assert len(rows._rows) <= len(seqs)  # rows of sequences gone are dropped
