@@ -421,20 +421,34 @@ def build_sampling(
     num_prompt = np.zeros(b, np.int32)
     draft = np.full(b, -1, np.int32)
     beam = np.zeros(b, np.float32)
-    want_logprobs = False
     columns = (temperature, top_k, top_p, min_p, presence, frequency, repetition, seed)
     columns += (position, bias_ids, bias_values, allowed, masked, history, num_prompt, draft)
     columns += (beam,)
     neutral = [c[-1].copy() for c in columns] if b else []  # (every row starts neutral)
-    for i, row in enumerate(rows):
-        try:
-            want_logprobs |= _pack_row(i, row, columns, max_bias=max_bias, vocab_size=vocab_size)
-        except Exception as e:
-            if errors is None:
-                raise
-            errors[i] = e
-            for c, value in zip(columns, neutral, strict=True):
-                c[i] = value
+
+    def fail(i: int, e: Exception) -> None:
+        if errors is None:
+            raise e
+        errors[i] = e
+        for c, value in zip(columns, neutral, strict=True):
+            c[i] = value
+
+    try:  # every row's plain settings, a column at a time
+        _pack_columns(rows, columns, vocab_size)
+    except Exception:  # a value that an array cannot hold: find its row
+        for i, row in enumerate(rows):
+            try:
+                _pack_columns([row], [c[i : i + 1] for c in columns], vocab_size)
+            except Exception as e:
+                fail(i, e)
+    for i, row in enumerate(rows):  # what only some rows have, row by row
+        p = row.params
+        if p.logit_bias or row.grammar is not None or row.blocked_ids or wants_history(p):
+            try:
+                _pack_row(i, row, columns, max_bias=max_bias, vocab_size=vocab_size)
+            except Exception as e:
+                fail(i, e)
+    want_logprobs = any(row.params.logprobs is not None for row in rows)
     return SamplingMetadata(
         temperature=temperature,
         top_k=top_k,
@@ -457,20 +471,34 @@ def build_sampling(
     )
 
 
-def _pack_row(i: int, row: SampleRow, columns, *, max_bias: int, vocab_size: int) -> bool:
-    """Writes row `i`'s settings into `columns` (`build_sampling`'s arrays, in its
-    order); returns whether the row wants logprobs."""
+def _pack_columns(rows: Sequence[SampleRow], columns, vocab_size: int) -> None:
+    """Writes the rows' plain settings (those every row has) into the first len(rows)
+    entries of `columns` (`build_sampling`'s arrays, in its order)."""
+    n = len(rows)
+    if not n:
+        return
+    ps = [row.params for row in rows]
     (temperature, top_k, top_p, min_p, presence, frequency, repetition, seed) = columns[:8]
-    (position, bias_ids, bias_values, allowed, masked, history, num_prompt, draft) = columns[8:16]
-    columns[16][i] = row.beam
-    p = row.params
+    position, draft, beam = columns[8], columns[15], columns[16]
+    temperature[:n] = [p.temperature for p in ps]
     # top_k past the vocabulary keeps all of it (and may not fit an int32)
-    temperature[i], top_k[i] = p.temperature, min(p.top_k, vocab_size)
-    top_p[i], min_p[i] = p.top_p, p.min_p
-    presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
-    repetition[i] = p.repetition_penalty
-    seed[i] = row.seed & 0xFFFFFFFF
-    position[i] = row.length - row.num_prompt
+    top_k[:n] = [min(p.top_k, vocab_size) for p in ps]
+    top_p[:n] = [p.top_p for p in ps]
+    min_p[:n] = [p.min_p for p in ps]
+    presence[:n] = [p.presence_penalty for p in ps]
+    frequency[:n] = [p.frequency_penalty for p in ps]
+    repetition[:n] = [p.repetition_penalty for p in ps]
+    seed[:n] = [row.seed & 0xFFFFFFFF for row in rows]
+    position[:n] = [row.length - row.num_prompt for row in rows]
+    draft[:n] = [row.draft for row in rows]
+    beam[:n] = [row.beam for row in rows]
+
+
+def _pack_row(i: int, row: SampleRow, columns, *, max_bias: int, vocab_size: int) -> None:
+    """Writes what only some rows have into row `i` of `columns`: the logit bias, the
+    bitmask (a grammar's, min_tokens' blocked ids) and the penalties' history."""
+    bias_ids, bias_values, allowed, masked, history, num_prompt = columns[9:15]
+    p = row.params
     bias = p.logit_bias or {}
     if len(bias) > max_bias:
         raise ValueError(f"logit_bias has {len(bias)} entries; the cap is {max_bias}")
@@ -490,5 +518,3 @@ def _pack_row(i: int, row: SampleRow, columns, *, max_bias: int, vocab_size: int
         history[i, :n] = row.token_ids
         history[i, n : row.length] = row.more_ids
         num_prompt[i] = row.num_prompt
-    draft[i] = row.draft
-    return p.logprobs is not None
