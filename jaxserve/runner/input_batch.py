@@ -330,10 +330,13 @@ class SamplingMetadata:
     position: np.ndarray  # i32: index of the output token being sampled
     bias_ids: np.ndarray  # [B, NB] i32: logit_bias token ids (NB = max_logit_bias)
     bias_values: np.ndarray  # [B, NB] f32: added to those logits
-    allowed: np.ndarray  # [B, ceil(V / 32)] u32 bitmask: bit v of a row clear = v blocked
+    # [B, ceil(V / 32)] u32 bitmask: bit v of a row clear = v blocked; [B, 0] in a
+    # plain batch (`build_sampling`), whose rows block nothing.
+    allowed: np.ndarray
     masked: np.ndarray  # [B] bool: the row blocks some token (min_tokens, a grammar)
     # [B, L] i32: prompt + output ids for penalties, -1 = none; an id -2 - r (<= -2)
-    # is a token not yet on the host: row r of the previous step's sampled ids.
+    # is a token not yet on the host: row r of the previous step's sampled ids. [B, 1]
+    # in a plain batch.
     history: np.ndarray
     num_prompt: np.ndarray  # i32: how many of `history` are prompt tokens
     draft: np.ndarray  # i32: the proposed token each row verifies; -1 = none
@@ -371,6 +374,12 @@ def wants_history(p: SamplingParams) -> bool:
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
 
+def needs_full(row: SampleRow) -> bool:
+    """The row needs a full batch: a penalty history, or a bitmask (a grammar,
+    min_tokens' blocked ids)."""
+    return row.grammar is not None or bool(row.blocked_ids) or wants_history(row.params)
+
+
 def mask_words(vocab_size: int) -> int:
     """32-bit words of a row of the allowed-token bitmask."""
     return -(-vocab_size // 32)
@@ -383,13 +392,15 @@ def build_sampling(
     history_len: int,
     max_bias: int,
     vocab_size: int,
-    with_history: bool | None = None,
+    full: bool | None = None,
     errors: dict[int, Exception] | None = None,
 ) -> SamplingMetadata:
-    """Packs the rows' settings. The token history for penalties is [B, history_len]
-    only when some row needs it (or `with_history`), else [B, 1]: a batch without
-    penalties neither fills nor transfers it. Two widths, so two sampling programs
-    per sequence bucket.
+    """Packs the rows' settings. A full batch (`full`; default: when some row
+    `needs_full`) has the penalties' token history [B, history_len] and the
+    allowed-token bitmask [B, ceil(V / 32)]; a plain one has [B, 1] and [B, 0]: a
+    batch without penalties, grammars or min_tokens neither fills nor transfers
+    O(context) or O(vocabulary) per row (4.8 MB a step for 256 rows of a 150k
+    vocabulary). Two kinds, so two sampling programs per sequence bucket.
 
     Blocked tokens (EOS and stop ids under min_tokens) go into a fixed-shape
     bitmask of the whole vocabulary, so a request may block any number of them
@@ -402,8 +413,8 @@ def build_sampling(
     the other rows runs, and the engine fails that row's request alone.
     """
     b = seq_bucket
-    if with_history is None:
-        with_history = any(wants_history(row.params) for row in rows)
+    if full is None:
+        full = any(needs_full(row) for row in rows)
     temperature = np.zeros(b, np.float32)
     top_k = np.zeros(b, np.int32)
     top_p = np.ones(b, np.float32)
@@ -415,9 +426,9 @@ def build_sampling(
     position = np.zeros(b, np.int32)
     bias_ids = np.zeros((b, max_bias), np.int32)
     bias_values = np.zeros((b, max_bias), np.float32)
-    allowed = np.full((b, mask_words(vocab_size)), 0xFFFFFFFF, np.uint32)
+    allowed = np.full((b, mask_words(vocab_size) if full else 0), 0xFFFFFFFF, np.uint32)
     masked = np.zeros(b, np.bool_)
-    history = np.full((b, history_len if with_history else 1), -1, np.int32)
+    history = np.full((b, history_len if full else 1), -1, np.int32)
     num_prompt = np.zeros(b, np.int32)
     draft = np.full(b, -1, np.int32)
     beam = np.zeros(b, np.float32)
@@ -442,8 +453,7 @@ def build_sampling(
             except Exception as e:
                 fail(i, e)
     for i, row in enumerate(rows):  # what only some rows have, row by row
-        p = row.params
-        if p.logit_bias or row.grammar is not None or row.blocked_ids or wants_history(p):
+        if row.params.logit_bias or needs_full(row):
             try:
                 _pack_row(i, row, columns, max_bias=max_bias, vocab_size=vocab_size)
             except Exception as e:

@@ -294,7 +294,7 @@ class ModelRunner:
         self,
         rows: list[SampleRow],
         row_bucket: int,
-        with_history: bool | None = None,
+        full: bool | None = None,
         errors: dict[int, Exception] | None = None,
     ) -> SamplingMetadata:
         """`input_batch.build_sampling` for this model; `errors` collects the rows
@@ -305,7 +305,7 @@ class ModelRunner:
             history_len=self.history_len,
             max_bias=self.config.max_logit_bias,
             vocab_size=self.config.model.vocab_size,
-            with_history=with_history,
+            full=full,
             errors=errors,
         )
 
@@ -405,16 +405,16 @@ class ModelRunner:
     ) -> dict[str, jax.stages.Compiled]:
         """Compiles every program a serving step can need, ahead of time and without
         running them: the forward pass and the prompt logprobs for each token bucket,
-        and sampling for each row bucket (with and without the penalty history), plus
-        the (name, program) pairs `extra(abstract)` lowers (the draft model's, the KV
-        pages' transfers).
+        and sampling for each row bucket (plain, and full: with the penalty history and
+        the bitmask), plus the (name, program) pairs `extra(abstract)` lowers (the
+        draft model's, the KV pages' transfers).
         The batches are abstract (shapes only), so warm-up computes nothing; the
         programs land in the jit caches (and the persistent compilation cache) that
         steps then use. Tracing is Python and goes one program at a time; XLA
         compiles (or loads from the persistent cache) on a few threads.
 
         Returns the compiled programs by name ('forward T=64', 'sample B=8',
-        'sample+history B=8', ...). For a compile-only target (`target=`), the same
+        'sample+full B=8', ...). For a compile-only target (`target=`), the same
         programs, traced and compiled for its devices."""
         return warmup.warm_up(self, extra)
 

@@ -211,7 +211,8 @@ def _process_and_sample(logits, md: SamplingMetadata, keep: bool = False):
     Returns (tokens, accepted), and with `keep` (static: processed logprobs) each
     row's processed logits [B, V] (the module docstring says which)."""
     x = lax.cond(jnp.any(md.bias_values != 0.0), _apply_bias, lambda x, md: x, logits, md)
-    x = lax.cond(jnp.any(md.masked), _apply_mask, lambda x, md: x, x, md)
+    if md.allowed.shape[1]:  # (a plain batch has no bitmask: no row blocks a token)
+        x = lax.cond(jnp.any(md.masked), _apply_mask, lambda x, md: x, x, md)
     x = lax.cond(jnp.any(_penalized(md)), _apply_penalties, lambda x, md: x, x, md)
 
     # Greedy rows need none of the rest: min-p, top-k and top-p never remove the argmax.

@@ -55,12 +55,12 @@ def warm_up(
         selected = lowered[0][1].out_info[0]  # [R, D] whatever the token bucket
         no_prev = runner.no_prev_tokens  # (as it is: its placement is part of the jit key)
         for b in runner.row_buckets:
-            for history in (False, True):
-                sampling = abstract_tree(pack(runner.build_sampling([], b, with_history=history)))
+            for full in (False, True):
+                sampling = abstract_tree(pack(runner.build_sampling([], b, full=full)))
                 program = runner.programs.sample_step.lower(
                     runner.model_def, runner.weights, selected, sampling, no_prev
                 )
-                lowered.append((f"sample{'+history' if history else ''} B={b}", program))
+                lowered.append((f"sample{'+full' if full else ''} B={b}", program))
                 bar.update(1)
         # Copy-on-write's page copies (forked sequences: n > 1 samples, beams).
         copies = kv_io.lower_copies(runner.kv_caches, runner.copy_buckets)

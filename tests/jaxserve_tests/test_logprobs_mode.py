@@ -355,7 +355,7 @@ def test_processed_mode_compiles_the_same_programs_and_nothing_after_warm_up(mon
             [f"forward T={t}" for t in tokens]
             + [f"prompt logprobs T={t}" for t in tokens]
             + [f"sample B={b}" for b in rows]
-            + [f"sample+history B={b}" for b in rows]
+            + [f"sample+full B={b}" for b in rows]
             + [f"kv copy n={n}" for n in runner.copy_buckets]
         )
         compiled = runner.compiles.count

@@ -242,7 +242,7 @@ class FakeStore:
             del self.values[key]
 
 
-def _plan(vocab_size=5000, penalty=0.5):
+def _plan(vocab_size=5000, penalty=0.5, blocked=(2, 4999)):
     """A step's plan with one row that blocks tokens and has a penalty (so `allowed`
     and `history` each hold one row that differs from their fill)."""
     work = [SeqWork(token_ids=[5, 6, 7], start=0, pages=[1])]
@@ -254,7 +254,7 @@ def _plan(vocab_size=5000, penalty=0.5):
             [4, 5, 6],
             num_prompt=2,
             seed=3,
-            blocked_ids=(2, 4999),
+            blocked_ids=blocked,
         ),
     ]
     sampling = build_sampling(
@@ -276,8 +276,9 @@ def test_a_plan_round_trips_sending_only_what_differs_from_the_fill():
     full = sum(a.nbytes for a in _arrays(batch, sampling))
     # `allowed` [4, 157] words and `history` [4, 512] ids: one row of each is sent.
     assert len(plan) < full / 3, (len(plan), full)
-    # Without penalties the history is a [B, 1] placeholder.
-    assert multihost._decode(multihost._encode(*_plan(penalty=0.0)))[1].history.shape == (4, 1)
+    # A plain batch (no penalty, no blocked id): a [B, 1] history and a [B, 0] bitmask.
+    plain = multihost._decode(multihost._encode(*_plan(penalty=0.0, blocked=())))[1]
+    assert plain.history.shape == (4, 1) and plain.allowed.shape == (4, 0)
 
 
 def test_a_plans_page_copies_reach_the_followers():

@@ -194,13 +194,23 @@ def test_no_nan_at_extreme_settings():
     assert out.token_ids.tolist() == [0, 0]
 
 
-def test_penalty_history_is_only_sent_when_needed():
+def test_penalty_history_and_bitmask_are_only_sent_when_needed():
+    """A plain batch holds neither the penalties' history (O(context) a row) nor the
+    bitmask (O(vocabulary) a row); a row with a penalty, a grammar or min_tokens'
+    blocked ids makes the batch full, and the sampler applies what it holds."""
     kw = dict(seq_bucket=2, history_len=64, max_bias=4, vocab_size=V)
-    plain = build_sampling([row(temperature=0.5)], **kw)
-    assert plain.history.shape == (2, 1)
+    plain = build_sampling([row(temperature=0.5, logit_bias={3: 1.0})], **kw)
+    assert plain.history.shape == (2, 1) and plain.allowed.shape == (2, 0)
     penalized = build_sampling([row(repetition_penalty=1.2), row()], **kw)
-    assert penalized.history.shape == (2, 64)
+    assert penalized.history.shape == (2, 64) and penalized.allowed.shape == (2, -(-V // 32))
     assert penalized.history[0, :3].tolist() == [1, 2, 3] and penalized.history[1, 0] == -1
+    blocked = row(temperature=0.0, blocked=(5,))
+    full = build_sampling([blocked], **kw)
+    assert full.history.shape == (2, 64) and full.masked.tolist() == [True, False]
+    logits = np.zeros((2, V), np.float32)
+    logits[:, 5] = 9.0
+    assert run(logits, [blocked, row(temperature=0.0)]).token_ids.tolist() == [0, 5]
+    assert run(logits, [row(temperature=0.0)] * 2).token_ids.tolist() == [5, 5]  # (plain)
 
 
 def test_argmax_matches_jnp_argmax_with_ties_and_masked_rows():
