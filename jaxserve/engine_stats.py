@@ -29,7 +29,7 @@ class StatsSnapshot:
     steps: int = 0
     host_seconds: float = 0.0  # scheduling, input building, output processing
     device_seconds: float = 0.0  # waiting for the device (host bookkeeping overlapped)
-    peak_kv_pages: int = 0  # most pages ever held by running sequences at once
+    peak_kv_pages: int = 0  # most pages in use at once (a shared page counted once)
     kv_waste_at_peak: float = 0.0  # of those pages' slots, the fraction holding no token
     # Speculative decoding (vLLM's spec_decode_* counters).
     spec_decode_num_drafts: int = 0  # sequence-steps that verified drafts
@@ -103,21 +103,31 @@ class EngineStats:
         self.requests_added += 1
 
     def on_step(
-        self, plan, num_sampled: int, running: Sequence, *, host_s: float, device_s: float
+        self,
+        plan,
+        num_sampled: int,
+        running: Sequence,
+        pages_in_use: int,
+        *,
+        host_s: float,
+        device_s: float,
     ) -> None:
-        """Counts one step; `running` are the scheduler's running sequences after it."""
+        """Counts one step; `running` are the scheduler's running sequences after it,
+        `pages_in_use` the pages the pool has given out (each once, however many
+        sequences share it: beams, forks, prefix hits)."""
         decode = sum(s.num_tokens for s in plan.scheduled if s.start >= s.seq.num_prompt_tokens)
         self.prompt_tokens += plan.num_tokens - decode
         self.generation_tokens += num_sampled
         self.steps += 1
         self.host_seconds += host_s
         self.device_seconds += device_s
-        pages = sum(len(s.pages) for s in running)
+        pages = pages_in_use
         if pages and pages >= self.peak_kv_pages:  # the latest step at the peak: fullest pages
             self.peak_kv_pages = pages
-            self.kv_waste_at_peak = 1.0 - sum(s.num_computed for s in running) / (
-                pages * self.page_size
-            )
+            # Slots holding no token: the tail of each sequence's last page, and pages
+            # given ahead (a page shared by several holds its tokens once).
+            empty = sum(len(s.pages) * self.page_size - s.num_computed for s in running)
+            self.kv_waste_at_peak = min(1.0, max(0.0, empty / (pages * self.page_size)))
 
     def on_spec(self, num_draft: int, num_accepted: int) -> None:
         """One sequence verified `num_draft` drafts and accepted the first `num_accepted`."""

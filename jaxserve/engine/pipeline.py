@@ -225,6 +225,7 @@ class StepPipeline:
             step.plan,
             generated,
             self.scheduler.running,
+            self.pool.capacity - self.pool.num_free,
             host_s=(t1 - t0) + (t3 - t2),
             device_s=t2 - t1,
         )

@@ -204,6 +204,11 @@ def test_k_beams_hold_one_copy_of_a_long_prompt(k):
     run(engine, {"b": (prompt, BeamSearchParams(beam_width=k, max_tokens=new))}, each_step=count)
     assert held and max(held) <= prompt_pages + k * tail
     assert max(held) < 2 * prompt_pages  # (k copies would be k * 63 pages)
+    # The engine's peak counts each page once, as the pool gives them out (it summed
+    # the beams' tables: 4 beams over 952 tokens reported 244 pages for ~70 held).
+    stats = engine.stats()
+    assert max(held) <= stats.peak_kv_pages <= prompt_pages + k * tail, stats.peak_kv_pages
+    assert 0.0 <= stats.kv_waste_at_peak < 0.5
 
 
 def test_the_kv_tier_and_page_export_with_shared_pages():
