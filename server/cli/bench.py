@@ -15,8 +15,9 @@ API, at a Poisson rate or a fixed concurrency. Both report request and token
 throughput and per-request TTFT, TPOT (time per output token after the first),
 inter-token latency and end-to-end latency (mean, median, p90, p99), plus the
 engine's own figures: host overhead per step, KV waste at peak, preemptions and
-the prefix-cache hit rate. Results go to a JSON file and a PNG of latency CDFs,
-and a table to the terminal.
+the prefix-cache hit rate. Results go to a JSON file and a table to the terminal,
+then a PNG of latency CDFs if matplotlib is installed (the `bench` extra:
+`pip install -e '.[bench]'`; without it one line says the plot was skipped).
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ flags.DEFINE_float("request_rate", float("inf"), "serving: Poisson arrival rate 
 flags.DEFINE_integer("max_concurrency", None, "serving: most requests in flight.")
 flags.DEFINE_string("goodput", None, "SLOs in ms, e.g. ttft:500,tpot:100,e2e:5000.")
 flags.DEFINE_string("output_json", "bench_result.json", "Where the results go.")
-flags.DEFINE_string("output_png", "bench_result.png", "Latency CDF plot ('' for none).")
+flags.DEFINE_string(
+    "output_png", "bench_result.png", "Latency CDF plot ('' for none; needs matplotlib)."
+)
 
 
 def _workload(vocab: int, max_len: int) -> list[workloads.BenchRequest]:
@@ -444,15 +447,15 @@ def main(argv) -> None:
             asyn["output_tokens_per_s"] / sync["output_tokens_per_s"]
         )
     report.save_json(FLAGS.output_json, result)
-    if FLAGS.output_png:
-        runs_series = {
-            name: {k.upper(): lat[k] for k in ("ttft", "tpot", "e2e")}
-            for name, lat in latencies.items()
-        }
-        report.plot_latency_cdfs(
-            FLAGS.output_png, runs_series, f"jaxserve {FLAGS.mode} / {FLAGS.workload}"
-        )
-    for name, r in runs.items():
+    _print_tables(result)
+    # The plot comes last: matplotlib is an extra ([bench]); without it the tables
+    # above are the report.
+    plotted = bool(FLAGS.output_png) and _plot(FLAGS.output_png, latencies)
+    print(f"\nresults: {FLAGS.output_json}" + (f", plot: {FLAGS.output_png}" if plotted else ""))
+
+
+def _print_tables(result: dict) -> None:
+    for name, r in result["runs"].items():
         rows = [
             ("requests/s", f"{r['request_throughput']:.2f}"),
             ("input tokens/s", f"{r['input_tokens_per_s']:.1f}"),
@@ -481,7 +484,18 @@ def main(argv) -> None:
     if "output_throughput_ratio_async_over_sync" in result:
         ratio = result["output_throughput_ratio_async_over_sync"]
         print(f"\noutput tokens/s, async / sync scheduling: {ratio:.3f}x")
-    print(
-        f"\nresults: {FLAGS.output_json}"
-        + (f", plot: {FLAGS.output_png}" if FLAGS.output_png else "")
-    )
+
+
+def _plot(path: str, latencies: dict) -> bool:
+    """Writes the latency CDFs to `path`; False, saying so in one line, without matplotlib."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("\nplot skipped: matplotlib is not installed (pip install -e '.[bench]' adds it)")
+        return False
+    runs_series = {
+        name: {k.upper(): lat[k] for k in ("ttft", "tpot", "e2e")}
+        for name, lat in latencies.items()
+    }
+    report.plot_latency_cdfs(path, runs_series, f"jaxserve {FLAGS.mode} / {FLAGS.workload}")
+    return True

@@ -1,8 +1,11 @@
 """`jaxserve bench`: workloads, statistics, and both modes end to end on a tiny model."""
 
 import json
+import os
+import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -52,6 +55,48 @@ def test_summarize():
     s = report.summarize([0.001 * i for i in range(1, 101)])
     assert s["median"] == pytest.approx(50.5) and s["p99"] == pytest.approx(99.01)
     assert report.summarize([]) == {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+
+
+def test_bench_without_matplotlib_prints_its_tables_and_skips_the_plot(tmp_path):
+    """matplotlib is in the `bench` extra only: a plain install's bench used to end its
+    run in a ModuleNotFoundError traceback, before the table was printed."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['matplotlib'] = None\n")
+    path = [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "server.cli.main", "bench", "--model=demo-model-tiny"]
+        + ["--mode=offline", "--num_requests=4", "--input_len=16", "--output_len=4"]
+        + ["--max_model_len=64", "--max_num_batched_tokens=64", "--max_num_seqs=4"]
+        + ["--block_size=8", "--warmup=false", "--compilation_cache_dir="]
+        + [f"--output_json={out}", f"--output_png={png}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "requests/s" in proc.stdout and "TTFT mean/median/p90/p99" in proc.stdout
+    skipped = [line for line in proc.stdout.splitlines() if "plot skipped" in line]
+    assert len(skipped) == 1 and "pip install -e '.[bench]'" in skipped[0], proc.stdout
+    assert proc.stdout.index("requests/s") < proc.stdout.index("plot skipped")
+    assert json.loads(out.read_text())["runs"]["run"]["requests"] == 4
+    assert not png.exists() and f"plot: {png}" not in proc.stdout
+
+
+def test_the_http_bench_client_is_an_install_dependency():
+    """`jaxserve bench --target_protocol=http` crashed on a plain install: httpx was only
+    in the `bench` extra. It is small and pure Python; matplotlib, heavy, stays optional."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    names = {re.match(r"[A-Za-z0-9_.-]+", d).group().lower() for d in project["dependencies"]}
+    assert "httpx" in names
+    assert (
+        "matplotlib" not in names and "matplotlib>=3.8" in project["optional-dependencies"]["bench"]
+    )
 
 
 def _bench(tmp_path, *args):
