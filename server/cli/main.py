@@ -1,12 +1,15 @@
 """`jaxserve <command> [--flags]`: dispatches to a command module.
 
 Each command module defines its own absl flags; only the chosen one is imported,
-so commands never collide on flag names.
+so commands never collide on flag names. Flag names may be written vLLM's way, with
+dashes (`--max-model-len=4096`, `--no-enable-prefix-caching`): they are the same
+flags as absl's `--max_model_len=4096`, `--noenable_prefix_caching`.
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
 import sys
 
 COMMANDS = {
@@ -39,9 +42,41 @@ def run(argv: list[str] | None = None) -> None:
     if any(a in _HELP for a in argv[2:]):
         print(command_help(command))
         sys.exit(0)
-    from absl import app
+    from absl import app, flags
 
-    app.run(module.main, argv=[f"jaxserve {command}", *argv[2:]])
+    args = normalize_flag_names(argv[2:], flags.FLAGS)
+    app.run(module.main, argv=[f"jaxserve {command}", *args])
+
+
+def normalize_flag_names(args: list[str], known) -> list[str]:
+    """`--flag-name[=value]` -> `--flag_name[=value]` (absl's spelling; vLLM's has
+    dashes), and `--no-flag-name` -> `--noflag_name` for a boolean `flag_name`.
+
+    Only the name of a `--` argument changes: never a value (after `=`, or the
+    argument after a flag of the `known` FlagValues that takes one), a positional
+    argument, or anything after `--`.
+    """
+    out: list[str] = []
+    rest = iter(args)
+    for arg in rest:
+        if arg == "--":
+            out += [arg, *rest]
+            break
+        if not arg.startswith("--"):
+            out.append(arg)
+            continue
+        name, eq, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        if name.startswith("no_") and name not in known and _is_bool(known, name[3:]):
+            name = "no" + name[3:]
+        out.append(f"--{name}{eq}{value}")
+        if not eq and name in known and not known[name].boolean:
+            out += itertools.islice(rest, 1)  # its value, as given
+    return out
+
+
+def _is_bool(known, name: str) -> bool:
+    return name in known and known[name].boolean
 
 
 _HELP = ("-h", "--help", "-help", "--helpshort", "-?")

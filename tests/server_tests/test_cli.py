@@ -264,3 +264,62 @@ def test_the_hybrid_kv_flag_reaches_the_command_line():
     from server.cli import engine_flags
 
     assert "disable_hybrid_kv_cache_manager" in engine_flags.ENGINE_FLAGS
+
+
+def test_flag_names_with_dashes_are_the_same_flags(tmp_path):
+    """vLLM's spelling (`--max-tokens 3`, `--no-warmup`) was refused: absl knows only
+    `--max_tokens`. Values keep their dashes."""
+    dst = tmp_path / "out.jsonl"
+    proc = _jaxserve(
+        "generate",
+        "--model=demo-model-tiny",
+        "--prompt=a-b --c-d",
+        "--max-tokens",
+        "3",
+        "--ignore-eos",
+        "--max-model-len=64",
+        "--no-warmup",
+        "--compilation-cache-dir=",
+        f"--output={dst}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(dst.read_text())
+    assert result["prompt"] == "a-b --c-d" and len(result["token_ids"]) == 3
+
+
+def test_normalize_flag_names_changes_names_only():
+    from absl import flags
+
+    import server.cli.generate  # noqa: F401  (defines the flags below)
+    from server.cli.main import normalize_flag_names
+
+    args = [
+        "--max-model-len=4096",
+        "--dtype",
+        "--not-a-value",  # --dtype's value, as given (absl then refuses it)
+        "--no-enable-prefix-caching",
+        "--noenable-prefix-caching",
+        "--enable-lora",
+        "--stop=end-of-text",
+        "--prompt",
+        "--x-y",
+        "Qwen/Qwen2.5-0.5B-Instruct",
+        "-single-dash",
+        "--",
+        "--after-the-end",
+    ]
+    assert normalize_flag_names(args, flags.FLAGS) == [
+        "--max_model_len=4096",
+        "--dtype",
+        "--not-a-value",
+        "--noenable_prefix_caching",
+        "--noenable_prefix_caching",
+        "--enable_lora",
+        "--stop=end-of-text",
+        "--prompt",
+        "--x-y",
+        "Qwen/Qwen2.5-0.5B-Instruct",
+        "-single-dash",
+        "--",
+        "--after-the-end",
+    ]
