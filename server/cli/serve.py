@@ -3,7 +3,8 @@ and, with --http_port, the OpenAI-compatible HTTP API, in one process over one e
 
   jaxserve serve --port=50051 --metrics_port=9090            (embedded demo model)
   jaxserve serve --http_port=8000                            (gRPC on 50051, HTTP on 8000)
-  jaxserve serve --model=DIR --config=configs/gpu.toml --tls_cert=c.pem --tls_key=k.pem
+  jaxserve serve DIR --config=configs/gpu.toml --tls_cert=c.pem --tls_key=k.pem
+                                                  (the model: DIR or --model=DIR)
 
 Disaggregated prefill/decode (server/router.py, server/disagg.py):
 
@@ -132,7 +133,7 @@ flags.DEFINE_string(
 
 
 def main(argv) -> None:
-    del argv
+    _model_from_argv(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
     try:
@@ -142,6 +143,19 @@ def main(argv) -> None:
             asyncio.run(_serve())
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"jaxserve serve: {e}") from None
+
+
+def _model_from_argv(positional: list[str]) -> None:
+    """`jaxserve serve MODEL` (vLLM's way) is `jaxserve serve --model=MODEL`."""
+    if len(positional) > 1:
+        raise SystemExit(f"jaxserve serve: one MODEL expected, got {' '.join(positional)}")
+    if positional:
+        (model,) = positional
+        if FLAGS.model is not None and FLAGS.model != model:
+            raise SystemExit(
+                f"jaxserve serve: two models given, {model!r} and --model={FLAGS.model!r}; give one"
+            )
+        FLAGS.model = model
 
 
 def _exit_now(status: int, message: str) -> NoReturn:

@@ -48,7 +48,7 @@ def test_serve_client_and_sigterm_drain(tiny_model_dir):
             "-m",
             "server.cli.main",
             "serve",
-            f"--model={tiny_model_dir}",
+            tiny_model_dir,  # (vLLM's way; --model=DIR too)
             f"--port={port}",
             f"--http_port={http_port}",
             "--max_model_len=128",
@@ -167,3 +167,29 @@ def test_sigterm_while_the_model_loads_ends_the_server_at_once(tiny_model_dir):
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
+
+
+def _serve_until_exit(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli.main", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_the_model_may_be_given_positionally():
+    """`jaxserve serve MODEL`, as `vllm serve MODEL` (the argument was ignored: the demo
+    model was served). Given twice and different: an error naming both."""
+    proc = _serve_until_exit("/no/such/model")
+    assert proc.returncode != 0
+    assert "model '/no/such/model' is not a directory" in proc.stderr.splitlines()[-1]
+
+    proc = _serve_until_exit("demo-model-tiny", "--model=demo-model")
+    assert proc.returncode != 0
+    last = proc.stderr.splitlines()[-1]
+    assert "two models given, 'demo-model-tiny' and --model='demo-model'" in last, last
+
+    proc = _serve_until_exit("demo-model-tiny", "demo-model")
+    assert proc.returncode != 0
+    assert "one MODEL expected, got demo-model-tiny demo-model" in proc.stderr.splitlines()[-1]
