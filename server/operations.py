@@ -1,0 +1,84 @@
+"""What the servers can be asked to do, declared once: each operation's name, scope,
+HTTP route and gRPC method, and the bytes its request may hold.
+
+Scopes:
+- "open": answers without a key, as vLLM's `/health` and `/metrics` (and gRPC's health
+  checks and reflection, which are other services);
+- "user": inference and what serves it (`--api_key`, when given);
+- "admin": what changes the engine for everybody (pause, sleep, weights, adapters,
+  caches). These exist only on a server started with `--admin_api_key`, and take only
+  that key; elsewhere they are 404 / UNIMPLEMENTED, as vLLM serves its development
+  endpoints only in development mode;
+- "peer": another jaxserve instance's traffic (disaggregated serving's `Prefill` and
+  `PushKV`): `--peer_api_key`, when given, checked before any of a stream is read.
+
+`server.edge` enforces the table for both servers, before a handler runs or a body is
+read; the table is the one place a new operation's scope and limits are declared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+SCOPES = ("open", "user", "admin", "peer")
+ADMIN_BODY_BYTES = 64 << 10  # an admin request names a mode, a path, an adapter
+
+
+@dataclasses.dataclass(frozen=True)
+class Operation:
+    name: str
+    scope: str
+    http: tuple[tuple[str, str], ...] = ()  # (method, path) routes
+    grpc: tuple[str, ...] = ()  # JaxServe's methods
+    # The request's bytes, at most: None for the server's `max_message_bytes` (its
+    # gRPC message bound, the HTTP body bound too); a stream's bound is its handler's.
+    max_body_bytes: int | None = None
+
+    def __post_init__(self):
+        if self.scope not in SCOPES:
+            raise ValueError(f"{self.name}: scope must be one of {SCOPES}, got {self.scope!r}")
+
+
+def _admin(name: str, http: tuple[tuple[str, str], ...], grpc: tuple[str, ...]) -> Operation:
+    return Operation(name, "admin", http, grpc, ADMIN_BODY_BYTES)
+
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation("health", "open", (("GET", "/health"),)),
+    Operation("metrics", "open", (("GET", "/metrics"),)),
+    Operation("models", "user", (("GET", "/v1/models"),), ("GetModelInfo",)),
+    Operation("completions", "user", (("POST", "/v1/completions"),), ("Complete",)),
+    Operation("chat_completions", "user", (("POST", "/v1/chat/completions"),)),
+    Operation("responses", "user", (("POST", "/v1/responses"),)),
+    Operation("generate", "user", (("POST", "/inference/v1/generate"),), ("Generate",)),
+    Operation("tokenize", "user", (("POST", "/tokenize"),), ("Tokenize",)),
+    Operation("detokenize", "user", (("POST", "/detokenize"),), ("Detokenize",)),
+    _admin("pause", (("POST", "/pause"),), ("PauseGeneration",)),
+    _admin("resume", (("POST", "/resume"),), ("ResumeGeneration",)),
+    _admin("is_paused", (("GET", "/is_paused"),), ("IsPaused",)),
+    _admin("sleep", (("POST", "/sleep"),), ("Sleep",)),
+    _admin("wake_up", (("POST", "/wake_up"),), ("WakeUp",)),
+    _admin("is_sleeping", (("GET", "/is_sleeping"),), ("IsSleeping",)),
+    _admin("update_weights", (("POST", "/update_weights"),), ("UpdateWeights",)),
+    _admin("weight_version", (("GET", "/weight_version"),), ()),
+    _admin("reset_prefix_cache", (("POST", "/reset_prefix_cache"),), ("ResetPrefixCache",)),
+    _admin("load_lora_adapter", (("POST", "/v1/load_lora_adapter"),), ("LoadLoRAAdapter",)),
+    _admin("unload_lora_adapter", (("POST", "/v1/unload_lora_adapter"),), ("UnloadLoRAAdapter",)),
+    Operation("prefill", "peer", (), ("Prefill",)),
+    Operation("push_kv", "peer", (), ("PushKV",)),
+)
+
+BY_ROUTE: dict[tuple[str, str], Operation] = {r: op for op in OPERATIONS for r in op.http}
+BY_METHOD: dict[str, Operation] = {m: op for op in OPERATIONS for m in op.grpc}
+
+
+def check_table(http_routes: set[tuple[str, str]], grpc_methods: set[str]) -> None:
+    """Raises unless the table declares exactly the routes and methods the servers
+    serve (a route or method without a scope is a power with no boundary)."""
+    missing = sorted(http_routes - BY_ROUTE.keys()) + sorted(grpc_methods - BY_METHOD.keys())
+    stale = sorted(BY_ROUTE.keys() - http_routes) + sorted(BY_METHOD.keys() - grpc_methods)
+    if missing or stale:
+        raise RuntimeError(
+            f"server.operations is out of date: not declared {missing}, declared but "
+            f"not served {stale}"
+        )
