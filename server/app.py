@@ -1,10 +1,11 @@
-"""The server: gRPC (servicer, health, reflection, auth, TLS) and, with `http_port`,
-the OpenAI-compatible HTTP API (`server.openai_api`), in one process, on one event
-loop, over one engine; metrics and draining for both.
+"""The server: the OpenAI-compatible HTTP API (`server.openai_api`, on `http_port`)
+and gRPC (servicer, health, reflection, auth, TLS, on `grpc_port`), either or both, in
+one process, on one event loop, over one engine; metrics and draining for both.
 
 The ports open first, reporting NOT_SERVING (HTTP /health: 503) while the model
 loads and warms up (and the `lora_modules` adapters are read), then SERVING; they go
-back to NOT_SERVING if the engine dies and while draining.
+back to NOT_SERVING if the engine dies and while draining. A port that cannot be
+opened (taken, say) is a `ListenError` naming it, with no other port left open.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 
@@ -40,11 +43,30 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
+class ListenError(OSError):
+    """A server's port cannot be opened: `server` is "gRPC", "HTTP" or "metrics";
+    `errno` is EADDRINUSE when the port is taken."""
+
+    def __init__(self, server: str, host: str, port: int, cause: OSError | RuntimeError):
+        code = cause.errno if isinstance(cause, OSError) else None
+        super().__init__(code, os.strerror(code) if code else str(cause))
+        self.server, self.host, self.port = server, host, port
+
+    @property
+    def in_use(self) -> bool:
+        return self.errno == errno.EADDRINUSE
+
+    def __str__(self) -> str:
+        return f"{self.server} port {self.host}:{self.port}: {self.strerror}"
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerOptions:
     host: str = "127.0.0.1"
-    port: int = 50051  # 0: any free port
-    http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off, 0: any free port
+    # None: no server of that protocol; 0: any free port (JaxServeServer.grpc_port and
+    # .http_port say which). gRPC alone by default; the CLI serves both (--grpc_port, --port).
+    grpc_port: int | None = 50051
+    http_port: int | None = None  # the OpenAI-compatible HTTP API
     metrics_port: int | None = None  # None: no /metrics endpoint
     max_pending: int = 1024  # past this many requests in flight: RESOURCE_EXHAUSTED
     max_message_bytes: int = 4 << 20
@@ -73,6 +95,10 @@ class ServerOptions:
             raise ValueError("tls_cert and tls_key must be given together")
         if self.max_pending <= 0:
             raise ValueError(f"max_pending must be positive, got {self.max_pending}")
+        if self.grpc_port is None and self.http_port is None:
+            raise ValueError("grpc_port and http_port are both None: no server to start")
+        if self.grpc_port and self.grpc_port == self.http_port:
+            raise ValueError(f"grpc_port and http_port are both {self.grpc_port}")
 
     def chat_parsers(self):
         from server.openai_api.chat_output import ChatParsers
@@ -200,7 +226,7 @@ class JaxServeServer:
             lifecycle_fn=self._lifecycle,
         )
         self.health = health.aio.HealthServicer()
-        self.port: int | None = None
+        self.grpc_port: int | None = None
         self.metrics_port: int | None = None
         self.http_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -231,19 +257,54 @@ class JaxServeServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
-    async def start(self) -> int:
-        """Opens the port (NOT_SERVING), loads the engine, then reports SERVING."""
+    async def start(self) -> int | None:
+        """Opens the ports (NOT_SERVING) and returns the gRPC port (None: no gRPC
+        server); `load` then loads the engine and reports SERVING. ListenError, with
+        no port left open, if one cannot be opened."""
+        try:
+            await self._open()
+        except BaseException:
+            await self._close_ports()
+            raise
+        return self.grpc_port
+
+    async def _open(self) -> None:
+        o = self.options
+        if o.http_port is not None:
+            from server.openai_api.api import HttpServer, build_app
+
+            app = build_app(self.state, self.metrics, o.api_key, o.chat_parsers())
+            try:  # (binds the port now; serves from `start`)
+                self._http = HttpServer(
+                    app, o.host, o.http_port, tls_cert=o.tls_cert, tls_key=o.tls_key
+                )
+            except OSError as e:
+                raise ListenError("HTTP", o.host, o.http_port, e) from None
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if o.grpc_port is not None:
+            if o.grpc_port:
+                check_port("gRPC", o.host, o.grpc_port)
+            self._server = self._grpc_server()
+            self.grpc_port = add_grpc_port(self._server, o)
+            await self._server.start()
+            logger.info("gRPC on %s:%d", o.host, self.grpc_port)
+        if self._http is not None:
+            self.http_port = await self._http.start()
+            logger.info("HTTP (OpenAI API) on %s:%d", o.host, self.http_port)
+        if o.metrics_port is not None:
+            try:
+                self._metrics_http = self.metrics.serve(o.metrics_port, o.host)
+            except OSError as e:
+                raise ListenError("metrics", o.host, o.metrics_port, e) from None
+            self.metrics_port = self._metrics_http.server_port
+        logger.info("NOT_SERVING while the model loads")
+
+    def _grpc_server(self) -> grpc.aio.Server:
         o = self.options
         interceptors = [_MalformedRequestInterceptor()]
         if o.api_key:
             interceptors.insert(0, _ApiKeyInterceptor(o.api_key))
-        self._server = grpc.aio.server(
-            interceptors=interceptors,
-            options=[
-                ("grpc.max_receive_message_length", o.max_message_bytes),
-                ("grpc.max_send_message_length", o.max_message_bytes),
-            ],
-        )
+        server = grpc.aio.server(interceptors=interceptors, options=grpc_server_options(o))
         pb_grpc.add_JaxServeServicer_to_server(
             JaxServeServicer(
                 self.state,
@@ -251,40 +312,27 @@ class JaxServeServer:
                 max_message_bytes=o.max_message_bytes,
                 parsers=o.chat_parsers(),
             ),
-            self._server,
+            server,
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
                 SERVICE_NAME,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ),
-            self._server,
+            server,
         )
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{o.host}:{o.port}"
-        if o.tls_cert:
-            with open(o.tls_cert, "rb") as c, open(o.tls_key, "rb") as k:
-                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-            self.port = self._server.add_secure_port(address, creds)
-        else:
-            self.port = self._server.add_insecure_port(address)
-        await self._server.start()
-        if o.http_port is not None:
-            from server.openai_api.api import HttpServer, build_app
+        return server
 
-            app = build_app(self.state, self.metrics, o.api_key, o.chat_parsers())
-            self._http = HttpServer(
-                app, o.host, o.http_port, tls_cert=o.tls_cert, tls_key=o.tls_key
-            )
-            self.http_port = await self._http.start()
-            logger.info("HTTP (OpenAI API) on %s:%d", o.host, self.http_port)
-        if o.metrics_port is not None:
-            self._metrics_http = self.metrics.serve(o.metrics_port, o.host)
-            self.metrics_port = self._metrics_http.server_port
-        logger.info("listening on %s:%d (NOT_SERVING while the model loads)", o.host, self.port)
-        return self.port
+    async def _close_ports(self) -> None:
+        """After a failed `start`: closes what it opened."""
+        if self._server is not None:
+            await self._server.stop(0)
+        if self._http is not None:
+            await self._http.stop(0)
+        if self._metrics_http is not None:
+            await asyncio.to_thread(self._metrics_http.shutdown)
 
     async def load(self) -> None:
         """Builds (and warms up) the engine off the event loop, reads the `lora_modules`
@@ -349,9 +397,42 @@ class JaxServeServer:
             await asyncio.sleep(0.05)
         await self._http.stop(max(deadline - time.monotonic(), 0.0))
 
-    async def wait(self) -> None:
-        await self._server.wait_for_termination()
-
 
 def default_model_name(model_dir: str) -> str:
     return os.path.basename(os.path.normpath(model_dir))
+
+
+def grpc_server_options(o: ServerOptions) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", o.max_message_bytes),
+        ("grpc.max_send_message_length", o.max_message_bytes),
+        # A port another process holds is an error, not shared with it (gRPC's
+        # default on Linux, SO_REUSEPORT, lets a second server bind and take calls).
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def check_port(server: str, host: str, port: int) -> None:
+    """ListenError if `port` cannot be opened on `host` (found by binding a socket as
+    gRPC and uvicorn do, then closing it). gRPC's own failure to bind is a
+    RuntimeError without the cause, which its C core logs apart."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.create_server((host.strip("[]"), port), family=family).close()
+    except OSError as e:
+        raise ListenError(server, host, port, e) from None
+
+
+def add_grpc_port(server: grpc.aio.Server, o: ServerOptions, *, tls: bool = True) -> int:
+    """Binds `o.grpc_port` (TLS with `o.tls_cert` unless not `tls`); ListenError if
+    it cannot be (`check_port` first says why)."""
+    host = f"[{o.host.strip('[]')}]" if ":" in o.host else o.host
+    address = f"{host}:{o.grpc_port}"
+    try:
+        if tls and o.tls_cert:
+            with open(o.tls_cert, "rb") as c, open(o.tls_key, "rb") as k:
+                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+            return server.add_secure_port(address, creds)
+        return server.add_insecure_port(address)
+    except RuntimeError as e:  # taken since the check
+        raise ListenError("gRPC", o.host, o.grpc_port, e) from None

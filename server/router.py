@@ -264,27 +264,41 @@ class RouterServer:
         self.options = options
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
-        self.port: int | None = None
+        self.grpc_port: int | None = None
 
     async def start(self) -> int:
-        from server.app import SERVICE_NAME, _ApiKeyInterceptor
+        """Opens `options.grpc_port` (the router serves gRPC only) and returns it;
+        ListenError if it cannot be opened."""
+        from server.app import (
+            SERVICE_NAME,
+            _ApiKeyInterceptor,
+            add_grpc_port,
+            check_port,
+            grpc_server_options,
+        )
 
         o = self.options
+        if o.grpc_port is None:
+            raise ValueError("the router serves gRPC only: it needs a grpc_port")
+        if o.grpc_port:
+            check_port("gRPC", o.host, o.grpc_port)
         self._server = grpc.aio.server(
             interceptors=[_ApiKeyInterceptor(o.api_key)] if o.api_key else [],
-            options=[
-                ("grpc.max_receive_message_length", o.max_message_bytes),
-                ("grpc.max_send_message_length", o.max_message_bytes),
-            ],
+            options=grpc_server_options(o),
         )
         pb_grpc.add_JaxServeServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        self.port = self._server.add_insecure_port(f"{o.host}:{o.port}")
+        try:
+            # (tls=False: the router has always served without TLS)
+            self.grpc_port = add_grpc_port(self._server, o, tls=False)
+        except BaseException:
+            await self._server.stop(0)
+            raise
         await self._server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        logger.info("router on %s:%d", o.host, self.port)
-        return self.port
+        logger.info("router (gRPC) on %s:%d", o.host, self.grpc_port)
+        return self.grpc_port
 
     async def stop(self, grace: float | None = None) -> None:
         from server.app import SERVICE_NAME

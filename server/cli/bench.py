@@ -291,7 +291,7 @@ def _serve_in_process(model_dir: str, kwargs: dict):
 
     async def start():
         http_port = 0 if FLAGS.target_protocol == "http" else None
-        options = ServerOptions(port=0, http_port=http_port)
+        options = ServerOptions(grpc_port=0, http_port=http_port)
         server = JaxServeServer(make_engine, options, model_name="bench")
         await server.start()
         await server.load()
@@ -429,7 +429,7 @@ def main(argv) -> None:
             target = FLAGS.target
             if target is None:
                 server, loop = _serve_in_process(model_dir, run_kwargs)
-                port = server.http_port if FLAGS.target_protocol == "http" else server.port
+                port = server.http_port if FLAGS.target_protocol == "http" else server.grpc_port
                 target = f"127.0.0.1:{port}"
             vocab, max_len = asyncio.run(bench_clients.model_limits(FLAGS.target_protocol, target))
             reqs = _workload(vocab, max_len)

@@ -14,7 +14,10 @@ import sys
 
 COMMANDS = {
     "generate": ("server.cli.generate", "offline batch generation"),
-    "serve": ("server.cli.serve", "the gRPC server"),
+    "serve": (
+        "server.cli.serve",
+        "the OpenAI-compatible HTTP server (--port, 8000) and gRPC (--grpc_port, 50051)",
+    ),
     "client": ("server.cli.client", "stream a completion from a server"),
     "bench": ("server.cli.bench", "throughput and latency benchmarks"),
     "convert": ("server.cli.convert", "write a model directory as an orbax checkpoint"),

@@ -1,16 +1,22 @@
-"""`jaxserve serve`: the gRPC server (jaxserve.v1.JaxServe, health, reflection, metrics)
-and, with --http_port, the OpenAI-compatible HTTP API, in one process over one engine.
+"""`jaxserve serve [MODEL]`: the OpenAI-compatible HTTP API on --port (8000, as vLLM's)
+and the gRPC API (jaxserve.v1.JaxServe, health, reflection) on --grpc_port (50051), in
+one process over one engine; --port=0 or --grpc_port=0 leaves that server off.
 
-  jaxserve serve --port=50051 --metrics_port=9090            (embedded demo model)
-  jaxserve serve --http_port=8000                            (gRPC on 50051, HTTP on 8000)
-  jaxserve serve DIR --config=configs/gpu.toml --tls_cert=c.pem --tls_key=k.pem
-                                                  (the model: DIR or --model=DIR)
+  jaxserve serve                                   (embedded demo model: HTTP 8000, gRPC 50051)
+  jaxserve serve DIR --config=configs/gpu.toml     (the model: DIR, or --model=DIR)
+  jaxserve serve --port=0 --metrics_port=9090      (gRPC only; Prometheus /metrics on 9090)
+  jaxserve serve --grpc_port=0 --tls_cert=c.pem --tls_key=k.pem  (HTTPS only)
 
-Disaggregated prefill/decode (server/router.py, server/disagg.py):
+Flag names take dashes too (--max-model-len=4096, as in vLLM). --http_port is the old
+name of --port, still accepted with a warning; gRPC was on --port before --grpc_port.
+A port that is taken stops the server at start-up, naming the port and its flag.
 
-  jaxserve serve --role=prefill --port=50061
-  jaxserve serve --role=decode --port=50071 --kv_offload_bytes=2000000000
-  jaxserve serve --role=router --port=50051 \
+Disaggregated prefill/decode (server/router.py, server/disagg.py); the instances talk
+gRPC, and the router serves gRPC only:
+
+  jaxserve serve --role=prefill --grpc_port=50061 --port=0
+  jaxserve serve --role=decode --grpc_port=50071 --port=0 --kv_offload_bytes=2000000000
+  jaxserve serve --role=router --grpc_port=50051 \\
       --prefill_targets=127.0.0.1:50061 --decode_targets=127.0.0.1:50071,...
 
 Every role but the router serves the whole API over one engine (`both`, the
@@ -27,7 +33,7 @@ a peer dead or stalled for --step_timeout_s exits at once with status 1, naming 
 
 LoRA adapters (PEFT directories) served beside the model, each by its own model name:
 
-  jaxserve serve --http_port=8000 --enable_lora --max_lora_rank=16 \
+  jaxserve serve --enable_lora --max_lora_rank=16 \\
       --lora_modules=sql=/adapters/sql --lora_modules=chat=/adapters/chat
 
 Each adapter is read and checked at start-up (lora_int_id 1, 2, ... in order); an
@@ -59,17 +65,34 @@ from absl import flags
 from jaxserve.distributed.multihost import FollowerLostError, Leader, LeaderLostError
 from jaxserve.llm import LLM, resolve_model_dir
 from server import reasoning_parsers, tool_parsers
+from server.app import ListenError
 from server.cli.engine_flags import engine_kwargs
 from server.lora_registry import LoRAModule, LoRAModuleError, parse_lora_modules
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 for all).")
-flags.DEFINE_integer("port", 50051, "gRPC port (0: any free port).")
+flags.DEFINE_integer(
+    "port",
+    8000,
+    "The OpenAI-compatible HTTP API's port, as vLLM's (/v1/completions, "
+    "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /health, "
+    "/metrics); 0: no HTTP server. (gRPC's port was --port until it became --grpc_port.)",
+    lower_bound=0,
+    upper_bound=65535,
+)
+flags.DEFINE_integer(
+    "grpc_port",
+    50051,
+    "The gRPC API's port (jaxserve.v1.JaxServe, grpc.health.v1, reflection); 0: no gRPC server.",
+    lower_bound=0,
+    upper_bound=65535,
+)
 flags.DEFINE_integer(
     "http_port",
     None,
-    "OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, "
-    "/tokenize, /detokenize, /health, /metrics); 0 or unset: no HTTP server.",
+    "Deprecated: the old name of --port (the HTTP API), accepted with a warning.",
+    lower_bound=0,
+    upper_bound=65535,
 )
 flags.DEFINE_integer("metrics_port", None, "Prometheus /metrics port (unset: no endpoint).")
 flags.DEFINE_integer(
@@ -141,8 +164,57 @@ def main(argv) -> None:
             _follow()
         else:
             asyncio.run(_serve())
+    except ListenError as e:  # (no traceback: one line naming the port and its flag)
+        raise SystemExit(f"jaxserve serve: {_cannot_listen(e)}") from None
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"jaxserve serve: {e}") from None
+
+
+PORT_FLAGS = {"HTTP": "--port", "gRPC": "--grpc_port", "metrics": "--metrics_port"}
+
+
+def _cannot_listen(e: ListenError) -> str:
+    flag = f"{PORT_FLAGS[e.server]}={e.port}"
+    if e.in_use:
+        return (
+            f"port {e.port} is in use ({flag}, the {e.server} server, on {e.host}); "
+            "stop what holds it or choose another port"
+        )
+    return f"cannot listen on {e.host}:{e.port} ({flag}, the {e.server} server): {e.strerror}"
+
+
+def _ports(role: str) -> tuple[int | None, int | None]:
+    """(gRPC port, HTTP port) from the flags, None for a server that is off; ValueError,
+    naming the flags, for a combination that cannot serve."""
+    http = FLAGS.port
+    if FLAGS["http_port"].present:
+        if FLAGS["port"].present and FLAGS.port != FLAGS.http_port:
+            raise ValueError(
+                f"--port={FLAGS.port} and --http_port={FLAGS.http_port} both set the HTTP "
+                "port (--http_port is --port's old name); gRPC moved from --port to --grpc_port"
+            )
+        logging.warning(
+            "--http_port is deprecated: use --port (the HTTP API, 8000 unless given); "
+            "gRPC moved from --port to --grpc_port (50051 unless given)"
+        )
+        http = FLAGS.http_port
+    grpc_port, http = FLAGS.grpc_port or None, http or None
+    if role == "router":  # (an HTTP port given by default is not used)
+        if grpc_port is None:
+            raise ValueError("--role=router serves gRPC only; --grpc_port=0 leaves it nothing")
+        if http is not None and (FLAGS["port"].present or FLAGS["http_port"].present):
+            raise ValueError(f"--role=router serves gRPC only (--grpc_port), not --port={http}")
+        return grpc_port, None
+    if role in ("prefill", "decode") and grpc_port is None:
+        raise ValueError(f"--role={role} transfers KV pages over gRPC: it needs --grpc_port")
+    if grpc_port is None and http is None:
+        raise ValueError("--port=0 and --grpc_port=0: no server to start")
+    if grpc_port == http:
+        raise ValueError(
+            f"--port (HTTP) and --grpc_port (gRPC) are both {http}: each needs its own "
+            "(gRPC moved from --port to --grpc_port)"
+        )
+    return grpc_port, http
 
 
 def _model_from_argv(positional: list[str]) -> None:
@@ -172,11 +244,12 @@ def _exit_now(status: int, message: str) -> NoReturn:
 def _options(role: str = "both", lora_modules: tuple[LoRAModule, ...] = ()):
     from server.app import ServerOptions
 
+    grpc_port, http_port = _ports(FLAGS.role)
     return ServerOptions(
         role=role,
         host=FLAGS.host,
-        port=FLAGS.port,
-        http_port=FLAGS.http_port or None,
+        grpc_port=grpc_port,
+        http_port=http_port,
         metrics_port=FLAGS.metrics_port,
         max_pending=FLAGS.max_pending_requests,
         max_message_bytes=FLAGS.max_message_bytes,

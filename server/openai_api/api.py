@@ -345,7 +345,8 @@ class HttpServer:
 
     async def stop(self, grace: float) -> None:
         """Closes the port; open responses get `grace` seconds, then are cancelled."""
-        if self._task is None:
+        if self._task is None:  # bound, never served
+            self._socket.close()
             return
         self._server.config.timeout_graceful_shutdown = max(grace, 0.1)
         self._server.should_exit = True

@@ -124,7 +124,9 @@ def served_pair(hf_model_dir, tmp_path):
     env["JAX_PLATFORMS"] = "cpu"
     follower = Served([*common, "--process_id=1"], tmp_path / "follower.log", env)
     port = _free_port()
-    leader = Served([*common, "--process_id=0", f"--port={port}"], tmp_path / "leader.log", env)
+    leader = Served(
+        [*common, "--process_id=0", f"--grpc_port={port}", "--port=0"], tmp_path / "leader.log", env
+    )
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
 
     def serving() -> bool:

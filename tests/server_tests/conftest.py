@@ -30,7 +30,7 @@ class ServerThread:
             llm = LLM(model_dir, **kw)
             return llm.engine, llm.tokenizer
 
-        opts = ServerOptions(**{"port": 0, "metrics_port": 0, **options})
+        opts = ServerOptions(**{"grpc_port": 0, "metrics_port": 0, **options})
         self.server = self.call(self._create(make_engine, opts))
         self.port = self.call(self.server.start())
         self.target = f"127.0.0.1:{self.port}"

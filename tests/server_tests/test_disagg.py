@@ -31,7 +31,7 @@ class RouterThread:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         servicer = RouterServicer(prefill, decode, 4 << 20)
-        self.server = RouterServer(servicer, ServerOptions(port=0))
+        self.server = RouterServer(servicer, ServerOptions(grpc_port=0))
         port = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
         self.target = f"127.0.0.1:{port}"
 
@@ -176,7 +176,7 @@ def test_prefill_and_decode_over_data_parallel_replicas_are_refused_at_start_up(
     front = _data_parallel_front()
 
     async def main():
-        server = JaxServeServer(lambda: (front, None), ServerOptions(port=0, role=role))
+        server = JaxServeServer(lambda: (front, None), ServerOptions(grpc_port=0, role=role))
         await server.start()
         try:
             with pytest.raises(ValueError, match=rf"role '{role}'.*\(DataParallelEngine\)"):
@@ -193,10 +193,10 @@ def test_both_over_data_parallel_replicas_serves_and_refuses_only_kv_transfer():
     front = _data_parallel_front()
 
     async def main():
-        server = JaxServeServer(lambda: (front, None), ServerOptions(port=0))
+        server = JaxServeServer(lambda: (front, None), ServerOptions(grpc_port=0))
         await server.start()
         await server.load()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}")
         api = pb_grpc.JaxServeStub(channel)
         try:
             msg = pb.GenerateRequest(

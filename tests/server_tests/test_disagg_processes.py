@@ -29,7 +29,8 @@ def instance(model_dir, role):
     proc = spawn(
         f"--model={model_dir}",
         f"--role={role}",
-        f"--port={port}",
+        f"--grpc_port={port}",
+        "--port=0",  # (no HTTP server)
         f"--metrics_port={metrics}",
         "--max_model_len=128",
         "--max_num_seqs=8",
@@ -69,7 +70,7 @@ def processes(tiny_model_dir):
     port = free_port()
     router = spawn(
         "--role=router",
-        f"--port={port}",
+        f"--grpc_port={port}",
         f"--prefill_targets={procs[0][1]}",
         f"--decode_targets={procs[1][1]},{procs[2][1]}",
     )

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from conftest import SERVER_LLM, ServerThread
 from lora_files import adapters, write_adapter
+from test_serve_cli import free_port
 
 from jaxserve import LLM, SamplingParams
 from server import jaxserve_pb2 as pb
@@ -332,7 +333,7 @@ def test_serve_documents_and_refuses_lora_modules_without_enable_lora(tiny_model
     assert "--lora_modules: With --enable_lora: a LoRA adapter served from start-up" in help_text
     proc = subprocess.run(
         [sys.executable, "-m", "server.cli.main", "serve", f"--model={tiny_model_dir}"]
-        + ["--port=0", "--lora_modules=sql=/adapters/sql"],
+        + ["--port=0", f"--grpc_port={free_port()}", "--lora_modules=sql=/adapters/sql"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -341,7 +342,7 @@ def test_serve_documents_and_refuses_lora_modules_without_enable_lora(tiny_model
     assert "--lora_modules 'sql=/adapters/sql': serving LoRA adapters needs --enable_lora" in (
         proc.stderr
     )
-    assert "listening on" not in proc.stderr  # (refused before the port opened)
+    assert "gRPC on" not in proc.stderr  # (refused before the port opened)
 
 
 @pytest.mark.slow
@@ -349,7 +350,8 @@ def test_serve_exits_naming_an_adapter_of_another_model(tiny_model_dir, tmp_path
     other = write_adapter(tmp_path / "other", {"layers.0.self_attn.q_proj": (48, 64)})
     proc = subprocess.run(
         [sys.executable, "-m", "server.cli.main", "serve", f"--model={tiny_model_dir}"]
-        + ["--port=0", "--compilation_cache_dir=", "--enable_lora", "--max_lora_rank=8"]
+        + ["--port=0", f"--grpc_port={free_port()}", "--compilation_cache_dir="]
+        + ["--enable_lora", "--max_lora_rank=8"]
         + [f"--lora_modules=other={other}"],
         capture_output=True,
         text=True,

@@ -49,8 +49,8 @@ def test_serve_client_and_sigterm_drain(tiny_model_dir):
             "server.cli.main",
             "serve",
             tiny_model_dir,  # (vLLM's way; --model=DIR too)
-            f"--port={port}",
-            f"--http_port={http_port}",
+            f"--grpc_port={port}",
+            f"--port={http_port}",
             "--max_model_len=128",
             "--max_num_seqs=4",
             "--max_num_batched_tokens=64",
@@ -122,7 +122,7 @@ def test_a_model_that_fails_to_load_exits_with_its_cause(tmp_path):
     (bad / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
     proc = subprocess.run(
         [sys.executable, "-m", "server.cli.main", "serve", f"--model={bad}"]
-        + [f"--port={free_port()}", "--compilation_cache_dir="],
+        + [f"--grpc_port={free_port()}", "--port=0", "--compilation_cache_dir="],
         capture_output=True,
         text=True,
         timeout=120,
@@ -140,7 +140,7 @@ def test_sigterm_while_the_model_loads_ends_the_server_at_once(tiny_model_dir):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli.main", "serve", f"--model={tiny_model_dir}"]
-        + [f"--port={port}", "--compilation_cache_dir=", "--num_processes=2"]
+        + [f"--grpc_port={port}", "--port=0", "--compilation_cache_dir=", "--num_processes=2"]
         + [f"--coordinator_address=127.0.0.1:{free_port()}"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -193,3 +193,69 @@ def test_the_model_may_be_given_positionally():
     proc = _serve_until_exit("demo-model-tiny", "demo-model")
     assert proc.returncode != 0
     assert "one MODEL expected, got demo-model-tiny demo-model" in proc.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "server,flag,others",
+    [
+        ("HTTP", "--port", ["--grpc_port=0"]),
+        ("gRPC", "--grpc_port", ["--port=0"]),
+        ("gRPC", "--grpc_port", ["--role=router", "--prefill_targets=h:1", "--decode_targets=h:2"]),
+    ],
+)
+def test_a_busy_port_is_one_line_naming_it_and_its_flag(server, flag, others):
+    """It was a 40-line traceback ending in 'Event loop is closed'."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _serve_until_exit(f"{flag}={port}", *others, "--compilation_cache_dir=")
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr
+    named = [line for line in proc.stderr.splitlines() if str(port) in line]
+    assert named == [
+        f"jaxserve serve: port {port} is in use ({flag}={port}, the {server} server, on "
+        "127.0.0.1); stop what holds it or choose another port"
+    ], proc.stderr
+
+
+@pytest.mark.slow
+def test_http_is_on_port_and_grpc_on_grpc_port():
+    """As in vLLM, --port is the OpenAI HTTP API's (8000); gRPC has --grpc_port
+    (50051). Either may be off, not both; --http_port is --port's deprecated name."""
+    usage = subprocess.run(
+        [sys.executable, "-m", "server.cli.main", "--help"], capture_output=True, text=True
+    ).stdout
+    assert "serve      the OpenAI-compatible HTTP server (--port, 8000) and gRPC" in usage
+    help_text = subprocess.run(
+        [sys.executable, "-m", "server.cli.main", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    described = {f.split(":")[0]: f for f in help_text.split("\n  --")}
+    assert described["port"].startswith("port: The OpenAI-compatible HTTP API's port")
+    assert "(default: '8000')" in described["port"]
+    assert described["grpc_port"].startswith("grpc_port: The gRPC API's port")
+    assert "(default: '50051')" in described["grpc_port"]
+    assert described["http_port"].startswith("http_port: Deprecated: the old name of --port")
+
+    for args, error in [
+        (["--port=0", "--grpc_port=0"], "--port=0 and --grpc_port=0: no server to start"),
+        (["--port=50051"], "--port (HTTP) and --grpc_port (gRPC) are both 50051"),
+        (["--port=8001", "--http_port=8002"], "--port=8001 and --http_port=8002 both set"),
+        (["--role=router", "--grpc_port=0"], "--role=router serves gRPC only"),
+        (["--role=router", "--port=8001"], "--role=router serves gRPC only (--grpc_port)"),
+        (["--role=decode", "--grpc_port=0"], "--role=decode transfers KV pages over gRPC"),
+    ]:
+        proc = _serve_until_exit(*args)
+        last = proc.stderr.splitlines()[-1]
+        assert proc.returncode == 1 and last.startswith(f"jaxserve serve: {error}"), (args, last)
+
+    with socket.socket() as taken:  # (the old name still sets the HTTP port, with a warning)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _serve_until_exit(f"--http_port={port}", "--grpc_port=0")
+    assert "--http_port is deprecated: use --port" in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(f"jaxserve serve: port {port} is in use (--port")

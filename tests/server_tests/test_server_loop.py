@@ -11,6 +11,7 @@ No model: mock-runner engines and fake fronts, with httpx on the app in-process.
 
 import asyncio
 import hmac
+import socket
 import threading
 import types
 
@@ -26,7 +27,7 @@ from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.request_state import RequestState
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
-from server.app import JaxServeServer, ServerOptions, _ApiKeyInterceptor
+from server.app import JaxServeServer, ListenError, ServerOptions, _ApiKeyInterceptor
 from server.openai_api.api import build_app
 from server.prometheus import ServerMetrics
 from server.serving import ServingState
@@ -87,7 +88,7 @@ def test_a_metrics_scrape_with_a_stalled_replica_leaves_the_loop_serving():
 def test_shutdown_runs_off_the_event_loop():
     """The engine's shutdown joins threads, saves the KV tier, calls Ray replicas."""
     shutdown = Stall()
-    server = JaxServeServer(lambda: None, ServerOptions(port=0), model_name="m")
+    server = JaxServeServer(lambda: None, ServerOptions(grpc_port=0), model_name="m")
     server.state.engine = types.SimpleNamespace(
         healthy=True, error=None, num_requests=0, shutdown=shutdown
     )
@@ -160,7 +161,7 @@ def test_a_request_the_engine_failed_is_internal_over_grpc(monkeypatch):
         return pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids), sampling_params=params)
 
     async def main():
-        server = JaxServeServer(lambda: (engine, None), ServerOptions(port=0), model_name="m")
+        server = JaxServeServer(lambda: (engine, None), ServerOptions(grpc_port=0), model_name="m")
         port = await server.start()
         await server.load()
         try:
@@ -256,3 +257,41 @@ def test_grpc_api_keys_are_compared_in_constant_time_as_bytes(compared):
     assert admitted((("x-api-key", KEY),))
     assert admitted((("user-agent", "x"), ("authorization", f"Bearer {KEY}")))
     assert compared and all(isinstance(a, bytes) and isinstance(b, bytes) for a, b in compared)
+
+
+def test_http_alone_and_a_taken_port_leaves_no_port_open():
+    """gRPC may be off (`jaxserve serve --grpc_port=0`). A port that cannot be opened is
+    a ListenError naming it, and nothing `start` opened stays open (gRPC was left
+    running: 'Event loop is closed' at exit, after a 40-line traceback)."""
+
+    async def main():
+        options = ServerOptions(grpc_port=None, http_port=0)
+        server = JaxServeServer(lambda: (mock_engine(), None), options, model_name="m")
+        assert await server.start() is None and server.grpc_port is None
+        await server.load()
+        async with httpx.AsyncClient() as client:
+            r = await client.get(f"http://127.0.0.1:{server.http_port}/health")
+        assert r.status_code == 200
+        await server.stop(grace=0)
+
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            for server_name, options in [
+                ("HTTP", ServerOptions(grpc_port=0, http_port=port)),
+                ("gRPC", ServerOptions(grpc_port=port, http_port=0)),
+                ("metrics", ServerOptions(grpc_port=0, http_port=0, metrics_port=port)),
+            ]:
+                server = JaxServeServer(lambda: None, options, model_name="m")
+                with pytest.raises(ListenError) as e:
+                    await server.start()
+                assert (e.value.server, e.value.port, e.value.in_use) == (server_name, port, True)
+                assert (
+                    str(e.value) == f"{server_name} port 127.0.0.1:{port}: Address already in use"
+                )
+                if server._http is not None:  # bound before the failure, closed since
+                    with pytest.raises(ConnectionRefusedError):
+                        socket.create_connection(("127.0.0.1", server._http.port), timeout=5)
+
+    asyncio.run(main())
