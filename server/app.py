@@ -29,9 +29,10 @@ from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.engine import LLMEngine
 from jaxserve.front import EngineFront
 from jaxserve.tokenizer import Tokenizer
-from server import auth, disagg
+from server import disagg, operations
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
+from server.edge import GrpcEdge, Keys
 from server.lora_registry import LoRAModule
 from server.prometheus import ServerMetrics
 from server.servicer import JaxServeServicer
@@ -40,7 +41,6 @@ from server.serving import ServingState
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
-_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
 class ListenError(OSError):
@@ -70,7 +70,16 @@ class ServerOptions:
     metrics_port: int | None = None  # None: no /metrics endpoint
     max_pending: int = 1024  # past this many requests in flight: RESOURCE_EXHAUSTED
     max_message_bytes: int = 4 << 20
-    api_key: str | None = None  # checked from "authorization: Bearer KEY" or "x-api-key"
+    # Keys by scope (`server.operations`), each checked from "authorization: Bearer
+    # KEY" or "x-api-key": inference (None: open); the admin operations (pause, sleep,
+    # weights, adapters, caches; None: not served at all); disaggregated serving's
+    # Prefill and PushKV (None: `api_key`'s).
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    peer_api_key: str | None = None
+    # Roots under which an admin call may name a file here (update_weights' path, a
+    # LoRA adapter's lora_path); none: no call may.
+    allowed_local_paths: tuple[str, ...] = ()
     tls_cert: str | None = None  # PEM files; both or neither
     tls_key: str | None = None
     drain_grace_s: float = 30.0
@@ -88,6 +97,8 @@ class ServerOptions:
 
     def __post_init__(self):
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        object.__setattr__(self, "allowed_local_paths", tuple(self.allowed_local_paths))
+        self.keys()  # refuses an empty key
         self.chat_parsers()  # refuses an unknown parser
         if self.role not in disagg.ROLES:
             raise ValueError(f"role must be one of {sorted(disagg.ROLES)}, got {self.role!r}")
@@ -100,67 +111,19 @@ class ServerOptions:
         if self.grpc_port and self.grpc_port == self.http_port:
             raise ValueError(f"grpc_port and http_port are both {self.grpc_port}")
 
+    def keys(self) -> Keys:
+        """What `server.edge` checks: the keys by scope, the body bound."""
+        return Keys(
+            user=self.api_key,
+            admin=self.admin_api_key,
+            peer=self.peer_api_key if self.peer_api_key is not None else self.api_key,
+            max_body_bytes=self.max_message_bytes,
+        )
+
     def chat_parsers(self):
         from server.openai_api.chat_output import ChatParsers
 
         return ChatParsers(self.tool_call_parser, self.tool_call_constrained, self.reasoning_parser)
-
-
-class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without the API key (health checks and reflection stay open)."""
-
-    def __init__(self, key: str):
-        self._expected = {
-            "authorization": b"Bearer " + auth.key_bytes(key),
-            "x-api-key": auth.key_bytes(key),
-        }
-
-    def _authorized(self, metadata) -> bool:
-        """Whether the call carries the key; every candidate value is compared, in
-        constant time."""
-        ok = False
-        for name, value in metadata or ():
-            expected = self._expected.get(name)
-            if expected is not None:
-                ok |= auth.matches(auth.presented(value), expected)
-        return ok
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if details.method.startswith(_OPEN_METHODS) or self._authorized(
-            details.invocation_metadata
-        ):
-            return handler
-
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
-
-        if handler is not None and handler.request_streaming:  # PushKV
-
-            async def deny_pushed(request_iterator, context):
-                await deny(None, context)
-
-            return grpc.stream_unary_rpc_method_handler(
-                deny_pushed,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler is not None and handler.response_streaming:
-
-            async def deny_stream(request, context):
-                await deny(request, context)
-                yield  # pragma: no cover - makes this an async generator
-
-            return grpc.unary_stream_rpc_method_handler(
-                deny_stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return grpc.unary_unary_rpc_method_handler(
-            deny,
-            request_deserializer=handler.request_deserializer if handler else None,
-            response_serializer=handler.response_serializer if handler else None,
-        )
 
 
 class _MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
@@ -216,7 +179,11 @@ class JaxServeServer:
     ):
         self.options = options
         self._make_engine = make_engine
-        self.state = ServingState(model_name=model_name, max_pending=options.max_pending)
+        self.state = ServingState(
+            model_name=model_name,
+            max_pending=options.max_pending,
+            allowed_local_paths=options.allowed_local_paths,
+        )
         self.state.loras.check_modules(options.lora_modules)  # (LoRAModuleError: at once)
         self.metrics = ServerMetrics(
             model_name,
@@ -273,7 +240,7 @@ class JaxServeServer:
         if o.http_port is not None:
             from server.openai_api.api import HttpServer, build_app
 
-            app = build_app(self.state, self.metrics, o.api_key, o.chat_parsers())
+            app = build_app(self.state, self.metrics, o.keys(), o.chat_parsers())
             try:  # (binds the port now; serves from `start`)
                 self._http = HttpServer(
                     app, o.host, o.http_port, tls_cert=o.tls_cert, tls_key=o.tls_key
@@ -301,9 +268,9 @@ class JaxServeServer:
 
     def _grpc_server(self) -> grpc.aio.Server:
         o = self.options
-        interceptors = [_MalformedRequestInterceptor()]
-        if o.api_key:
-            interceptors.insert(0, _ApiKeyInterceptor(o.api_key))
+        service = pb.DESCRIPTOR.services_by_name["JaxServe"]
+        operations.check_table(grpc_methods={m.name for m in service.methods})
+        interceptors = [GrpcEdge(SERVICE_NAME, o.keys()), _MalformedRequestInterceptor()]
         server = grpc.aio.server(interceptors=interceptors, options=grpc_server_options(o))
         pb_grpc.add_JaxServeServicer_to_server(
             JaxServeServicer(
@@ -311,6 +278,7 @@ class JaxServeServer:
                 self.metrics,
                 max_message_bytes=o.max_message_bytes,
                 parsers=o.chat_parsers(),
+                peer_api_key=o.peer_api_key,
             ),
             server,
         )

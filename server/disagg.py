@@ -85,6 +85,15 @@ def auth_metadata(context) -> tuple[tuple[str, str], ...]:
     return tuple((k, v) for k, v in (context.invocation_metadata() or ()) if k in AUTH_KEYS)
 
 
+def peer_metadata(peer_api_key: str | None, caller) -> tuple[tuple[str, str], ...]:
+    """The credentials of a peer operation (Prefill, PushKV) sent to another instance:
+    the peer key when one is set, else the caller's (`auth_metadata`: checked there as
+    its api_key)."""
+    if peer_api_key is not None:
+        return (("authorization", f"Bearer {peer_api_key}"),)
+    return caller
+
+
 def resume_from_proto(msg: pb.Resume) -> list[ResumedSample]:
     return [
         ResumedSample(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from jaxserve.front import EngineFront
 from jaxserve.lora import LoRARequest
@@ -140,11 +140,14 @@ class LoRARegistry:
             except ValueError as e:
                 raise LoRAModuleError(f"{m}: {e}") from None
 
-    async def load(self, front: EngineFront, name: str, path: str) -> LoRARequest:
+    async def load(
+        self, front: EngineFront, name: str, path: str, resolve: Callable[[str], str] = str
+    ) -> LoRARequest:
         """Reads and checks the adapter at `path` on the engine (every replica) and serves
         it as `name`. Raises ParamError naming `lora_name` (missing, the served model's,
-        already loaded) or `lora_path` (missing; the engine's reason it does not load),
-        or the front's ValueError (an engine without enable_lora); nothing changes."""
+        already loaded) or `lora_path` (missing, refused by `resolve`, which gives the
+        path to read; the engine's reason it does not load), or the front's ValueError
+        (an engine without enable_lora); nothing changes."""
         if not name or not path:
             field = "lora_name" if not name else "lora_path"
             raise ParamError(field, "Both 'lora_name' and 'lora_path' must be provided.")
@@ -154,6 +157,7 @@ class LoRARegistry:
             raise ParamError(
                 "lora_name", f"lora_name {name!r} is the served model's name: choose another"
             )
+        path = resolve(path)
         lora = LoRARequest(name, self._next_id, path)
         self._next_id += 1  # (never again, even if this load fails)
         self._loading.add(name)

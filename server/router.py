@@ -37,6 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from server import disagg
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
+from server.edge import GrpcEdge
 from server.servicer import sampling_params_from_proto
 
 logger = logging.getLogger(__name__)
@@ -54,8 +55,14 @@ class _PrefillFailed(_Retry):
 
 class RouterServicer(pb_grpc.JaxServeServicer):
     def __init__(
-        self, prefill_targets: list[str], decode_targets: list[str], max_message_bytes: int
+        self,
+        prefill_targets: list[str],
+        decode_targets: list[str],
+        max_message_bytes: int,
+        *,
+        peer_api_key: str | None = None,
     ):
+        self.peer_api_key = peer_api_key  # sent with Prefill (None: the caller's key)
         if not prefill_targets or not decode_targets:
             raise ValueError(
                 f"the router needs prefill_targets and decode_targets, got {prefill_targets} "
@@ -145,7 +152,8 @@ class RouterServicer(pb_grpc.JaxServeServicer):
 
     async def _split(self, request, prefill: str, decode: str, md):
         call = self._stub(prefill).Prefill(
-            pb.PrefillRequest(request=request, decode_target=decode), metadata=md
+            pb.PrefillRequest(request=request, decode_target=decode),
+            metadata=disagg.peer_metadata(self.peer_api_key, md),
         )
         try:
             reply = await call
@@ -271,7 +279,6 @@ class RouterServer:
         ListenError if it cannot be opened."""
         from server.app import (
             SERVICE_NAME,
-            _ApiKeyInterceptor,
             add_grpc_port,
             check_port,
             grpc_server_options,
@@ -283,8 +290,7 @@ class RouterServer:
         if o.grpc_port:
             check_port("gRPC", o.host, o.grpc_port)
         self._server = grpc.aio.server(
-            interceptors=[_ApiKeyInterceptor(o.api_key)] if o.api_key else [],
-            options=grpc_server_options(o),
+            interceptors=[GrpcEdge(SERVICE_NAME, o.keys())], options=grpc_server_options(o)
         )
         pb_grpc.add_JaxServeServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)

@@ -138,8 +138,10 @@ class JaxServeServicer(LifecycleRPCs, LoRARPCs, pb_grpc.JaxServeServicer):  # pa
         *,
         max_message_bytes: int = 4 << 20,
         parsers: ChatParsers | None = None,
+        peer_api_key: str | None = None,
     ):
         self.state = state
+        self.peer_api_key = peer_api_key  # sent with PushKV (None: the caller's key)
         self.metrics = metrics
         self.parsers = parsers or ChatParsers()
         self.max_message_bytes = max_message_bytes
@@ -440,7 +442,7 @@ class JaxServeServicer(LifecycleRPCs, LoRARPCs, pb_grpc.JaxServeServicer):  # pa
                 request.decode_target,
                 pages,
                 max_message_bytes=self.max_message_bytes,
-                metadata=disagg.auth_metadata(context),
+                metadata=disagg.peer_metadata(self.peer_api_key, disagg.auth_metadata(context)),
             )
         except grpc.RpcError as e:
             await context.abort(

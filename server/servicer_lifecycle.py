@@ -55,7 +55,7 @@ class LifecycleRPCs:
 
     async def UpdateWeights(self, request, context):
         version = request.weight_version if request.HasField("weight_version") else None
-        return await self._run(context, serving.update_weights(request.path, version))
+        return await self._run(context, serving.update_weights(self.state, request.path, version))
 
     async def ResetPrefixCache(self, request, context):
         return await self._run(context, lambda e: e.reset_prefix_cache())

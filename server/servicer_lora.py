@@ -54,7 +54,7 @@ class LoRARPCs:
 
     async def LoadLoRAAdapter(self, request, context):
         name, path = request.lora_name, request.lora_path
-        return await self._adapters_after(context, lambda e: self.state.loras.load(e, name, path))
+        return await self._adapters_after(context, serving.load_lora(self.state, name, path))
 
     async def UnloadLoRAAdapter(self, request, context):
         name = request.lora_name

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
@@ -60,6 +61,9 @@ class ServingState:
     model_name: str = ""
     max_pending: int = 1024
     draining: bool = False  # SIGTERM: running requests finish, new ones are refused
+    # Roots under which an admin call may name a file of this machine (update_weights'
+    # path, a LoRA adapter's lora_path); none: no call may (`--allowed_local_paths`).
+    allowed_local_paths: tuple[str, ...] = ()
     loras: LoRARegistry = dataclasses.field(init=False)  # the adapters served, by name
 
     def __post_init__(self):
@@ -172,24 +176,55 @@ async def lifecycle(
     return engine
 
 
+def local_path(state: ServingState, field: str, path: str) -> str:
+    """`path`, a file of this machine that a call names, resolved (links followed) if
+    it lies under one of `state.allowed_local_paths`; else ParamError naming `field`.
+    The refusal is the same whether the path exists or not (it probes nothing)."""
+    real = os.path.realpath(path)
+    for root in state.allowed_local_paths:
+        root = os.path.realpath(root)
+        if os.path.commonpath([real, root]) == root:
+            return real
+    roots = ", ".join(state.allowed_local_paths) or "none given"
+    raise ParamError(
+        field,
+        f"{field} {path!r} is not under the roots this server reads from "
+        f"(--allowed_local_paths: {roots})",
+    )
+
+
 def update_weights(
-    path: str, weight_version: int | None
+    state: ServingState, path: str, weight_version: int | None
 ) -> Callable[[EngineFront], Awaitable[int]]:
     """A weight update from the model directory `path`, for `lifecycle`: a server takes a
-    path only (a trainer writes a checkpoint the server can read), and the engine's
-    refusal (a bad directory, a checkpoint of another model) names `path`."""
+    path only (a trainer writes a checkpoint the server can read), under its
+    `allowed_local_paths`, and the engine's refusal (a bad directory, a checkpoint of
+    another model) names `path`."""
 
     async def call(engine: EngineFront) -> int:
         if not path:
             raise ParamError("path", "path is required: a model directory of the served model")
+        local = local_path(state, "path", path)
         try:
-            return await engine.update_weights(path=path, weight_version=weight_version)
+            return await engine.update_weights(path=local, weight_version=weight_version)
         except ValueError as e:
             if getattr(e, "field", None) is not None:
                 raise
             message = str(e) if str(e).startswith("path") else f"path {path!r}: {e}"
             notes = getattr(e, "__notes__", [])  # (which data-parallel replica)
             raise ParamError("path", " ".join([message, *notes])) from None
+
+    return call
+
+
+def load_lora(state: ServingState, name: str, path: str) -> Callable[[EngineFront], Awaitable]:
+    """Loading the adapter at `path` (under `allowed_local_paths`) as `name`, for
+    `lifecycle` (`server.lora_registry` checks the rest)."""
+
+    async def call(engine: EngineFront):
+        return await state.loras.load(
+            engine, name, path, resolve=lambda p: local_path(state, "lora_path", p)
+        )
 
     return call
 

@@ -105,6 +105,27 @@ flags.DEFINE_string(
     "Require this key in 'authorization: Bearer KEY' or "
     "'x-api-key' metadata or HTTP headers (default: $JAXSERVE_API_KEY, else no key).",
 )
+flags.DEFINE_string(
+    "admin_api_key",
+    None,
+    "Serve the admin operations (pause/resume, sleep/wake_up, update_weights, LoRA "
+    "load/unload, reset_prefix_cache and their state queries) behind this key only "
+    "(default: $JAXSERVE_ADMIN_API_KEY; unset: they are not served: HTTP 404, gRPC "
+    "UNIMPLEMENTED).",
+)
+flags.DEFINE_string(
+    "peer_api_key",
+    None,
+    "The key between disaggregated instances (Prefill, PushKV): checked by this "
+    "server, sent by it and by the router (default: $JAXSERVE_PEER_API_KEY, else the "
+    "--api_key).",
+)
+flags.DEFINE_list(
+    "allowed_local_paths",
+    [],
+    "Roots under which an admin call may name a file of this machine (update_weights' "
+    "path, a LoRA adapter's lora_path); none: no call may.",
+)
 flags.DEFINE_string("tls_cert", None, "PEM certificate chain (with --tls_key) to serve TLS.")
 flags.DEFINE_string("tls_key", None, "PEM private key.")
 flags.DEFINE_float("drain_grace_s", 30.0, "Seconds in-flight requests may finish on SIGTERM.")
@@ -254,6 +275,9 @@ def _options(role: str = "both", lora_modules: tuple[LoRAModule, ...] = ()):
         max_pending=FLAGS.max_pending_requests,
         max_message_bytes=FLAGS.max_message_bytes,
         api_key=FLAGS.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
+        admin_api_key=FLAGS.admin_api_key or os.environ.get("JAXSERVE_ADMIN_API_KEY") or None,
+        peer_api_key=FLAGS.peer_api_key or os.environ.get("JAXSERVE_PEER_API_KEY") or None,
+        allowed_local_paths=tuple(FLAGS.allowed_local_paths),
         tls_cert=FLAGS.tls_cert,
         tls_key=FLAGS.tls_key,
         drain_grace_s=FLAGS.drain_grace_s,
@@ -277,7 +301,10 @@ async def _route() -> None:
 
     options = _options()
     servicer = RouterServicer(
-        FLAGS.prefill_targets, FLAGS.decode_targets, options.max_message_bytes
+        FLAGS.prefill_targets,
+        FLAGS.decode_targets,
+        options.max_message_bytes,
+        peer_api_key=options.peer_api_key,
     )
     server = RouterServer(servicer, options)
     await server.start()

@@ -29,16 +29,18 @@ import time
 from typing import Any
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from jaxserve.inputs import parse_prompt
 from jaxserve.lora import LoRARequest
-from server import auth, serving
+from server import operations, serving
+from server.edge import HttpEdge, Keys
 from server.lora_registry import UnknownModelError
 from server.openai_api.chat_output import ChatParsers
 from server.openai_api.completions import OpenAIServing, error_body, status_of
@@ -83,28 +85,15 @@ class DetokenizeRequest(BaseModel):
 def build_app(
     state: ServingState,
     metrics: ServerMetrics,
-    api_key: str | None = None,
+    keys: Keys | None = None,
     parsers: ChatParsers | None = None,
 ) -> FastAPI:
+    """The OpenAI-compatible app; `server.edge` checks each route's scope and body bound
+    (`keys`; default: no keys, so no admin route) before the route runs."""
     app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None)
     openai = OpenAIServing(state, metrics, parsers)
     responses = ResponsesServing(openai)
     tokens = TokensServing(openai)
-    key = auth.key_bytes(api_key) if api_key else b""
-    bearer = b"Bearer " + key
-
-    def authorized(request: Request) -> None:
-        if not api_key:
-            return
-        headers = request.headers  # (decoded from the raw bytes as latin-1)
-        given = auth.presented(headers.get("authorization"), latin1=True)
-        given_key = auth.presented(headers.get("x-api-key"), latin1=True)
-        # Both compared, in constant time.
-        if auth.matches(given, bearer) | auth.matches(given_key, key):
-            return
-        raise _Error(
-            401, "missing or wrong API key", "invalid_request_error", None, "invalid_api_key"
-        )
 
     def check_model(model: str | None) -> LoRARequest | None:
         """The LoRA adapter `model` names (None: the base model); 404 for an unknown name."""
@@ -113,7 +102,7 @@ def build_app(
         except UnknownModelError as e:
             raise _Error(404, str(e), "invalid_request_error", "model", "model_not_found") from None
 
-    api = APIRouter(dependencies=[Depends(authorized)])
+    api = APIRouter()
 
     @app.exception_handler(_Error)
     async def _error(request, e: _Error):
@@ -250,10 +239,25 @@ def build_app(
             )
         return {"prompt": tok.decode(body.tokens)}
 
-    api.include_router(lifecycle_router(state, metrics))
-    api.include_router(lora_router(state, metrics))
+    routers = [app.router, api, lifecycle_router(state, metrics), lora_router(state, metrics)]
+    operations.check_table(http_routes=_routes(routers))
+    for router in routers[2:]:
+        api.include_router(router)
     app.include_router(api)
+    app.add_middleware(HttpEdge, keys=keys or Keys())
     return app
+
+
+def _routes(routers: list[APIRouter]) -> set[tuple[str, str]]:
+    """The (method, path) pairs the routers serve themselves (HEAD aside)."""
+    return {
+        (method, route.path)
+        for router in routers
+        for route in router.routes
+        if isinstance(route, APIRoute)
+        for method in route.methods
+        if method != "HEAD"
+    }
 
 
 _UNION_TAGS = re.compile(r"^(str|int|float|bool|dict|list|none)\b|[\[(-]")

@@ -89,7 +89,7 @@ def lifecycle_router(state: ServingState, metrics: ServerMetrics) -> APIRouter:
     @router.post("/update_weights")
     async def update_weights(request: Request):
         a = await args(request, {"path": "", "weight_version": None}, {"weight_version": int})
-        return await run(serving.update_weights(a["path"], a["weight_version"]))
+        return await run(serving.update_weights(state, a["path"], a["weight_version"]))
 
     @router.get("/weight_version")
     async def weight_version():

@@ -45,7 +45,7 @@ def lora_router(state: ServingState, metrics: ServerMetrics) -> APIRouter:
     @router.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
         name = body.lora_name
-        await serving.lifecycle(state, metrics, lambda e: state.loras.load(e, name, body.lora_path))
+        await serving.lifecycle(state, metrics, serving.load_lora(state, name, body.lora_path))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @router.post("/v1/unload_lora_adapter")

@@ -26,12 +26,13 @@ LONG = "The quick brown fox jumps over the lazy dog, " * 3  # several full pages
 
 
 class RouterThread:
-    def __init__(self, prefill: list[str], decode: list[str]):
+    def __init__(self, prefill: list[str], decode: list[str], **options):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        servicer = RouterServicer(prefill, decode, 4 << 20)
-        self.server = RouterServer(servicer, ServerOptions(grpc_port=0))
+        peer_api_key = options.get("peer_api_key")
+        servicer = RouterServicer(prefill, decode, 4 << 20, peer_api_key=peer_api_key)
+        self.server = RouterServer(servicer, ServerOptions(grpc_port=0, **options))
         port = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
         self.target = f"127.0.0.1:{port}"
 
@@ -220,3 +221,44 @@ def test_both_over_data_parallel_replicas_serves_and_refuses_only_kv_transfer():
             await server.stop(grace=0)
 
     asyncio.run(main())
+
+
+def test_peers_take_the_peer_key_and_clients_cannot_push_pages(tiny_model_dir):
+    """With --peer_api_key, the router's Prefill and the prefill instance's PushKV carry
+    it; a client holding only the user key reaches Generate, never Prefill or PushKV
+    (forged pages in a decode instance's tier would serve every tenant sharing the
+    prefix). A refused push is refused before any of its stream is read (the edge's
+    handler never takes a message)."""
+    keys = dict(api_key="u5er", peer_api_key="p33r")
+    prefill = ServerThread(tiny_model_dir, **keys)
+    decode = ServerThread(tiny_model_dir, llm_kwargs=DECODE, **keys)
+    router = RouterThread([prefill.target], [decode.target], **keys)
+    user = [("authorization", "Bearer u5er")]
+    try:
+        req = request(LONG, max_tokens=6, ignore_eos=True)
+        got = stub(router.target).Complete(req, metadata=user, timeout=120)
+        want = stub(prefill.target).Complete(req, metadata=user, timeout=120)
+        assert got.completions[0].token_ids == want.completions[0].token_ids
+        assert decode.engine.stats().kv_tier_loads > 0  # the pages went over, keyed
+        wait_idle(decode.engine)
+        stored = decode.engine.stats().kv_tier_stores
+
+        def pages():
+            yield pb.KVPages(pages=[b"forged"])
+
+        for metadata in ((), user, [("authorization", "Bearer wrong")]):
+            with pytest.raises(grpc.RpcError) as e:
+                stub(decode.target).PushKV(pages(), metadata=metadata, timeout=30)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as e:
+                stub(prefill.target).Prefill(
+                    pb.PrefillRequest(request=req, decode_target=decode.target),
+                    metadata=metadata,
+                    timeout=30,
+                )
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert decode.engine.stats().kv_tier_stores == stored  # nothing of the client's kept
+    finally:
+        router.stop()
+        for s in (prefill, decode):
+            s.stop()

@@ -16,6 +16,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.sampling_params import StructuredOutputsParams
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
+from server.edge import Keys
 from server.openai_api.api import HttpServer, build_app
 from server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -400,7 +401,7 @@ def test_api_key(served):
     state, metrics = served.server.state, served.server.metrics
 
     async def start():
-        server = HttpServer(build_app(state, metrics, api_key="s3cret"), "127.0.0.1", 0)
+        server = HttpServer(build_app(state, metrics, Keys(user="s3cret")), "127.0.0.1", 0)
         await server.start()
         return server
 
@@ -415,6 +416,57 @@ def test_api_key(served):
         right = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", max_retries=0)
         assert right.completions.create(model="tiny", prompt=PROMPT, max_tokens=1).choices
         assert httpx.get(f"{base}/health").status_code == 200  # open, as gRPC health
+    finally:
+        served.call(server.stop(1))
+
+
+def test_admin_operations_are_not_served_without_an_admin_key(served, base_url):
+    """A server started without --admin_api_key has no admin operations (any client
+    could pause, sleep, load weights or adapters from server paths): 404 and
+    UNIMPLEMENTED, the engine untouched."""
+    from server import jaxserve_pb2 as pb
+
+    for method, path in [("POST", "/pause"), ("POST", "/sleep"), ("GET", "/is_paused")]:
+        r = httpx.request(method, base_url + path)
+        assert r.status_code == 404, (path, r.text)
+    r = httpx.post(base_url + "/update_weights", json={"path": "/etc"})
+    assert r.status_code == 404
+    r = httpx.post(base_url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/"})
+    assert r.status_code == 404
+    stub = pb_grpc.JaxServeStub(grpc.insecure_channel(served.target))
+    for call, request in [
+        (stub.Sleep, pb.SleepRequest()),
+        (stub.UpdateWeights, pb.UpdateWeightsRequest(path="/etc")),
+        (stub.ResetPrefixCache, pb.EngineStateRequest()),
+    ]:
+        with pytest.raises(grpc.RpcError) as e:
+            call(request)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    front = served.server.state.engine
+    assert not front.is_paused and not front.is_sleeping and front.weight_version == 0
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(served):
+    """The key first, then the declared size: an unauthenticated 22 MiB body is 401
+    and a keyed one 413 naming the limit, neither read (it held the event loop ~2 s)."""
+    state, metrics = served.server.state, served.server.metrics
+
+    async def start():
+        keys = Keys(user="s3cret", max_body_bytes=1 << 20)
+        server = HttpServer(build_app(state, metrics, keys), "127.0.0.1", 0)
+        await server.start()
+        return server
+
+    server = served.call(start())
+    try:
+        url = f"http://127.0.0.1:{server.port}/v1/completions"
+        big = b"{" + b" " * (22 << 20) + b"}"
+        r = httpx.post(url, content=big, timeout=60)
+        assert r.status_code == 401
+        r = httpx.post(url, content=big, headers={"x-api-key": "s3cret"}, timeout=60)
+        assert r.status_code == 413 and "over 1048576 bytes" in r.json()["error"]["message"]
+        ok = {"prompt": PROMPT, "max_tokens": 1}
+        assert httpx.post(url, json=ok, headers={"x-api-key": "s3cret"}).status_code == 200
     finally:
         served.call(server.stop(1))
 

@@ -17,6 +17,7 @@ from conftest import ServerThread
 from test_http_tools import LLM_KWARGS, SCHEMAS, TRIP, WEATHER, client_of, demo_copy
 
 from jaxserve.tokenizer import Tokenizer
+from server.edge import Keys
 from server.openai_api.api import HttpServer, build_app
 from server.openai_api.chat_output import ChatParsers
 from server.openai_api.responses import OutputItems
@@ -323,7 +324,7 @@ def app_with(served, **kw):
 
 
 def test_behind_the_api_key(served):
-    with app_with(served, api_key="s3cret", parsers=ChatParsers("hermes")) as port:
+    with app_with(served, keys=Keys(user="s3cret"), parsers=ChatParsers("hermes")) as port:
         r = httpx.post(f"http://127.0.0.1:{port}/v1/responses", json={"input": "hi"})
         assert r.status_code == 401
         key = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3cret")

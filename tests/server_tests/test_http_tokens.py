@@ -11,6 +11,7 @@ import pytest
 from conftest import SERVER_LLM, ServerThread
 
 from jaxserve import LLM, SamplingParams
+from server.edge import Keys
 from server.openai_api.api import HttpServer, build_app
 
 MODE = "processed_logprobs"
@@ -183,7 +184,7 @@ def test_behind_the_api_key(served):
     state, metrics = served.server.state, served.server.metrics
 
     async def start():
-        server = HttpServer(build_app(state, metrics, api_key="s3cret"), "127.0.0.1", 0)
+        server = HttpServer(build_app(state, metrics, Keys(user="s3cret")), "127.0.0.1", 0)
         await server.start()
         return server
 

@@ -1,6 +1,6 @@
 """Pause, sleep and weight updates over HTTP (`/pause`, `/resume`, `/is_paused`, `/sleep`,
 `/wake_up`, `/is_sleeping`, `/update_weights`, `/weight_version`, `/reset_prefix_cache`)
-and gRPC (`PauseGeneration`, ..., `UpdateWeights`, `ResetPrefixCache`), behind the API
+and gRPC (`PauseGeneration`, ..., `UpdateWeights`, `ResetPrefixCache`), behind the admin
 key, against one live server whose requests are refused at once while paused
 (`pause_wait_s=0`). A test that updates the weights puts W back (version 0) after it."""
 
@@ -18,15 +18,23 @@ from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
 from server.servicer import FIELD_METADATA
 
-KEY = "s3cret"
-AUTH = {"authorization": f"Bearer {KEY}"}
-GRPC_AUTH = [("x-api-key", KEY)]
+KEY, ADMIN_KEY = "s3cret", "adm1n"  # inference's key; the admin operations'
+# A client of both scopes: each scope's key in the header that scope checks too.
+AUTH = {"authorization": f"Bearer {KEY}", "x-api-key": ADMIN_KEY}
+GRPC_AUTH = [("authorization", f"Bearer {KEY}"), ("x-api-key", ADMIN_KEY)]
 COMPLETION = {"prompt": "The quick brown fox", "max_tokens": 3, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir):
-    server = ServerThread(tiny_model_dir, http_port=0, api_key=KEY, llm_kwargs={"pause_wait_s": 0})
+def served(tiny_model_dir, tmp_path_factory):
+    server = ServerThread(
+        tiny_model_dir,
+        http_port=0,
+        api_key=KEY,
+        admin_api_key=ADMIN_KEY,
+        allowed_local_paths=(str(tmp_path_factory.getbasetemp()),),  # (the models written)
+        llm_kwargs={"pause_wait_s": 0},
+    )
     yield server
     server.stop()
 
@@ -58,7 +66,8 @@ def gauge(http, name: str) -> float:
     raise AssertionError(f"no {name} in /metrics")
 
 
-def test_http_routes_need_the_api_key(served):
+def test_http_routes_need_the_admin_key(served):
+    """Inference's key does not open them; no key, a wrong one neither."""
     base = served.http_url
     for method, path in [
         ("POST", "/pause"),
@@ -71,9 +80,10 @@ def test_http_routes_need_the_api_key(served):
         ("GET", "/weight_version"),
         ("POST", "/reset_prefix_cache"),
     ]:
-        r = httpx.request(method, base + path, headers={"authorization": "Bearer wrong"})
-        assert r.status_code == 401, path
-        assert r.json()["error"]["code"] == "invalid_api_key"
+        for key in ("wrong", KEY):
+            r = httpx.request(method, base + path, headers={"authorization": f"Bearer {key}"})
+            assert r.status_code == 401, path
+            assert r.json()["error"]["code"] == "invalid_api_key"
     front = served.server.state.engine
     assert not front.is_paused and not front.is_sleeping and front.weight_version == 0
 
@@ -175,10 +185,11 @@ def test_a_sleep_the_engine_refuses_is_409(served, http, monkeypatch):
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_grpc_rpcs_need_the_api_key(stub):
-    with pytest.raises(grpc.RpcError) as e:
-        stub.PauseGeneration(pb.PauseRequest(mode="keep"))
-    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+def test_grpc_rpcs_need_the_admin_key(stub):
+    for metadata in ((), [("authorization", f"Bearer {KEY}")]):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PauseGeneration(pb.PauseRequest(mode="keep"), metadata=metadata)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with pytest.raises(grpc.RpcError) as e:
         stub.Sleep(pb.SleepRequest(), metadata=[("x-api-key", "wrong")])
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -350,6 +361,9 @@ def test_http_bad_update_is_400_naming_path_and_the_engine_serves_on(http, deepe
         ({"path": deeper_dir + "/missing"}, "path must be a model directory"),
         ({"path": deeper_dir}, "config.json has num_layers=3, the served model 2"),
         ({"path": 3}, "path must be str"),
+        # Outside --allowed_local_paths: refused alike whether it exists or not.
+        ({"path": "/etc"}, "not under the roots this server reads from"),
+        ({"path": "/no/such/dir"}, "not under the roots this server reads from"),
     ]
     for body, message in cases:
         r = http.post("/update_weights", json=body)

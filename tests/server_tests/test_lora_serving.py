@@ -23,9 +23,10 @@ from server import jaxserve_pb2_grpc as pb_grpc
 from server.app import JaxServeServer, ServerOptions
 from server.lora_registry import LoRAModule, LoRAModuleError, LoRARegistry, parse_lora_modules
 
-KEY = "s3cret"
-AUTH = {"authorization": f"Bearer {KEY}"}
-GRPC_AUTH = [("x-api-key", KEY)]
+KEY, ADMIN_KEY = "s3cret", "adm1n"  # inference's key; the admin operations' (adapters)
+# A client of both scopes: each scope's key in the header that scope checks too.
+AUTH = {"authorization": f"Bearer {KEY}", "x-api-key": ADMIN_KEY}
+GRPC_AUTH = [("authorization", f"Bearer {KEY}"), ("x-api-key", ADMIN_KEY)]
 LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
 PROMPT = [17, 250, 31, 99, 4, 120, 77, 5, 201, 64, 12, 300]
 MESSAGES = [{"role": "user", "content": "Write a haiku."}]
@@ -51,11 +52,17 @@ def offline(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir, offline):
+def served(tiny_model_dir, offline, tmp_path_factory):
     paths, _ = offline
     modules = (LoRAModule("sql", paths[0]), LoRAModule("chat", paths[1]))
     server = ServerThread(
-        tiny_model_dir, http_port=0, api_key=KEY, llm_kwargs=LORA, lora_modules=modules
+        tiny_model_dir,
+        http_port=0,
+        api_key=KEY,
+        admin_api_key=ADMIN_KEY,
+        allowed_local_paths=(str(tmp_path_factory.getbasetemp()),),  # (the tests' files)
+        llm_kwargs=LORA,
+        lora_modules=modules,
     )
     yield server
     server.stop()
@@ -177,6 +184,10 @@ def test_http_load_and_unload_at_run_time(served, http, offline, tmp_path):
         ({"lora_name": "x", "lora_path": other_base}, "lora_path", "maps 48 -> 64 features"),
         ({"lora_name": "x", "lora_path": dora}, "lora_path", "DoRA (use_dora) is not supported"),
         ({"lora_name": 3, "lora_path": "p"}, "lora_name", "string"),
+        # Outside --allowed_local_paths: refused alike whether it exists or not.
+        ({"lora_name": "x", "lora_path": "/etc"}, "lora_path", "not under the roots"),
+        ({"lora_name": "x", "lora_path": "/no/such"}, "lora_path", "not under the roots"),
+        ({"lora_name": "x", "lora_path": "p"}, "lora_path", "not under the roots"),
     ]:
         message = error_of(http.post("/v1/load_lora_adapter", json=body), 400, param)
         assert words in message, message
@@ -222,18 +233,23 @@ def test_an_adapter_running_requests_use_is_not_unloaded(served, http, offline):
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "extra"}).status_code == 200
 
 
-def test_the_lora_routes_and_rpcs_need_the_api_key(served, stub):
+def test_the_lora_routes_and_rpcs_need_the_admin_key(served, stub):
+    """Loading an adapter is an admin operation: inference's key does not open it."""
     base = served.http_url
     for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
-        r = httpx.post(base + path, json={"lora_name": "sql", "lora_path": "p"})
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        for headers in ({}, {"authorization": f"Bearer {KEY}"}):
+            r = httpx.post(
+                base + path, json={"lora_name": "sql", "lora_path": "p"}, headers=headers
+            )
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     for call, request in [
         (stub.LoadLoRAAdapter, pb.LoadLoRAAdapterRequest(lora_name="x", lora_path="p")),
         (stub.UnloadLoRAAdapter, pb.UnloadLoRAAdapterRequest(lora_name="sql")),
     ]:
-        with pytest.raises(grpc.RpcError) as e:
-            call(request, metadata=[("x-api-key", "wrong")])
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for metadata in ([("x-api-key", "wrong")], [("authorization", f"Bearer {KEY}")]):
+            with pytest.raises(grpc.RpcError) as e:
+                call(request, metadata=metadata)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert [a.lora_name for a in served.server.state.loras.adapters()] == ["sql", "chat"]
 
 

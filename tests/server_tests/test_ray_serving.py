@@ -20,7 +20,7 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "A B C D E F G H I J K L",
 
 @pytest.mark.slow
 def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(
-    tiny_model_dir, tiny_model_dir_new
+    tiny_model_dir, tiny_model_dir_new, tmp_path_factory
 ):
     """Streams over gRPC and completions over HTTP equal the offline engine's greedy
     tokens, spread over both replicas; /metrics shows each; a cancelled stream frees its
@@ -38,6 +38,8 @@ def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(
     server = ServerThread(
         tiny_model_dir,
         http_port=0,
+        admin_api_key="adm1n",
+        allowed_local_paths=(str(tmp_path_factory.getbasetemp()),),
         llm_kwargs=dict(data_parallel_size=2, data_parallel_backend="ray", step_timeout_s=5),
     )
     try:
@@ -75,7 +77,8 @@ def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(
             time.sleep(0.1)
 
         # Pause and sleep reach every replica's actor; the front answers their state.
-        with httpx.Client(base_url=server.http_url) as http:
+        admin = {"authorization": "Bearer adm1n"}
+        with httpx.Client(base_url=server.http_url, headers=admin) as http:
             assert http.post("/pause", params={"mode": "keep"}, timeout=60).json()["is_paused"]
             assert all(r.is_paused for r in front.replicas)
             assert http.post("/sleep", params={"level": 2}, timeout=60).json()["is_sleeping"]

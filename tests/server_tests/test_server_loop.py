@@ -27,7 +27,8 @@ from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.request_state import RequestState
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
-from server.app import JaxServeServer, ListenError, ServerOptions, _ApiKeyInterceptor
+from server.app import SERVICE_NAME, JaxServeServer, ListenError, ServerOptions
+from server.edge import GrpcEdge, Keys
 from server.openai_api.api import build_app
 from server.prometheus import ServerMetrics
 from server.serving import ServingState
@@ -201,7 +202,7 @@ def compared(monkeypatch):
 
 
 def test_http_api_keys_are_compared_in_constant_time_as_bytes(compared):
-    app = build_app(ServingState(model_name="m"), ServerMetrics("m", lambda: None), KEY)
+    app = build_app(ServingState(model_name="m"), ServerMetrics("m", lambda: None), Keys(user=KEY))
     utf8 = KEY.encode()
 
     async def status(headers: dict) -> int:
@@ -232,7 +233,7 @@ def test_http_api_keys_are_compared_in_constant_time_as_bytes(compared):
 
 
 def test_grpc_api_keys_are_compared_in_constant_time_as_bytes(compared):
-    interceptor = _ApiKeyInterceptor(KEY)
+    interceptor = GrpcEdge(SERVICE_NAME, Keys(user=KEY))
     handler = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
 
     async def continuation(details):
