@@ -106,7 +106,7 @@ def main() -> None:
     results = {}
 
     port = free_port()
-    both = serve("0,1", *engine, f"--port={port}", log=f"{args.out}/both.log")
+    both = serve("0,1", *engine, f"--grpc_port={port}", "--port=0", log=f"{args.out}/both.log")
     try:
         wait_serving(f"127.0.0.1:{port}", both)
         results["colocated (cores 0-1)"] = bench(
@@ -117,8 +117,22 @@ def main() -> None:
 
     ports = [free_port() for _ in range(3)]
     procs = [
-        serve("0", *engine, "--role=prefill", f"--port={ports[0]}", log=f"{args.out}/p.log"),
-        serve("1", *engine, "--role=decode", f"--port={ports[1]}", log=f"{args.out}/d.log"),
+        serve(
+            "0",
+            *engine,
+            "--role=prefill",
+            f"--grpc_port={ports[0]}",
+            "--port=0",
+            log=f"{args.out}/p.log",
+        ),
+        serve(
+            "1",
+            *engine,
+            "--role=decode",
+            f"--grpc_port={ports[1]}",
+            "--port=0",
+            log=f"{args.out}/d.log",
+        ),
     ]
     try:
         for p, port in zip(procs, ports, strict=False):
@@ -126,7 +140,7 @@ def main() -> None:
         router = serve(
             "0,1",
             "--role=router",
-            f"--port={ports[2]}",
+            f"--grpc_port={ports[2]}",
             f"--prefill_targets=127.0.0.1:{ports[0]}",
             f"--decode_targets=127.0.0.1:{ports[1]}",
             log=f"{args.out}/router.log",
