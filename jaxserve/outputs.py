@@ -71,6 +71,8 @@ class ModelInfo:
     num_devices: int = 1
     num_processes: int = 1
     kv_cache_bytes_per_device: int = 0
+    # The host KV tier's bytes (kv_offload_bytes): what pushed pages may fill; 0: none.
+    kv_tier_bytes: int = 0
 
 
 @dataclasses.dataclass

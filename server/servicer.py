@@ -453,9 +453,23 @@ class JaxServeServicer(LifecycleRPCs, LoRARPCs, pb_grpc.JaxServeServicer):  # pa
         return reply
 
     async def PushKV(self, request_iterator, context):
+        """Bounded before it is read: refused at once without a tier to keep pages in,
+        and as soon as the stream passes the tier's bytes."""
         engine = await self._transferring(context)
-        pages = []
+        bound = engine.model_info.kv_tier_bytes
+        if not bound:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this instance has no KV tier to receive pages in (kv_offload_bytes)",
+            )
+        pages, size = [], 0
         async for msg in request_iterator:
+            size += sum(len(page) for page in msg.pages)
+            if size > bound:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the pushed pages pass {bound} bytes, this instance's KV tier",
+                )
             pages.extend(msg.pages)
         try:
             kept = await engine.import_pages(pages)

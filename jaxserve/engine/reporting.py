@@ -30,6 +30,7 @@ def model_info(c, runner) -> ModelInfo:
         num_devices=runner.layout["devices"],
         num_processes=runner.layout["processes"],
         kv_cache_bytes_per_device=runner.kv_bytes_per_device,
+        kv_tier_bytes=c.cache.offload_bytes if c.cache.offload else 0,
     )
 
 

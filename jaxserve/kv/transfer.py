@@ -128,20 +128,16 @@ def decode_page(layout: KVLayout, data: bytes, digest: bytes | None = None) -> P
         parent, tokens = bytes.fromhex(header["parent"]), tuple(header["tokens"])
     except (ValueError, KeyError, TypeError) as e:
         raise KVTransferError(f"KV page header unreadable: {e}") from None
-    if fingerprint != layout.fingerprint:
-        raise KVTransferError(
-            f"KV page from another model or layout: fingerprint {fingerprint}, this engine's "
-            f"is {layout.fingerprint}"
-        )
+    if fingerprint != layout.fingerprint:  # (the refusal names neither: it would be a key)
+        raise KVTransferError("KV page from another model or layout (fingerprints differ)")
     if digest is not None and page_hex != digest.hex():
         raise KVTransferError(f"KV page is {page_hex}, asked for {digest.hex()}")
     if len(tokens) != layout.page_size:
-        raise KVTransferError(f"KV page holds {len(tokens)} tokens; pages hold {layout.page_size}")
+        raise KVTransferError(f"KV page holds {len(tokens)} tokens, not this layout's page size")
     offset, arrays = start + n, {}
     if len(body) - offset != layout.page_bytes:
         raise KVTransferError(
-            f"KV page has {len(body) - offset} bytes of arrays; the layout needs "
-            f"{layout.page_bytes}"
+            f"KV page has {len(body) - offset} bytes of arrays, not this layout's size"
         )
     for spec in layout.arrays:
         flat = np.frombuffer(

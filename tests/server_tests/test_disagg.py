@@ -262,3 +262,48 @@ def test_peers_take_the_peer_key_and_clients_cannot_push_pages(tiny_model_dir):
         router.stop()
         for s in (prefill, decode):
             s.stop()
+
+
+def test_pushed_pages_are_bounded_before_they_are_read_and_refusals_reveal_no_layout(cluster):
+    """PushKV held a whole stream (64 MiB) before checking anything, even without a tier;
+    a junk page's refusal named the layout's fingerprint, the key to forging one."""
+    prefill, decodes, _ = cluster
+    sent = []
+
+    def pages(n, size):
+        for _ in range(n):
+            sent.append(size)
+            yield pb.KVPages(pages=[b"\0" * size])
+
+    # No tier (the prefill instance): refused before the stream is taken.
+    with pytest.raises(grpc.RpcError) as e:
+        stub(prefill.target).PushKV(pages(64, 1 << 20), timeout=60)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no KV tier" in e.value.details()
+    # A tier of 16 MiB: refused once the stream passes it, not after 64 MiB.
+    with pytest.raises(grpc.RpcError) as e:
+        stub(decodes[0].target).PushKV(pages(64, 1 << 20), timeout=60)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+    assert "16777216 bytes" in e.value.details()
+    # A junk page carrying a made-up fingerprint: refused, the real one not named.
+    layout = decodes[0].engine.kv_layout
+    with pytest.raises(grpc.RpcError) as e:
+        stub(decodes[0].target).PushKV(iter([pb.KVPages(pages=[_junk_page("0" * 16)])]))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "fingerprints differ" in e.value.details()
+    assert layout.fingerprint not in e.value.details()
+
+
+def _junk_page(fingerprint: str) -> bytes:
+    """Bytes that pass a page's framing and checksum, with this header."""
+    import hashlib
+    import json
+    import struct
+
+    from jaxserve.kv import transfer
+
+    header = json.dumps(
+        {"fingerprint": fingerprint, "digest": "00", "parent": "", "tokens": [1]}
+    ).encode()
+    body = transfer.MAGIC + struct.pack("<I", len(header)) + header
+    return body + hashlib.blake2b(body, digest_size=transfer._CHECKSUM_BYTES).digest()
