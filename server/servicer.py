@@ -337,13 +337,14 @@ class JaxServeServicer(LifecycleRPCs, LoRARPCs, pb_grpc.JaxServeServicer):  # pa
         tok = await self._tokenizer(context)
         kind = request.WhichOneof("input")
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        # Off the event loop (a long prompt held every stream).
         if kind == "text":
-            return pb.TokenizeResponse(
-                token_ids=tok.encode(request.text, add_special_tokens=add_special)
-            )
+            ids = await asyncio.to_thread(tok.encode, request.text, add_special_tokens=add_special)
+            return pb.TokenizeResponse(token_ids=ids)
         if kind == "messages":
             try:
-                parsed = parse_prompt({"messages": servicer_chat.messages(request.messages)}, tok)
+                messages = {"messages": servicer_chat.messages(request.messages)}
+                parsed = await asyncio.to_thread(parse_prompt, messages, tok)
             except ValueError as e:
                 await self._invalid(context, e)
             return pb.TokenizeResponse(token_ids=parsed.token_ids)
@@ -358,9 +359,9 @@ class JaxServeServicer(LifecycleRPCs, LoRARPCs, pb_grpc.JaxServeServicer):  # pa
                 context, f"token_ids outside the vocabulary [0, {vocab}): {bad[:5]}"
             )
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return pb.DetokenizeResponse(
-            text=tok.decode(list(request.token_ids), skip_special_tokens=skip)
-        )
+        ids = list(request.token_ids)
+        text = await asyncio.to_thread(tok.decode, ids, skip_special_tokens=skip)
+        return pb.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request, context):
         info = (await self._ready(context)).model_info

@@ -206,6 +206,10 @@ def build_app(
         tok = _tokenizer(state)
         if (body.prompt is None) == (body.messages is None):
             raise _Error(400, "give one of prompt or messages", "invalid_request_error", "prompt")
+        # Off the event loop: a 4 MiB prompt took 3.4 s, every stream stalled meanwhile.
+        return await asyncio.to_thread(tokenized, body, tok, info)
+
+    def tokenized(body: TokenizeRequest, tok, info) -> dict[str, Any]:
         try:
             if body.prompt is not None:
                 ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -237,7 +241,7 @@ def build_app(
             raise serving.invalid(
                 metrics, f"tokens outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens"
             )
-        return {"prompt": tok.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(tok.decode, body.tokens)}
 
     routers = [app.router, api, lifecycle_router(state, metrics), lora_router(state, metrics)]
     operations.check_table(http_routes=_routes(routers))
