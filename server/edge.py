@@ -20,8 +20,8 @@ import json
 
 import grpc
 
-from server import auth
-from server.operations import BY_METHOD, BY_ROUTE, Operation
+from server import auth, operations
+from server.operations import BY_METHOD, Operation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +69,7 @@ class HttpEdge:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        op = BY_ROUTE.get((scope["method"], scope["path"]))
+        op = operations.route(scope["method"], scope["path"])
         if op is None:
             return await self.app(scope, receive, send)
         if op.scope == "admin" and self.keys.admin is None:

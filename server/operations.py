@@ -19,6 +19,7 @@ read; the table is the one place a new operation's scope and limits are declared
 from __future__ import annotations
 
 import dataclasses
+import re
 
 SCOPES = ("open", "user", "admin", "peer")
 ADMIN_BODY_BYTES = 64 << 10  # an admin request names a mode, a path, an adapter
@@ -47,6 +48,7 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("health", "open", (("GET", "/health"),)),
     Operation("metrics", "open", (("GET", "/metrics"),)),
     Operation("models", "user", (("GET", "/v1/models"),), ("GetModelInfo",)),
+    Operation("model", "user", (("GET", "/v1/models/{model:path}"),)),
     Operation("completions", "user", (("POST", "/v1/completions"),), ("Complete",)),
     Operation("chat_completions", "user", (("POST", "/v1/chat/completions"),)),
     Operation("responses", "user", (("POST", "/v1/responses"),)),
@@ -70,6 +72,33 @@ OPERATIONS: tuple[Operation, ...] = (
 
 BY_ROUTE: dict[tuple[str, str], Operation] = {r: op for op in OPERATIONS for r in op.http}
 BY_METHOD: dict[str, Operation] = {m: op for op in OPERATIONS for m in op.grpc}
+
+
+def _pattern(path: str) -> re.Pattern:
+    """A route's path as a regex: "{name}" one segment, "{name:path}" the rest."""
+    parts = re.split(r"(\{[^}]+\})", path)
+    return re.compile(
+        "^"
+        + "".join(
+            (".+" if p.endswith(":path}") else "[^/]+") if p.startswith("{") else re.escape(p)
+            for p in parts
+        )
+        + "$"
+    )
+
+
+# Routes with a parameter ("/v1/models/{model:path}").
+_TEMPLATES = [(m, _pattern(path), op) for (m, path), op in BY_ROUTE.items() if "{" in path]
+
+
+def route(method: str, path: str) -> Operation | None:
+    """The operation an HTTP request names, or None (a route no operation declares)."""
+    op = BY_ROUTE.get((method, path))
+    if op is None:
+        for m, pattern, candidate in _TEMPLATES:
+            if m == method and pattern.match(path):
+                return candidate
+    return op
 
 
 def check_table(

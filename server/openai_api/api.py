@@ -145,8 +145,8 @@ def build_app(
         body = await asyncio.to_thread(generate_latest, metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @api.get("/v1/models")
-    async def models():
+    def model_cards() -> list[dict[str, Any]]:
+        """The served model's card, then each LoRA adapter's, as OpenAI's `Model`."""
         info = serving.ready(state).model_info
         created = int(time.time())
 
@@ -163,8 +163,27 @@ def build_app(
             }
 
         cards = [card(state.model_name, info.model_dir, None)]
-        cards += [card(a.lora_name, a.lora_path, state.model_name) for a in state.loras.adapters()]
-        return {"object": "list", "data": cards}
+        return cards + [
+            card(a.lora_name, a.lora_path, state.model_name) for a in state.loras.adapters()
+        ]
+
+    @api.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": model_cards()}
+
+    @api.get("/v1/models/{model:path}")
+    async def model(model: str):
+        """OpenAI's retrieve (`client.models.retrieve(id)`)."""
+        for card in model_cards():
+            if card["id"] == model:
+                return card
+        raise _Error(
+            404,
+            f"The model `{model}` does not exist.",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

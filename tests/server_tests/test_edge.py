@@ -93,6 +93,10 @@ def test_user_routes_take_the_user_key_and_open_routes_none():
     open_edge = HttpEdge(app, Keys(admin=ADMIN))
     assert call(open_edge, "POST", "/v1/completions")[0] == 200
     assert call(open_edge, "POST", "/pause")[0] == 401
+    # A route with a parameter is guarded as its template (an id may hold slashes).
+    assert call(edge, "GET", "/v1/models/org/some-model")[0] == 401
+    assert call(edge, "GET", "/v1/models/org/some-model", headers=bearer(USER))[0] == 200
+    app.calls -= 1
     # A route the table does not declare goes on to the app (its own 404).
     assert call(edge, "GET", "/no/such/route")[0] == 200 and app.calls == 5
 

@@ -74,6 +74,11 @@ def wait_idle(engine, timeout=10):
 def test_models_health_and_metrics(client, http):
     (model,) = client.models.list().data
     assert model.id == "tiny" and model.max_model_len == 128
+    # The official client's retrieve (GET /v1/models/{id}); an unknown id is 404.
+    assert client.models.retrieve("tiny").model_dump() == model.model_dump()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/other-model")
+    assert e.value.body["code"] == "model_not_found"
     assert http.get("/health").status_code == 200
     before = http.get("/metrics").text
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
