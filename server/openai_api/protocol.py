@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxserve.sampling_params import (
     FIELDS,
@@ -70,6 +70,20 @@ class StructuredOutputs(BaseModel):
 
 class _Request(BaseModel):
     """The fields completions and chat completions share."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """An explicit null is the field left unset, as OpenAI reads it (clients send
+        `"n": null`, `"stream": null`): the default, not a 400."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in fields or fields[k].default is None
+        }
 
     model: str | None = None
     n: int = 1

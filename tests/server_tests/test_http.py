@@ -502,6 +502,19 @@ def test_tokenize_runs_off_the_event_loop(served, base_url, monkeypatch):
     assert len(threads) >= 4 and served.thread.ident not in threads
 
 
+def test_an_explicit_null_is_the_default(http):
+    """OpenAI reads null as unset; these were 400s (issue 36, D2)."""
+    chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+    nulls = {"n": None, "stream": None, "logprobs": None, "parallel_tool_calls": None}
+    r = http.post("/v1/chat/completions", json={**chat, **nulls})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    completion = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}
+    r = http.post("/v1/completions", json={**completion, "n": None, "stream": None, "echo": None})
+    assert r.status_code == 200, r.text
+    assert not r.json()["choices"][0]["text"].startswith(PROMPT)  # (echo: false)
+
+
 def test_client_that_disconnects_frees_its_request(served, base_url, monkeypatch):
     engine = served.engine
     slow_down(monkeypatch, engine)
