@@ -1,7 +1,8 @@
 """The persistent compilation cache: a second start loads every step program, and
 processes sharing the cache lock it (an unlocked, half-written entry crashed a
-reader in another process). It is JAX's, process-wide: the command line sets it and
-`LLM(compilation_cache_dir=...)` opts in; constructing an engine never does."""
+reader in another process). It is JAX's, process-wide: the command line and `LLM()`
+set it (the default directory, unless the process set one; None: none), constructing
+an engine never does."""
 
 import os
 import subprocess
@@ -61,9 +62,9 @@ from jaxserve.llm import DEFAULT_COMPILATION_CACHE
 from server.cli import engine_flags
 
 small = dict(warmup=False, max_num_seqs=4, max_num_batched_tokens=64, num_kv_pages=32)
-with LLM("demo-model-tiny", **small) as llm:
+with LLM("demo-model-tiny", compilation_cache_dir=None, **small) as llm:
     config = llm.config
-print("LLM()", jax.config.jax_compilation_cache_dir)
+print("LLM(compilation_cache_dir=None)", jax.config.jax_compilation_cache_dir)
 # A config that names a directory does not make an engine set it either.
 with LLMEngine(dataclasses.replace(config, compilation_cache_dir=sys.argv[1])):
     pass
@@ -75,15 +76,34 @@ with LLM("demo-model-tiny", **{**engine_flags.engine_kwargs(), **small}):
 print("command line", jax.config.jax_compilation_cache_dir)
 """
 
+# A new process's LLM() uses the default cache; one the process set first is kept.
+LLM_DEFAULT = """
+import sys
+import jax
+from jaxserve import LLM
+from jaxserve.llm import DEFAULT_COMPILATION_CACHE
+
+small = dict(warmup=False, max_num_seqs=4, max_num_batched_tokens=64, num_kv_pages=32)
+if sys.argv[1] != "-":
+    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+with LLM("demo-model-tiny", **small):
+    pass
+got = jax.config.jax_compilation_cache_dir
+print("LLM()", "the default" if got == DEFAULT_COMPILATION_CACHE else got)
+"""
+
 
 @pytest.mark.slow
-def test_only_the_command_line_and_an_opted_in_llm_set_the_cache(tmp_path):
+def test_the_command_line_and_llm_set_the_cache_and_an_engine_never_does(tmp_path):
     assert _python(WHO_SETS_IT, tmp_path)[-4:] == [
-        "LLM() None",
+        "LLM(compilation_cache_dir=None) None",
         "LLMEngine None",
         "flag default True",
         f"command line {tmp_path}",
     ]
+    # (LLM() in a new process: ~82 s of compiling the demo model, 9 s from the cache.)
+    assert _python(LLM_DEFAULT, "-")[-1] == "LLM() the default"
+    assert _python(LLM_DEFAULT, tmp_path)[-1] == f"LLM() {tmp_path}"  # the process's kept
 
 
 # A Pallas kernel compiled for a compile-only TPU and GPU three times: as it is, again,

@@ -319,3 +319,30 @@ def test_a_detokenizer_that_raises_fails_only_its_prompt(llm, monkeypatch, caplo
     assert llm.engine.stats().kv_cache_usage == 0
     monkeypatch.undo()
     assert llm.generate(prompts[1:2], GREEDY, use_tqdm=False)[0].outputs[0].text == want[1].text
+
+
+LOGS = """
+import logging, sys
+if sys.argv[1] == "configured":
+    logging.basicConfig(level=logging.WARNING)
+from jaxserve import LLM
+LLM("demo-model-tiny", max_num_seqs=4, max_num_batched_tokens=64, warmup=False,
+    compilation_cache_dir=None).close()
+"""
+
+
+@pytest.mark.parametrize("logging_set", ["default", "configured"])
+def test_the_python_api_logs_what_the_command_line_does_unless_logging_is_configured(
+    logging_set,
+):
+    """LLM() printed no log at all (no model line, no KV capacity); now INFO on stderr,
+    as vLLM's, and nothing where the program configured logging itself."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", LOGS, logging_set], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = "INFO" in proc.stderr and "KV cache:" in proc.stderr and "loaded " in proc.stderr
+    assert said == (logging_set == "default"), proc.stderr[-3000:]
