@@ -108,22 +108,27 @@ class LLMEngine(EngineLifecycle, KVTransfer):  # pause and sleep; KV pages that 
             page_size=config.cache.page_size, interval_s=config.stats_interval_s
         )
         self._wire_step(config, make_proposer(spec))
-        logger.info(
-            "engine ready: %d KV tokens in %d pages of %d; max concurrency at max_model_len "
-            "%d: %.2fx; prefix caching %s",
-            self.runner.kv_tokens,
-            self.pool.capacity,
-            config.cache.page_size,
-            config.max_model_len,
-            self.runner.max_concurrency,
-            "on" if config.scheduler.enable_prefix_caching else "off",
-        )
         try:  # warm-up's programs by name
             self.compiled = load_or_warm_up(config, self.runner, self.tier is not None, target)
         except BaseException:  # (a bundle refused, a failed compile): nothing stays behind
             self.closed = True
             self._release()
             raise
+        # Ready once warmed up: a request now compiles nothing.
+        logger.info(
+            "engine ready: %d KV tokens in %d pages of %d; max concurrency at max_model_len "
+            "%d: %.2fx; prefix caching %s; %d programs in %.1fs (%d from the compilation "
+            "cache)",
+            self.runner.kv_tokens,
+            self.pool.capacity,
+            config.cache.page_size,
+            config.max_model_len,
+            self.runner.max_concurrency,
+            "on" if config.scheduler.enable_prefix_caching else "off",
+            len(self.compiled),
+            self.runner.warmup_seconds,
+            self.runner.warmup_cache_hits,
+        )
 
     def _wire_step(self, config: EngineConfig, proposer) -> None:
         """The step's collaborators, sharing the engine's request table and stats;
