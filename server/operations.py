@@ -92,7 +92,9 @@ _TEMPLATES = [(m, _pattern(path), op) for (m, path), op in BY_ROUTE.items() if "
 
 
 def route(method: str, path: str) -> Operation | None:
-    """The operation an HTTP request names, or None (a route no operation declares)."""
+    """The operation an HTTP request names, or None (a route no operation declares). A
+    HEAD is its GET's (Starlette answers HEAD by running the GET route)."""
+    method = "GET" if method == "HEAD" else method
     op = BY_ROUTE.get((method, path))
     if op is None:
         for m, pattern, candidate in _TEMPLATES:

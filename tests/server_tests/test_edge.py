@@ -93,6 +93,9 @@ def test_user_routes_take_the_user_key_and_open_routes_none():
     open_edge = HttpEdge(app, Keys(admin=ADMIN))
     assert call(open_edge, "POST", "/v1/completions")[0] == 200
     assert call(open_edge, "POST", "/pause")[0] == 401
+    # A HEAD is guarded as its GET (Starlette runs the GET route for it).
+    assert call(edge, "HEAD", "/v1/models")[0] == 401
+    assert call(HttpEdge(app, Keys(user=USER)), "HEAD", "/is_paused")[0] == 404
     # A route with a parameter is guarded as its template (an id may hold slashes).
     assert call(edge, "GET", "/v1/models/org/some-model")[0] == 401
     assert call(edge, "GET", "/v1/models/org/some-model", headers=bearer(USER))[0] == 200
