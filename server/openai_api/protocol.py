@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -74,15 +74,16 @@ class _Request(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
-        """An explicit null is the field left unset, as OpenAI reads it (clients send
-        `"n": null`, `"stream": null`): the default, not a 400."""
+        """An explicit null for a field that cannot be null is the field left unset, as
+        OpenAI reads it (clients send `"n": null`, `"stream": null`): its default, not a
+        400. A nullable field keeps its null (completions' `max_tokens: null`: no cap)."""
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
         return {
             k: v
             for k, v in data.items()
-            if v is not None or k not in fields or fields[k].default is None
+            if v is not None or k not in fields or type(None) in get_args(fields[k].annotation)
         }
 
     model: str | None = None
