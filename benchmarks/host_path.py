@@ -18,6 +18,7 @@ tree: it imports the `jaxserve` beside it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -61,6 +62,7 @@ def measure(model: str, running: int, context: int, steps: int) -> dict:
         engine.step()
     for _ in range(4):  # every sequence decoding
         engine.step()
+    gc.collect()  # (the configurations before this one leave garbage: not this one's cost)
     before = engine.stats()
     tokens = before.generation_tokens
     t0 = time.perf_counter()

@@ -193,40 +193,18 @@ def _deny(handler, code: grpc.StatusCode, message: str):
     async def deny(request, context):
         await context.abort(code, message)
 
-    if handler.request_streaming:
+    async def deny_stream(request, context):
+        await deny(request, context)
+        yield  # pragma: no cover - makes this an async generator
 
-        async def deny_pushed(request_iterator, context):
-            await deny(None, context)
-
-        if handler.response_streaming:
-
-            async def deny_both(request_iterator, context):
-                await deny(None, context)
-                yield  # pragma: no cover - makes this an async generator
-
-            return grpc.stream_stream_rpc_method_handler(
-                deny_both,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return grpc.stream_unary_rpc_method_handler(
-            deny_pushed,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-    if handler.response_streaming:
-
-        async def deny_stream(request, context):
-            await deny(request, context)
-            yield  # pragma: no cover - makes this an async generator
-
-        return grpc.unary_stream_rpc_method_handler(
-            deny_stream,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-    return grpc.unary_unary_rpc_method_handler(
-        deny,
+    factory, behaviour = {
+        (False, False): (grpc.unary_unary_rpc_method_handler, deny),
+        (False, True): (grpc.unary_stream_rpc_method_handler, deny_stream),
+        (True, False): (grpc.stream_unary_rpc_method_handler, deny),
+        (True, True): (grpc.stream_stream_rpc_method_handler, deny_stream),
+    }[handler.request_streaming, handler.response_streaming]
+    return factory(
+        behaviour,
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
     )
