@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
 import sys
+
+# Device nodes of an accelerator JAX could use (NVIDIA, TPU v4/v5e, AMD); a TPU whose
+# chips are VFIO devices has entries in /dev/vfio beside its "vfio" control node.
+_ACCELERATOR_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/accel0", "/dev/kfd")
 
 COMMANDS = {
     "generate": ("server.cli.generate", "offline batch generation"),
@@ -41,6 +46,7 @@ def run(argv: list[str] | None = None) -> None:
     if command not in COMMANDS:
         print(f"jaxserve: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         sys.exit(2)
+    _local_platform(os.environ)
     module = importlib.import_module(COMMANDS[command][0])
     if any(a in _HELP for a in argv[2:]):
         print(command_help(command))
@@ -49,6 +55,19 @@ def run(argv: list[str] | None = None) -> None:
 
     args = normalize_flag_names(argv[2:], flags.FLAGS)
     app.run(module.main, argv=[f"jaxserve {command}", *args])
+
+
+def _local_platform(environ) -> None:
+    """On a machine with no accelerator, JAX asks the CPU only (JAX_PLATFORMS=cpu,
+    unless set): its CUDA and TPU plugins, when installed (the compile and test
+    extras), printed a 30-line "Unable to load CUDA" traceback and libtpu errors
+    before every command. Before JAX is imported (it reads the variable once)."""
+    if "JAX_PLATFORMS" in environ:
+        return
+    vfio = os.listdir("/dev/vfio") if os.path.isdir("/dev/vfio") else []
+    if any(map(os.path.exists, _ACCELERATOR_NODES)) or any(n != "vfio" for n in vfio):
+        return
+    environ["JAX_PLATFORMS"] = "cpu"
 
 
 def normalize_flag_names(args: list[str], known) -> list[str]:

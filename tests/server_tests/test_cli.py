@@ -190,6 +190,22 @@ def test_default_model_and_sampling_flags(tmp_path):
     assert [got[c.index] for c in want.outputs] == [c.token_ids for c in want.outputs]
 
 
+def test_a_cpu_machine_hears_nothing_of_other_platforms(tiny_model_dir, tmp_path):
+    """With the compile and test extras installed, every command printed the CUDA
+    plugin's 30-line "Unable to load CUDA" traceback and libtpu's INVALID_ARGUMENT
+    lines on a machine with neither; JAX now asks the CPU alone (JAX_PLATFORMS unset,
+    no accelerator device node)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    out = tmp_path / "out.jsonl"
+    args = ["generate", f"--model={tiny_model_dir}", "--prompt=Hi", "--max_tokens=2"]
+    proc = _jaxserve(*args, "--warmup=false", f"--output={out}", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for noise in ("Unable to load CUDA", "Traceback", "INVALID_ARGUMENT", "libtpu"):
+        assert noise not in proc.stderr, (noise, proc.stderr[-3000:])
+
+
 @pytest.mark.slow
 def test_a_bad_input_line_is_named_and_nothing_runs(tiny_model_dir, tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
