@@ -82,7 +82,10 @@ def parse_prompt(
     text = prompt["prompt"]
     if not isinstance(text, str):
         raise ParamError("prompt", f"prompt must be text, got {type(text).__name__}")
-    return ParsedPrompt(_need_tokenizer(tokenizer, "prompt").encode(text), text)
+    ids = _need_tokenizer(tokenizer, "prompt").encode(text)
+    if not ids:  # (the engine would name prompt_token_ids, which the client never sent)
+        raise ParamError("prompt", f"prompt {text!r:.40} has no tokens: it must not be empty")
+    return ParsedPrompt(ids, text)
 
 
 def _need_tokenizer(tokenizer: Tokenizer | None, field: str) -> Tokenizer:

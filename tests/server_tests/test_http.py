@@ -515,6 +515,21 @@ def test_an_explicit_null_is_the_default(http):
     assert not r.json()["choices"][0]["text"].startswith(PROMPT)  # (echo: false)
 
 
+def test_an_empty_prompt_is_refused_naming_prompt():
+    """With a tokenizer that adds no BOS, "" has no tokens: the refusal named
+    prompt_token_ids, a field the client never sent (issue 36, D8)."""
+    from jaxserve.inputs import parse_prompt
+    from jaxserve.sampling_params import ParamError
+
+    class NoBos:
+        def encode(self, text, add_special_tokens=True):
+            return []
+
+    with pytest.raises(ParamError) as e:
+        parse_prompt({"prompt": ""}, NoBos())
+    assert e.value.field == "prompt" and "must not be empty" in str(e.value)
+
+
 def test_client_that_disconnects_frees_its_request(served, base_url, monkeypatch):
     engine = served.engine
     slow_down(monkeypatch, engine)
