@@ -59,7 +59,6 @@ from device_sections import (
     SMOKE,
     Plan,
     Section,
-    cpu_model,
     demo,
     jax_device,
     llama8b,
@@ -69,6 +68,7 @@ from device_sections import (
     run_section,
 )
 from device_torch import torch_decode
+from host_path import cpu_name
 from make_model import LLAMA_SHAPES
 
 SECTIONS = (
@@ -150,7 +150,7 @@ def run_group(args, group: str, sections: list[str], timeout: float, clock0: flo
             with open(path) as f:
                 data = json.load(f)
         except (OSError, ValueError):
-            data = {"section": name, "command": args.command, "machine": {"cpu": cpu_model()}}
+            data = {"section": name, "command": args.command, "machine": {"cpu": cpu_name()}}
         if data.get("status", "running") == "running":
             data.update(status=f"error: {why}", output_tail=list(tail))
             with open(path, "w") as f:

@@ -11,11 +11,11 @@ import glob
 import json
 import math
 import os
-import platform
 import shutil
 import time
 import traceback
 
+from host_path import cpu_name
 from make_model import write_streamed
 
 TRACE_FILE = "profile_trace.json.gz"
@@ -67,17 +67,6 @@ def log(msg: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 class Section:
     """One section's JSON file, rewritten whole (atomically) after each piece."""
 
@@ -88,7 +77,7 @@ class Section:
             "status": "running",
             "shape": args.shape,
             "smoke": args.smoke,
-            "machine": {"device": device, "cpu": cpu_model(), "cpu_count": os.cpu_count()},
+            "machine": {"device": device, "cpu": cpu_name(), "cpu_count": os.cpu_count()},
             "command": args.command,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         }

@@ -14,16 +14,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from device_bench import SECTIONS  # noqa: E402
 from trace_summary import summarize  # noqa: E402
-
-SECTIONS = (
-    "probe",
-    "llama8b_decode",
-    "llama8b_prefill",
-    "profile",
-    "demo_batch1",
-    "torch_fallback",
-)
 
 
 @pytest.fixture(scope="module")
