@@ -152,6 +152,19 @@ class ModelConfig:
     # --quantization=int8` wrote); None: stored in floating point.
     quantization: str | None = None
 
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence the model's positions cover (vLLM's derived
+        max_model_len): max_position_embeddings, stretched by linear rope scaling's
+        factor; YaRN's reach is its original positions times the factor (llama3's
+        configs already give the extended length)."""
+        rope = self.rope
+        if rope.rope_type == "linear":
+            return int(self.max_position_embeddings * rope.factor)
+        if rope.rope_type == "yarn":
+            return int(rope.original_max_position_embeddings * rope.factor)
+        return self.max_position_embeddings
+
     def __post_init__(self):
         for name in (
             "vocab_size",

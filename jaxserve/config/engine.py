@@ -33,6 +33,10 @@ class EngineConfig:
     model: ModelConfig
     dtype: str = "float32"
     max_model_len: int | None = None  # None: the model's max_position_embeddings.
+    # A max_model_len past the model's positions (`ModelConfig.max_positions`) is
+    # refused unless this is set (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN): positions the
+    # model never saw in training give wrong outputs, or NaNs.
+    allow_long_max_model_len: bool = False
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
@@ -70,6 +74,15 @@ class EngineConfig:
             object.__setattr__(self, "max_model_len", self.model.max_position_embeddings)
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        reach = self.model.max_positions
+        if self.max_model_len > reach and not self.allow_long_max_model_len:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is longer than the {reach} positions "
+                f"of the model in {self.model_dir!r} (its max_position_embeddings, with "
+                "rope scaling): outputs past them are wrong. Use a max_model_len of at most "
+                f"{reach}, or allow_long_max_model_len=True (--allow_long_max_model_len) "
+                "if you know the model handles more"
+            )
         budget = self.scheduler.max_num_batched_tokens
         if self.min_token_bucket <= 0 or self.min_token_bucket > budget:
             raise ValueError(

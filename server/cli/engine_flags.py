@@ -31,6 +31,12 @@ flags.DEFINE_bool(
 # Engine options (may come from a --config preset).
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Compute dtype.")
 flags.DEFINE_integer("max_model_len", None, "Longest prompt + output (default: the model's).")
+flags.DEFINE_bool(
+    "allow_long_max_model_len",
+    False,
+    "Accept a --max_model_len past the model's positions (max_position_embeddings, with "
+    "rope scaling); refused by default, as vLLM does without VLLM_ALLOW_LONG_MAX_MODEL_LEN.",
+)
 flags.DEFINE_integer("max_num_seqs", 64, "Sequences per step.")
 flags.DEFINE_integer("max_num_batched_tokens", 2048, "Tokens per step.")
 flags.DEFINE_integer("block_size", 16, "Tokens per KV page.")
@@ -205,6 +211,7 @@ ENGINE_FLAGS = (
     "skip_tokenizer_init",
     "dtype",
     "max_model_len",
+    "allow_long_max_model_len",
     "max_num_seqs",
     "max_num_batched_tokens",
     "block_size",

@@ -207,3 +207,33 @@ def test_pool_from_a_fraction_of_device_memory():
         cfg.num_kv_pages(device_memory=(1 << 20, 1 << 20))
     with pytest.raises(ValueError, match="kv_cache_memory_fraction must be in"):
         CacheConfig(memory_fraction=1.5)
+
+
+@pytest.mark.parametrize(
+    "rope_scaling,reach",
+    [
+        (None, 512),
+        ({"rope_type": "linear", "factor": 2.0}, 1024),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}, 1024),
+        (
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            512,  # (llama3's configs give the extended length)
+        ),
+    ],
+)
+def test_a_max_model_len_past_the_models_positions_is_refused(rope_scaling, reach):
+    """vLLM refuses a max_model_len its model's positions do not cover (unless
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN); it was accepted silently (issue 42)."""
+    model = ModelConfig.from_hf({**LLAMA, "rope_scaling": rope_scaling})
+    assert model.max_positions == reach
+    assert EngineConfig("x", model, max_model_len=reach).max_model_len == reach
+    with pytest.raises(ValueError, match=f"max_model_len={reach + 1} .* {reach} positions"):
+        engine_config("x", model, max_model_len=reach + 1)
+    allowed = engine_config("x", model, max_model_len=reach + 1, allow_long_max_model_len=True)
+    assert allowed.max_model_len == reach + 1
