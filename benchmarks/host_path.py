@@ -11,8 +11,11 @@ holds it once) and 16 tokens of its own; once all of them decode, STEPS steps ar
 measured. Host time is the engine's own timer (`EngineStats.host_seconds`:
 scheduling, building the step's inputs, dispatching, processing the outputs; the wait
 for the device apart), per step and per running sequence. Greedy, float32, end of
-sequence ignored. To compare two versions of the engine, run this file from each
-tree: it imports the `jaxserve` beside it.
+sequence ignored; the requests' outputs are `--output_kind` (final_only: what
+`LLM.generate` asks for). On a CPU the device's work shares the cores with the
+host's, so host work that overlaps it (the sampling inputs built while the forward
+pass runs) reads longer than it is. To compare two versions of the engine, run
+this file from each tree: it imports the `jaxserve` beside it.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ OWN = 16  # each sequence's own prompt tokens after the shared prefix
 STEPS = 16
 
 
-def measure(model: str, running: int, context: int, steps: int) -> dict:
-    from jaxserve import LLM, SamplingParams
+def measure(model: str, running: int, context: int, steps: int, output_kind: str) -> dict:
+    from jaxserve import LLM, RequestOutputKind, SamplingParams
     from jaxserve.generate_request import GenerateRequest
 
     page = 16
@@ -51,7 +54,10 @@ def measure(model: str, running: int, context: int, steps: int) -> dict:
     )
     engine = llm.engine
     prefix = [(i * 7919) % 1000 + 3 for i in range(context)]
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 32, ignore_eos=True)
+    kind = RequestOutputKind[output_kind.upper()]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=steps + 32, ignore_eos=True, output_kind=kind
+    )
     engine.add_request(GenerateRequest("prefix", prefix, SamplingParams(max_tokens=1)))
     while engine.has_unfinished():
         engine.step()
@@ -78,6 +84,7 @@ def measure(model: str, running: int, context: int, steps: int) -> dict:
         "running": running,
         "context": context,
         "steps": steps,
+        "output_kind": kind.name.lower(),
         "host_us_per_step": round(host / steps * 1e6, 1),
         "host_us_per_seq": round(host / steps / running * 1e6, 2),
         "device_us_per_step": round(device / steps * 1e6, 1),
@@ -103,12 +110,18 @@ def main() -> None:
     p.add_argument("--running", default="16,64,256")
     p.add_argument("--contexts", default="512,8192,32768")
     p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument(
+        "--output_kind",
+        default="final_only",
+        choices=["cumulative", "delta", "final_only"],
+        help="the requests' outputs (final_only: LLM.generate's; delta: a stream's)",
+    )
     p.add_argument("--out", help="a JSON file for the results")
     args = p.parse_args()
     rows = []
     for running in map(int, args.running.split(",")):
         for context in map(int, args.contexts.split(",")):
-            row = measure(args.model, running, context, args.steps)
+            row = measure(args.model, running, context, args.steps, args.output_kind)
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.out:

@@ -6,9 +6,16 @@ params) can be imported without pulling in JAX.
 
 from jaxserve.lora import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "LoRARequest", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "LoRARequest",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+]
 
 
 def __getattr__(name: str):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -22,7 +23,12 @@ from jaxserve.generate_request import GenerateRequest
 from jaxserve.inputs import PromptType, parse_prompt
 from jaxserve.lora import LoRARequest
 from jaxserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from jaxserve.sampling_params import BeamSearchParams, ParamError, SamplingParams
+from jaxserve.sampling_params import (
+    BeamSearchParams,
+    ParamError,
+    RequestOutputKind,
+    SamplingParams,
+)
 from jaxserve.tokenizer import Tokenizer
 from pallas_kernels.cpu import cache as kernel_cache
 
@@ -343,11 +349,16 @@ class LLM:
         if priority is not None and len(priority) != len(parsed):
             raise ValueError(f"got {len(priority)} priorities for {len(parsed)} prompts")
         loras = _per_prompt_loras(lora_request, len(parsed))
+        # Only the final outputs are read: the steps build no others (vLLM's FINAL_ONLY).
+        final: dict[int, SamplingParams] = {}
+        for sp in params:
+            if id(sp) not in final:
+                final[id(sp)] = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
         requests = [
             GenerateRequest(
                 str(next(self._ids)),
                 p.token_ids,
-                sp,
+                final[id(sp)],
                 prompt=p.text,
                 priority=0 if priority is None else priority[i],
                 cache_salt=cache_salt,
@@ -377,7 +388,8 @@ class LLM:
             GenerateRequest(
                 str(next(self._ids)),
                 p.token_ids,
-                SamplingParams(n=params.beam_width),  # (n: the hypotheses returned)
+                # (n: the hypotheses returned)
+                SamplingParams(n=params.beam_width, output_kind=RequestOutputKind.FINAL_ONLY),
                 prompt=p.text,
                 cache_salt=cache_salt,
                 beam=params,

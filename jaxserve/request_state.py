@@ -17,7 +17,7 @@ from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.generate_request import ResumedSample
 from jaxserve.lora import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.sequence import SequenceState
 from jaxserve.structured import GrammarMatcher
 
@@ -146,26 +146,31 @@ class RequestState:
         completions = []
         if self.beam is not None:  # one output, once done: the best hypotheses
             completions = self.beam.completions() if self.beam.group.done else []
+        # DELTA: what is new only (a stream's), without copying what came before.
+        delta_only = self.params.output_kind == RequestOutputKind.DELTA
         for seq in self.seqs if self.beam is None else ():
             detok = self.detoks[seq.index]
             text = delta = ""
             if detok is not None:
                 if self.error is None:  # (a failed request's detokenizer may be what failed)
                     delta = detok.release(seq.finished)
-                text = detok.text[: detok.released]
+                text = delta if delta_only else detok.text[: detok.released]
             tokens = new_tokens.get(seq, [])
             if self.resumed and seq in new_tokens:
                 tokens = self.resumed.pop(seq.index, []) + tokens
-            wants_logprobs = seq.params.logprobs is not None
+            logprobs = None
+            if seq.params.logprobs is not None:
+                entries = self.logprobs[seq.index]
+                logprobs = entries[len(entries) - len(tokens) :] if delta_only else list(entries)
             completions.append(
                 CompletionOutput(
                     index=seq.index,
                     text=text,
-                    token_ids=list(seq.output_ids),
+                    token_ids=list(tokens) if delta_only else list(seq.output_ids),
                     cumulative_logprob=(
-                        self.cumulative_logprob[seq.index] if wants_logprobs else None
+                        self.cumulative_logprob[seq.index] if logprobs is not None else None
                     ),
-                    logprobs=list(self.logprobs[seq.index]) if wants_logprobs else None,
+                    logprobs=logprobs,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                     delta_text=delta,

@@ -13,6 +13,7 @@ otherwise, and their tests fail on a field a front end does not carry.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import math
 
@@ -92,6 +93,18 @@ class StructuredOutputsParams:
         return next(f.name for f in dataclasses.fields(self) if getattr(self, f.name))
 
 
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs a request's steps make (vLLM's): every step's whole result so far
+    (CUMULATIVE), every step's new tokens and text only (DELTA: a stream's), or one
+    output when the request finishes (FINAL_ONLY: `LLM.generate`'s). The outputs of
+    a step cost what they hold, so a front end asks for what it reads: CUMULATIVE
+    copies each sample's tokens so far every step."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclasses.dataclass
 class SamplingParams:
     n: int = 1
@@ -117,6 +130,11 @@ class SamplingParams:
     # False: no text is made (vLLM's): outputs carry token ids only, and no detokenizer
     # runs for the request (stop strings, which match text, need one).
     detokenize: bool = True
+    # Set by the front end (what it reads of the outputs), not by its clients: not
+    # among the fields a front end carries (`FIELDS`).
+    output_kind: RequestOutputKind = dataclasses.field(
+        default=RequestOutputKind.CUMULATIVE, metadata={"front_end": True}
+    )
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -197,6 +215,8 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if not isinstance(self.detokenize, bool):
             bad("detokenize", "must be a bool")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad("output_kind", "must be a RequestOutputKind")
         if self.stop and not self.detokenize:
             raise ParamError(
                 "stop",
@@ -221,7 +241,9 @@ class SamplingParams:
 
 
 # The sampling settings every front end carries, by SamplingParams' names.
-FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+FIELDS = tuple(
+    f.name for f in dataclasses.fields(SamplingParams) if not f.metadata.get("front_end")
+)
 
 
 # A beam search takes max(2, 1 + EOS ids) * beam_width candidates a step from each

@@ -14,6 +14,7 @@ from jaxserve.engine.failures import fail_request
 from jaxserve.engine_stats import EngineStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.request_state import RequestState
+from jaxserve.sampling_params import RequestOutputKind
 from jaxserve.scheduler import ScheduledSeq, Scheduler
 from jaxserve.sequence import SequenceState
 from jaxserve.structured import GrammarMatcher
@@ -44,7 +45,8 @@ class Emitter:
     def apply(self, step, out, prompt_lp) -> tuple[int, list[RequestOutput]]:
         """Does a fetched step's host work: append its tokens, check stops, detokenize,
         cache the pages they fill, propose drafts. Returns the tokens generated (each
-        running beam's one included) and an output per request that made progress.
+        running beam's one included) and an output per request that made progress
+        (a FINAL_ONLY request's only when it finishes).
 
         An exception in one request's work fails that request alone (`fail_request`):
         its output names the cause, and the step's other requests keep their tokens."""
@@ -55,6 +57,7 @@ class Emitter:
                 self._fail(req, error, "packing its sampler rows", failed)
         if prompt_lp is not None:
             self._record_prompt_logprobs(step, prompt_lp, failed)
+        ids = out.token_ids.tolist()  # (ints at once, not a numpy scalar per token)
         touched: dict[str, RequestState] = {}
         new_tokens: dict[SequenceState, list[int]] = {}
         beams: dict[str, RequestState] = {}  # beam searches whose beams have all offered
@@ -74,7 +77,7 @@ class Emitter:
                     self._fail(req, e, "choosing its beams", failed)
                 continue
             try:
-                new_tokens[seq] = self.emit(req, item, out, first, first + 1 + len(item.draft))
+                new_tokens[seq] = self.emit(req, item, out, ids, first, first + 1 + len(item.draft))
             except Exception as e:
                 self._fail(req, e, "applying its sampled tokens", failed)
                 continue
@@ -93,6 +96,8 @@ class Emitter:
             self._propose_next(new_tokens, failed)
         outputs = []
         for req in touched.values():
+            if req.params.output_kind == RequestOutputKind.FINAL_ONLY and not req.finished:
+                continue  # (its one output comes when it finishes)
             if req.request_id not in failed:
                 try:
                     outputs.append(req.output(new_tokens, step.weight_version))
@@ -133,18 +138,21 @@ class Emitter:
         if req.request_id not in failed:
             failed[req.request_id] = fail_request(req, error, doing, self.scheduler)
 
-    def emit(self, req: RequestState, item: ScheduledSeq, out, first: int, end: int) -> list[int]:
+    def emit(
+        self, req: RequestState, item: ScheduledSeq, out, ids: list[int], first: int, end: int
+    ) -> list[int]:
         """Appends what the sampler rows [first, end) of a sequence give: its accepted
         drafts, then the token of the first row that rejected (or of the last row,
         the bonus after a fully accepted run), up to a stop condition. Finishes the
-        sequence if one is met; returns the tokens appended."""
+        sequence if one is met; returns the tokens appended. `ids`: `out.token_ids` as
+        a list."""
         seq = item.seq
         last = first
         while last < end - 1 and out.accepted[last]:
             last += 1
         appended, reason = [], None
         for i in range(first, last + 1):
-            token = int(out.token_ids[i])
+            token = ids[i]
             seq.append(token)
             appended.append(token)
             if seq.params.logprobs is not None:

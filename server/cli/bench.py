@@ -35,7 +35,7 @@ from jaxserve.bench import report, workloads
 from jaxserve.distributed.data_parallel import DataParallelEngine, stream_all
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.llm import LLM, resolve_model_dir
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.tokenizer import Tokenizer
 from server.cli import bench_clients
 from server.cli.engine_flags import engine_kwargs
@@ -175,7 +175,12 @@ def _run_offline(llm: LLM, reqs) -> dict:
         GenerateRequest(
             str(i),
             r.prompt_token_ids,
-            SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=FLAGS.ignore_eos),
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=r.max_tokens,
+                ignore_eos=FLAGS.ignore_eos,
+                output_kind=RequestOutputKind.DELTA,  # (`record` reads the new tokens)
+            ),
         )
         for i, r in enumerate(reqs)
     ]

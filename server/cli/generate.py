@@ -26,7 +26,7 @@ from jaxserve.generate_request import GenerateRequest
 from jaxserve.inputs import parse_prompt
 from jaxserve.llm import LLM
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import FIELDS, SamplingParams
+from jaxserve.sampling_params import FIELDS, RequestOutputKind, SamplingParams
 from server.cli.engine_flags import engine_kwargs
 
 FLAGS = flags.FLAGS
@@ -102,7 +102,10 @@ def _to_request(llm: LLM, record: dict, base: dict):
     overrides = record.pop("sampling_params", None) or {}
     if not isinstance(overrides, dict):
         raise ValueError(f"sampling_params must be an object, got {overrides!r:.40}")
-    return parse_prompt(record, llm.tokenizer), SamplingParams(**{**base, **overrides})
+    final = RequestOutputKind.FINAL_ONLY  # (only the finished outputs are written)
+    return parse_prompt(record, llm.tokenizer), SamplingParams(
+        **{**base, **overrides, "output_kind": final}
+    )
 
 
 def main(argv) -> None:

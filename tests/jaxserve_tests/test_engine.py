@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from engine_utils import SMALL_LLM, prompt_logits
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, RequestOutputKind, SamplingParams
 from jaxserve.generate_request import GenerateRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -144,6 +144,64 @@ def test_streamed_deltas_add_up_to_the_final_output(tiny_model_dir):
             ids += out.outputs[0].delta_token_ids
             final = out
     assert "".join(deltas) == final.outputs[0].text and ids == final.outputs[0].token_ids
+
+
+def test_output_kinds_cumulative_delta_and_final_only(tiny_model_dir):
+    """vLLM's RequestOutputKind: CUMULATIVE outputs hold everything so far each step,
+    DELTA only what is new (no copy of what came before), FINAL_ONLY one output at
+    the end; the three end the same. `LLM.generate` asks for FINAL_ONLY."""
+    llm = make_llm(tiny_model_dir)
+    engine = llm.engine
+    prompt = llm.tokenizer.encode("The quick brown fox")
+    outs = {kind: [] for kind in RequestOutputKind}
+    for kind in RequestOutputKind:
+        params = SamplingParams(
+            n=2,
+            temperature=0.8,
+            seed=3,
+            max_tokens=12,
+            logprobs=2,
+            ignore_eos=True,
+            output_kind=kind,
+        )
+        engine.add_request(GenerateRequest(kind.name, prompt, params))
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[RequestOutputKind[out.request_id]].append(out)
+    cumulative, delta, final = (outs[k] for k in RequestOutputKind)
+    assert len(cumulative) >= 12 and len(delta) == len(cumulative)
+    assert len(final) == 1 and final[0].finished
+    for i in range(2):
+        want = cumulative[-1].outputs[i]
+        assert want.text and len(want.token_ids) == 12 and len(want.logprobs) == 12
+        pieces = [o.outputs[i] for o in delta]
+        assert [t for c in pieces for t in c.token_ids] == want.token_ids
+        assert "".join(c.text for c in pieces) == want.text
+        assert [lp for c in pieces for lp in c.logprobs] == want.logprobs
+        assert all(c.token_ids == c.delta_token_ids for c in pieces)
+        got = final[0].outputs[i]
+        assert (got.token_ids, got.text, got.logprobs) == (
+            want.token_ids,
+            want.text,
+            want.logprobs,
+        )
+        assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob)
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=2)
+    # generate's requests make no output before their last
+    seen, step = [], engine.step
+
+    def spy():
+        outputs = step()
+        seen.extend(outputs)
+        return outputs
+
+    engine.step = spy
+    try:
+        llm.generate([{"prompt_token_ids": prompt}] * 3, GREEDY, use_tqdm=False)
+    finally:
+        del engine.step
+    assert len(seen) == 3 and all(o.finished for o in seen)
 
 
 def test_stop_string_cuts_the_output(tiny_model_dir):
