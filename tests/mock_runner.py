@@ -72,6 +72,7 @@ class MockRunner:
         self.shapes = StepShapes.for_config(config)
         self.weight_bytes = 0
         self.warmup_seconds = 0.0
+        self.warmed_up = False
         self.warmup_cache_hits = 0
         self.mesh = None
         self.compile_device = None

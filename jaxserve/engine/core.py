@@ -12,6 +12,7 @@ the KV pages that travel `disagg_io`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -114,20 +115,35 @@ class LLMEngine(EngineLifecycle, KVTransfer):  # pause and sleep; KV pages that 
             self.closed = True
             self._release()
             raise
-        # Ready once warmed up: a request now compiles nothing.
+        self._log_ready()
+
+    def warm_up(self) -> None:
+        """Compiles every step program now, for an engine built with `warmup=False`
+        whose caller checks its requests first (`jaxserve generate`: a bad input costs
+        no warm-up); nothing if it is warmed up."""
+        if self.runner.warmed_up:
+            return
+        config = dataclasses.replace(self.config, warmup=True)
+        self.compiled = load_or_warm_up(config, self.runner, self.tier is not None, None)
+        self._log_ready()
+
+    def _log_ready(self) -> None:
+        """Ready once warmed up: a request now compiles nothing."""
+        config = self.config
         logger.info(
-            "engine ready: %d KV tokens in %d pages of %d; max concurrency at max_model_len "
-            "%d: %.2fx; prefix caching %s; %d programs in %.1fs (%d from the compilation "
-            "cache)",
+            "engine %s: %d KV tokens in %d pages of %d; max concurrency at max_model_len "
+            "%d: %.2fx; prefix caching %s; %s",
+            "ready" if self.runner.warmed_up else "built",
             self.runner.kv_tokens,
             self.pool.capacity,
             config.cache.page_size,
             config.max_model_len,
             self.runner.max_concurrency,
             "on" if config.scheduler.enable_prefix_caching else "off",
-            len(self.compiled),
-            self.runner.warmup_seconds,
-            self.runner.warmup_cache_hits,
+            f"{len(self.compiled)} programs in {self.runner.warmup_seconds:.1f}s "
+            f"({self.runner.warmup_cache_hits} from the compilation cache)"
+            if self.runner.warmed_up
+            else "not warmed up: each program compiles when its shape first occurs",
         )
 
     def _wire_step(self, config: EngineConfig, proposer) -> None:

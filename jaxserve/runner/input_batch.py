@@ -174,16 +174,19 @@ class PageRows:
         that entries before index `first_written` did not change since the last step."""
         key = id(pages)
         entry = self._rows.get(key) or self._used.get(key)
-        if entry is None or entry[0] is not pages:
-            row, synced = np.full(self.width, NULL_PAGE, np.int32), 0
-        else:
-            _, row, synced = entry
         n = len(pages)
-        lo = min(synced, first_written, n)
-        if lo < n:
-            row[lo:n] = pages[lo:n]
-        if n < synced:  # (never in a list the scheduler keeps; a caller's own list)
-            row[n:synced] = NULL_PAGE
+        if entry is None or entry[0] is not pages:
+            row = np.full(self.width, NULL_PAGE, np.int32)
+            row[:n] = pages
+        else:
+            row, synced = entry[1], entry[2]
+            lo = min(synced, first_written, n)
+            if lo == n - 1:  # (a decode's: its last page; an item write is cheaper)
+                row[lo] = pages[lo]
+            elif lo < n:
+                row[lo:n] = pages[lo:n]
+            if n < synced:  # (never in a list the scheduler keeps; a caller's own list)
+                row[n:synced] = NULL_PAGE
         self._used[key] = (pages, row, n)
         return row
 
@@ -232,38 +235,52 @@ def build_batch(
     group_tables = np.full((extra, seq_bucket, pages_per_seq), NULL_PAGE, np.int32)
     lora_slots = np.zeros(token_bucket, np.int32)
 
+    # A decode row's scalars (most rows of a step) are gathered in lists and written
+    # once at the end: a numpy item write costs more than a list append.
+    dec_t, dec_ids, dec_pos, dec_slots = [], [], [], []
+    ends, cu, rows = [], [], []
     t = r = 0
+    last_slot = 0
     for b, w in enumerate(work):
         n = len(w.token_ids)
-        end = w.start + n
+        start = w.start
+        end = start + n
         if n == 0:
             raise ValueError(f"sequence {b} has no tokens to compute")
-        if b and w.lora_slot < work[b - 1].lora_slot:
+        if w.lora_slot < last_slot:
             raise ValueError(
-                f"sequence {b} has LoRA slot {w.lora_slot} after slot {work[b - 1].lora_slot}: "
+                f"sequence {b} has LoRA slot {w.lora_slot} after slot {last_slot}: "
                 "a batch lists its sequences by LoRA slot"
             )
-        if len(w.pages) * page_size < end or len(w.pages) > pages_per_seq:
+        last_slot = w.lora_slot
+        held = len(w.pages)
+        if held * page_size < end or held > pages_per_seq:
             raise ValueError(
                 f"sequence {b} needs {-(-end // page_size)} pages for {end} tokens, "
-                f"has {len(w.pages)} (at most {pages_per_seq})"
+                f"has {held} (at most {pages_per_seq})"
             )
         if w.group_pages and len(w.group_pages) != extra:
             raise ValueError(
                 f"sequence {b} has tables for {len(w.group_pages)} more layer groups, "
                 f"the batch {extra}"
             )
+        if not 1 <= w.num_samples <= n or r + w.num_samples > len(logits_indices):
+            raise ValueError(
+                f"sequence {b} samples {w.num_samples} of its {n} tokens; the batch has "
+                f"{len(logits_indices) - r} sampling rows left"
+            )
         if page_rows is not None:
-            page_indices[b] = pages = page_rows.row(w.pages, w.start // page_size)
+            page_indices[b] = page_rows.row(w.pages, start // page_size)
         else:
-            pages = np.asarray(w.pages, np.int32)
-            page_indices[b, : len(pages)] = pages
-        if n == 1:  # a decode step's row: scalars (small numpy ops cost more)
-            input_ids[t] = w.token_ids[0]
-            positions[t] = w.start
-            slot_mapping[t] = pages[w.start // page_size] * page_size + w.start % page_size
+            page_indices[b, :held] = w.pages
+        if n == 1:  # a decode step's row
+            dec_t.append(t)
+            dec_ids.append(w.token_ids[0])
+            dec_pos.append(start)
+            dec_slots.append(w.pages[start // page_size] * page_size + start % page_size)
         else:
-            pos = np.arange(w.start, end, dtype=np.int32)
+            pos = np.arange(start, end, dtype=np.int32)
+            pages = page_indices[b]
             input_ids[t : t + n] = w.token_ids
             positions[t : t + n] = pos
             slot_mapping[t : t + n] = pages[pos // page_size] * page_size + pos % page_size
@@ -272,23 +289,27 @@ def build_batch(
         if w.prev_row >= 0:  # the step reads the token on the device
             input_ids[t + n - 1] = 0
             prev_rows[t + n - 1] = w.prev_row
+            if n == 1:
+                dec_ids[-1] = 0
         if w.lora_slot:
             lora_slots[t:] = w.lora_slot  # (the padding after the last sequence too)
-        kv_lens[b] = end
         for g in range(extra):
-            pos = np.arange(w.start, end, dtype=np.int32)
+            pos = np.arange(start, end, dtype=np.int32)
             table = np.asarray(w.group_pages[g] if w.group_pages else w.pages, np.int32)
             group_slots[g, t : t + n] = table[pos // page_size] * page_size + pos % page_size
             group_tables[g, b, : len(table)] = table
         t += n
-        cu_q_lens[b + 1] = t
-        if not 1 <= w.num_samples <= n or r + w.num_samples > len(logits_indices):
-            raise ValueError(
-                f"sequence {b} samples {w.num_samples} of its {n} tokens; the batch has "
-                f"{len(logits_indices) - r} sampling rows left"
-            )
-        logits_indices[r : r + w.num_samples] = np.arange(t - w.num_samples, t)
+        ends.append(end)
+        cu.append(t)
+        rows.extend(range(t - w.num_samples, t))
         r += w.num_samples
+    if dec_t:
+        input_ids[dec_t] = dec_ids
+        positions[dec_t] = dec_pos
+        slot_mapping[dec_t] = dec_slots
+    kv_lens[: len(ends)] = ends
+    cu_q_lens[1 : len(cu) + 1] = cu
+    logits_indices[: len(rows)] = rows
     cu_q_lens[len(work) + 1 :] = t
     if page_rows is not None:
         page_rows.end_step()

@@ -9,6 +9,10 @@ Each input line is {"prompt": "..."}, {"prompt_token_ids": [...]} or
 
 Results are written as each request finishes, one JSON line each with the
 input's line `index`, so an interrupted run keeps everything finished so far.
+Every line is checked before the engine's warm-up: a bad one (not JSON, a bad
+field, a prompt the engine cannot take) is logged with its line number and
+skipped; the others run, and the command then exits non-zero saying how many
+were skipped.
 """
 
 from __future__ import annotations
@@ -74,38 +78,46 @@ def sampling_kwargs() -> dict:
     return kw
 
 
-def _read_inputs() -> list[dict]:
+def _read_inputs() -> tuple[list[tuple[int, str, dict]], list[str]]:
+    """The input records, each with its index (among the input's non-empty lines) and
+    where it comes from ("FILE:LINE"), and the lines that are not one (each named,
+    with why)."""
     if (FLAGS.prompt is None) == (FLAGS.input is None):
         raise SystemExit("give exactly one of --prompt and --input")
     if FLAGS.prompt is not None:
-        return [{"prompt": FLAGS.prompt}]
-    records = []
+        return [(0, "--prompt", {"prompt": FLAGS.prompt})], []
+    records, bad = [], []
     with open(FLAGS.input) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+        for index, (n, line) in enumerate(lines):
+            where = f"{FLAGS.input}:{n}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SystemExit(f"{FLAGS.input}:{n}: not JSON: {e}") from None
+                bad.append(f"{where}: not JSON: {e}")
+                continue
             if isinstance(record, str):
                 record = {"prompt": record}
             if not isinstance(record, dict):
-                raise SystemExit(f"{FLAGS.input}:{n}: expected an object or a string")
-            records.append(record)
-    return records
+                bad.append(f"{where}: expected an object or a string")
+                continue
+            records.append((index, where, record))
+    return records, bad
 
 
-def _to_request(llm: LLM, record: dict, base: dict):
-    """(parsed prompt, SamplingParams) of one input record."""
+def _to_request(llm: LLM, index: int, record: dict, base: dict) -> GenerateRequest:
+    """One input record's request, checked against the engine (raises ValueError or
+    TypeError naming the field)."""
     record = dict(record)
     overrides = record.pop("sampling_params", None) or {}
     if not isinstance(overrides, dict):
         raise ValueError(f"sampling_params must be an object, got {overrides!r:.40}")
     final = RequestOutputKind.FINAL_ONLY  # (only the finished outputs are written)
-    return parse_prompt(record, llm.tokenizer), SamplingParams(
-        **{**base, **overrides, "output_kind": final}
-    )
+    params = SamplingParams(**{**base, **overrides, "output_kind": final})
+    prompt = parse_prompt(record, llm.tokenizer)
+    request = GenerateRequest(str(index), prompt.token_ids, params, prompt=prompt.text)
+    llm.engine.validate(request)
+    return request
 
 
 def main(argv) -> None:
@@ -113,29 +125,47 @@ def main(argv) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)  # e.g. "Unable to initialize backend"
     try:
-        _generate()
+        bad = _generate()
     except (ValueError, FileNotFoundError, TypeError) as e:
         raise SystemExit(f"jaxserve generate: {e}") from None
+    if bad:
+        raise SystemExit(
+            f"jaxserve generate: {bad} input line(s) skipped (named above); the others' "
+            "results are written"
+        )
 
 
-def _generate() -> None:
-    records = _read_inputs()
-    with LLM(FLAGS.model, **engine_kwargs()) as llm:  # closed: a disk KV tier is saved
-        _generate_all(llm, records)
+def _generate() -> int:
+    """Runs every good input; returns how many were skipped (each logged, named)."""
+    records, bad = _read_inputs()
+    base = sampling_kwargs()
+    try:  # the sampling flags, before anything loads
+        SamplingParams(**base)
+    except ValueError as e:
+        raise SystemExit(f"jaxserve generate: {e}") from None
+    kw = engine_kwargs()
+    # The inputs are checked against the engine before its warm-up (a bad line costs
+    # none); an engine of replicas or processes warms up as it is built.
+    deferred = kw["warmup"] and kw["data_parallel_size"] == 1 and kw["num_processes"] == 1
+    with LLM(FLAGS.model, **{**kw, "warmup": kw["warmup"] and not deferred}) as llm:
+        requests = []
+        for index, where, record in records:
+            try:
+                requests.append(_to_request(llm, index, record, base))
+            except (ValueError, TypeError) as e:
+                bad.append(f"{where}: {e}")
+        for line in bad:
+            logging.error("skipped %s", line)
+        if not requests:
+            raise ValueError("no input to run: every line was skipped")
+        if deferred:
+            llm.engine.warm_up()
+        _generate_all(llm, requests)  # (a disk KV tier is saved as the LLM closes)
+    return len(bad)
 
 
-def _generate_all(llm: LLM, records: list[dict]) -> None:
-    engine, base = llm.engine, sampling_kwargs()
-    # Validate every input before running any, so a bad line costs no work.
-    requests = []
-    for i, record in enumerate(records):
-        try:
-            prompt, sp = _to_request(llm, record, base)
-            request = GenerateRequest(str(i), prompt.token_ids, sp, prompt=prompt.text)
-            engine.validate(request)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"input {i}: {e}") from None
-        requests.append(request)
+def _generate_all(llm: LLM, requests: list[GenerateRequest]) -> None:
+    engine = llm.engine
     for request in requests:
         engine.add_request(request)
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from engine_utils import prompt_logits
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, RequestOutputKind, SamplingParams
 from jaxserve.config import LOGPROBS_MODES
 from jaxserve.runner.input_batch import MAX_TOP_LOGPROBS, SampleRow, build_sampling
 from jaxserve.runner.sampler import sample
@@ -382,7 +382,8 @@ def test_detokenize_false_gives_token_ids_only(engines, monkeypatch):
     with_text, ids_only = llm.generate(
         [PROMPT, PROMPT], [p, dataclasses.replace(p, detokenize=False)], use_tqdm=False
     )
-    assert made == [p]  # the first request's alone
+    # the first request's alone (generate asks for its final output only)
+    assert made == [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)]
     a, b = with_text.outputs[0], ids_only.outputs[0]
     assert a.text and b.text == "" and b.token_ids == a.token_ids
     for x, y in zip(a.logprobs, b.logprobs, strict=True):  # (rows of one batch: float noise)

@@ -460,7 +460,11 @@ def test_demo_a_grammar_that_raises_fails_only_its_request(demo, monkeypatch, me
 def padded_model_dir(tmp_path_factory):
     """A random Qwen2 whose vocabulary (384) pads its tokenizer's (at most 320)."""
     path = tmp_path_factory.mktemp("structured_padded")
-    make_hf_model(path, "Qwen2ForCausalLM", dict(vocab_size=384, tie_word_embeddings=True))
+    make_hf_model(
+        path,
+        "Qwen2ForCausalLM",
+        dict(vocab_size=384, tie_word_embeddings=True, max_position_embeddings=512),
+    )
     save_tokenizer(path, vocab_size=320)
     return str(path)
 

@@ -207,9 +207,19 @@ def test_a_cpu_machine_hears_nothing_of_other_platforms(tiny_model_dir, tmp_path
 
 
 @pytest.mark.slow
-def test_a_bad_input_line_is_named_and_nothing_runs(tiny_model_dir, tmp_path):
+def test_bad_input_lines_are_named_before_the_warm_up_and_skipped(tiny_model_dir, tmp_path):
+    """A bad JSONL line used to abort the whole run after the warm-up, writing
+    nothing (issue 42): each is named with its line number before the warm-up, and
+    the other lines run."""
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text('{"prompt": "fine"}\n{"prompt_token_ids": [99999]}\n')
+    src.write_text(
+        '{"prompt": "fine"}\n'
+        '{"prompt_token_ids": [99999]}\n'
+        "\n"
+        "{oops\n"
+        '{"prompt": "also fine", "sampling_params": {"temperature": -1}}\n'
+        '{"prompt_token_ids": [5, 6, 7]}\n'
+    )
     proc = _jaxserve(
         "generate",
         f"--model={tiny_model_dir}",
@@ -217,10 +227,19 @@ def test_a_bad_input_line_is_named_and_nothing_runs(tiny_model_dir, tmp_path):
         f"--output={dst}",
         "--max_model_len=64",
         "--max_tokens=8",
+        "--ignore_eos",
     )
     assert proc.returncode != 0
-    assert "input 1: prompt_token_ids has ids outside the vocabulary" in proc.stderr
-    assert not dst.exists()
+    err = proc.stderr
+    assert f"{src}:2: prompt_token_ids has ids outside the vocabulary" in err
+    assert f"{src}:4: not JSON" in err
+    assert f"{src}:5: temperature must be >= 0" in err
+    assert "3 input line(s) skipped" in err
+    # named before the warm-up compiled anything
+    assert err.index(f"{src}:5:") < err.index("step programs") < err.index("engine ready")
+    written = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert sorted(r["index"] for r in written) == [0, 4]  # (indices of non-empty lines)
+    assert all(r["finish_reason"] == "length" and len(r["token_ids"]) == 8 for r in written)
 
 
 def test_every_sampling_field_has_a_flag_or_comes_from_the_record():
