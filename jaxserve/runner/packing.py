@@ -59,11 +59,19 @@ class Layout:
 
     @classmethod
     def _of(cls, leaves: list, treedef: PyTreeDef) -> Layout:
-        for x in leaves:
-            dtype = np.dtype(x.dtype)
-            if dtype != WORD and dtype not in _BITCAST and dtype != np.bool_:
-                raise TypeError(f"cannot pack a {dtype} array (32-bit words and bools only)")
-        return cls(treedef, tuple((tuple(x.shape), np.dtype(x.dtype).name) for x in leaves))
+        return _layout(treedef, tuple((x.shape, x.dtype) for x in leaves))
+
+
+@functools.lru_cache(maxsize=1024)  # (a handful of bucketed shapes: one object each)
+def _layout(treedef: PyTreeDef, specs: tuple) -> Layout:
+    """The layout of leaves of these (shape, dtype)s, made once per shapes: a step packs
+    two trees, and numpy's dtype names cost microseconds each (the same object also
+    makes the jit key's comparison an identity check)."""
+    for _, dtype in specs:
+        dtype = np.dtype(dtype)
+        if dtype != WORD and dtype not in _BITCAST and dtype != np.bool_:
+            raise TypeError(f"cannot pack a {dtype} array (32-bit words and bools only)")
+    return Layout(treedef, tuple((tuple(shape), np.dtype(dtype).name) for shape, dtype in specs))
 
 
 @jax.tree_util.register_dataclass
