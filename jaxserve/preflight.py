@@ -98,7 +98,8 @@ class PreflightReport:
             + (f" (draft {self.draft_weight_bytes / gib:.2f})" if self.draft_weight_bytes else "")
             + f" + KV {self.kv_bytes / gib:.2f} + largest temp "
             f"{self.temp_bytes / gib:.2f} GiB (free {self.free_bytes / gib:.2f})",
-            f"KV cache: {self.kv_pages - 1} pages x {c.cache.page_size} = {self.kv_tokens} "
+            f"KV cache: {self.kv_pages} pages (num_kv_pages: {self.kv_pages - 1} of "
+            f"{c.cache.page_size} tokens and the null page) = {self.kv_tokens} "
             f"tokens; maximum concurrency at max_model_len {c.max_model_len}: "
             f"{self.max_concurrency:.2f}x "
             + (

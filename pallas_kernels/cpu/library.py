@@ -164,6 +164,9 @@ def _compile(path: str, compiler: str, arch: str, timeout_s: float) -> None:
         "-o",
         tmp,
     ]
+    logger.info(
+        "building the CPU kernels with %s (-march=%s; once per machine, 10-30 s)", compiler, arch
+    )
     t0 = time.perf_counter()
     try:
         returncode, stderr = _run(cmd, timeout_s)

@@ -122,9 +122,14 @@ def build_app(
     async def _invalid(request, e: RequestValidationError):
         errors = e.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        metrics.rejected.labels("invalid").inc()
+        if first.get("type") == "json_invalid":  # (its loc is a character offset, no field)
+            where = [x for x in first.get("loc", ()) if isinstance(x, int)]
+            at = f" at character {where[0]}" if where else ""
+            message = f"the request body is not valid JSON: {first['msg']}{at}"
+            return JSONResponse(error_body(message, "invalid_request_error", None), 400)
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = _dotted(loc) or None
-        metrics.rejected.labels("invalid").inc()
         message = f"{param}: {first['msg']}" if param else first["msg"]
         return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 

@@ -134,6 +134,8 @@ class OpenAIServing:
     async def complete(self, job: _Job) -> dict:
         finals = await _collect(self._streams(job), len(job.prompts))
         n, body = job.params.n, job.body
+        # (a beam search's hypotheses carry logprobs whether or not they were asked for)
+        wants_logprobs = job.params.logprobs is not None
         choices = []
         for i, out in enumerate(finals):
             echo = self._echo_text(job.prompts[i]) if body.echo else ""
@@ -146,7 +148,7 @@ class OpenAIServing:
                     "stop_reason": c.stop_reason,
                     **_versions(out),
                 }
-                if c.logprobs is not None:
+                if c.logprobs is not None and wants_logprobs:
                     tokens, entries = list(c.token_ids), list(c.logprobs)
                     if body.echo:
                         tokens = out.prompt_token_ids + tokens
@@ -168,6 +170,7 @@ class OpenAIServing:
     async def complete_stream(self, job: _Job) -> AsyncIterator[str]:
         body, n = job.body, job.params.n
         offsets: dict[int, int] = {}  # per choice: text offset of its next token
+        wants_logprobs = job.params.logprobs is not None  # (a beam's carry them anyway)
 
         def chunk(i: int, c: CompletionOutput, out: RequestOutput, first: bool) -> dict:
             index = i * n + c.index
@@ -181,7 +184,7 @@ class OpenAIServing:
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
-            if c.logprobs is not None:
+            if c.logprobs is not None and wants_logprobs:
                 k = len(c.delta_token_ids)
                 tokens, entries = c.delta_token_ids, c.logprobs[len(c.logprobs) - k :]
                 if first and body.echo:
@@ -277,7 +280,7 @@ class OpenAIServing:
                 "choices": [choice],
             }
 
-        def chunk(i: int, c: CompletionOutput, out: RequestOutput, first: bool) -> dict:
+        def chunk(i: int, c: CompletionOutput, out: RequestOutput, first: bool) -> dict | None:
             reader = readers[c.index]
             if reader is None:
                 delta = {"content": c.delta_text} if c.delta_text else {}
@@ -298,6 +301,8 @@ class OpenAIServing:
                 }
             if body.return_token_ids:
                 choice["token_ids"] = list(c.delta_token_ids)
+            elif not delta and choice["finish_reason"] is None and choice["logprobs"] is None:
+                return None  # (text held back, a tool-call marker's: no empty chunk, D7)
             return wrap(choice)
 
         def opening() -> list[dict]:  # each choice's first chunk carries the role
@@ -315,11 +320,12 @@ class OpenAIServing:
     async def _sse(
         self,
         job: _Job,
-        chunk: Callable[[int, CompletionOutput, RequestOutput, bool], dict],
+        chunk: Callable[[int, CompletionOutput, RequestOutput, bool], dict | None],
         opening: Callable[[], list[dict]] | None,
     ) -> AsyncIterator[str]:
         """Server-sent events: a chunk per choice per step with new tokens (and its
-        finish), the usage chunk if asked for, then `[DONE]`."""
+        finish; `chunk` returns None for a step with nothing to send), the usage
+        chunk if asked for, then `[DONE]`."""
         n = job.params.n
         started: set[int] = set()  # choices that sent a chunk
         reported: list[set[int]] = [set() for _ in job.prompts]  # per prompt: samples done
@@ -331,6 +337,8 @@ class OpenAIServing:
                 for c in serving.deltas(out, reported[i]):
                     index = i * n + c.index
                     event = chunk(i, c, out, index not in started)
+                    if event is None:  # nothing to say this step
+                        continue
                     if c.finished:
                         event["choices"][0].update(_versions(out))
                     yield _event(event)
@@ -383,6 +391,8 @@ class OpenAIServing:
                 continue
             out["token_logprobs"].append(max(entry[token], _MIN_LOGPROB))
             top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+            if all(t != token for t, _ in top):  # k + 1 then, as OpenAI's and vLLM's
+                top.append((token, entry[token]))
             out["top_logprobs"].append(
                 {self._token_str(t, as_ids): max(v, _MIN_LOGPROB) for t, v in top}
             )

@@ -290,6 +290,8 @@ def test_preflight_reports_the_engines_figures(model_dirs):
     assert not any(report.kv_copies.values())
     text = report.format()
     assert f"--num_kv_pages={report.kv_pages}" in text and "GB by program" in text
+    # the count it advises is the one it reports (it said N - 1 pages, then N)
+    assert f"KV cache: {report.kv_pages} pages (num_kv_pages: " in text
     with pytest.raises(ValueError, match="tensor_parallel_size must be 4, got 1"):
         preflight(config, Target.parse("h100x4"))
 

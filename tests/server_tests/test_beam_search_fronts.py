@@ -70,10 +70,16 @@ def test_completions_use_beam_search_n_and_best_of(http, offline):
                 for chunk in chunks:
                     for c in chunk["choices"]:
                         texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                        assert c["logprobs"] is None  # not asked for (they were sent)
                 got = [texts[i] for i in sorted(texts)]
             else:
-                got = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+                choices = r.json()["choices"]
+                assert all(c["logprobs"] is None for c in choices)  # not asked for
+                got = [c["text"] for c in sorted(choices, key=lambda c: c["index"])]
             assert got == [s.text for s in offline[k][:n]], (body, stream)
+    asked = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "use_beam_search": True}
+    r = http.post("/v1/completions", json={**asked, "n": 2, "logprobs": 1})
+    assert all(len(c["logprobs"]["tokens"]) >= 1 for c in r.json()["choices"])
 
 
 def test_grpc_beam_search(served, offline):

@@ -226,6 +226,9 @@ def reassemble(chunks):
         for c in chunk.choices:
             got = out.setdefault(c.index, {"content": "", "calls": {}, "finish": None})
             d = c.delta
+            # Every chunk says something (D7: ~28 empty deltas were streamed while a
+            # tool-call marker was held back).
+            assert d.content or d.tool_calls or d.role or c.finish_reason or c.logprobs, chunk
             got["content"] += d.content or ""
             for t in d.tool_calls or ():
                 if t.index not in got["calls"]:  # the first entry: index, id and name
