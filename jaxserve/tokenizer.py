@@ -11,6 +11,7 @@ with trim_blocks/lstrip_blocks, loop controls, `tojson`, `raise_exception` and
 
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
 import json
@@ -50,6 +51,11 @@ def _clean_up_tokenization(text: str) -> str:
     ):
         text = text.replace(a, b)
     return text
+
+
+def check_chat_template(template: str) -> None:
+    """Raises jinja2's TemplateSyntaxError where `template` does not compile."""
+    _jinja_env().from_string(template)
 
 
 @functools.cache
@@ -284,6 +290,13 @@ class Tokenizer:
             with open(jinja_path) as f:
                 template = f.read()
         return template
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """This tokenizer rendering chats with `template` instead of the model's (a
+        server's --chat_template); `check_chat_template` it first."""
+        other = copy.copy(self)
+        other.chat_template = template
+        return other
 
     @property
     def vocab_size(self) -> int:

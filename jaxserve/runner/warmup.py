@@ -33,7 +33,10 @@ def warm_up(
     variants = ("", " lora") if runner.lora is not None else ("",)
     num_forwards = len(variants) * len(runner.token_buckets)
     total = num_forwards + len(runner.token_buckets) + num_sampling
-    bar = tqdm(total=2 * total, desc=f"warm-up: tracing, then compiling {total} programs")
+    # Two bars, each counting its own work: tracing (Python, fast) and compiling (or
+    # loading from the cache), whose estimate a mixed count made wrong (it read 4 s at
+    # half way with 70 s left). The extras' count is known once they are traced.
+    bar = tqdm(total=total + len(runner.copy_buckets), desc="warm-up: tracing")
     lowered: list[tuple[str, jax.stages.Lowered]] = []
     # Traced in the context the steps run in (the mesh), for the device compiled for.
     with runner.on_mesh(), runner.on_target_device():
@@ -66,15 +69,16 @@ def warm_up(
         copies = kv_io.lower_copies(runner.kv_caches, runner.copy_buckets)
         lowered += copies
         total += len(copies)
-        bar.total = 2 * total
         bar.update(len(copies))
         num_extra = 0
         if extra is not None:
             more = extra(abstract_tree)
             num_extra, total = len(more), total + len(more)
             lowered += more
-            bar.total = 2 * total
+            bar.total = total
             bar.update(num_extra)
+        bar.close()
+        bar = tqdm(total=total, desc=f"warm-up: compiling {total} programs")
         threads = min(4, os.cpu_count() or 1)
         if runner.compile_device is not None and runner.compile_device.platform == "tpu":
             # libtpu's compile-only client crashed (a segfault) compiling two programs

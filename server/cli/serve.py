@@ -64,6 +64,7 @@ from absl import flags
 
 from jaxserve.distributed.multihost import FollowerLostError, Leader, LeaderLostError
 from jaxserve.llm import LLM, resolve_model_dir
+from jaxserve.tokenizer import check_chat_template
 from server import reasoning_parsers, tool_parsers
 from server.app import ListenError
 from server.cli.engine_flags import engine_kwargs
@@ -166,6 +167,12 @@ flags.DEFINE_multi_string(
     "repeat the flag for more. Requests select it by that name as their model "
     "(HTTP `model`, gRPC `lora_name`); /v1/models lists it with the served model as its "
     "parent. An adapter that does not load stops the server at start-up",
+)
+flags.DEFINE_string(
+    "chat_template",
+    None,
+    "The chat template (a Jinja file, or the template itself) to render chat messages "
+    "with instead of the model's: for a model whose template has no tools, or none.",
 )
 DECODE_TIER_BYTES = 1 << 30  # --role=decode without --kv_offload_bytes
 flags.DEFINE_string(
@@ -325,12 +332,18 @@ async def _serve() -> None:
         )
     model_dir, kwargs = _engine_args()
     lora_modules = _lora_modules(kwargs)
+    template = chat_template(FLAGS.chat_template)  # (checked before the model loads)
+    if template is not None and kwargs["skip_tokenizer_init"]:
+        raise ValueError("--chat_template needs a tokenizer; --skip_tokenizer_init loads none")
     llm = None
 
     def make_engine():
         nonlocal llm
         llm = LLM(model_dir, **kwargs)
-        return llm.engine, llm.tokenizer
+        tokenizer = llm.tokenizer
+        if template is not None:
+            tokenizer = tokenizer.with_chat_template(template)
+        return llm.engine, tokenizer
 
     options = _options(FLAGS.role, lora_modules)
     server = JaxServeServer(
@@ -381,6 +394,26 @@ def _engine_args() -> tuple[str, dict]:
     if FLAGS.role == "decode" and not kwargs["kv_offload_bytes"]:
         kwargs["kv_offload_bytes"] = DECODE_TIER_BYTES  # where pushed pages land
     return model_dir, kwargs
+
+
+def chat_template(value: str | None) -> str | None:
+    """--chat_template's template (vLLM's flag): a file's contents, or the value itself
+    when it is Jinja; ValueError naming the flag for anything else, or a template that
+    does not compile."""
+    if not value:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ValueError(f"--chat_template {value!r:.80} is neither a file nor a Jinja template")
+    try:
+        check_chat_template(template)
+    except Exception as e:
+        raise ValueError(f"--chat_template does not compile: {e}") from None
+    return template
 
 
 def _lora_modules(kwargs: dict) -> tuple[LoRAModule, ...]:

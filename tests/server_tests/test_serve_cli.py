@@ -259,3 +259,30 @@ def test_http_is_on_port_and_grpc_on_grpc_port():
         proc = _serve_until_exit(f"--http_port={port}", "--grpc_port=0")
     assert "--http_port is deprecated: use --port" in proc.stderr
     assert proc.stderr.splitlines()[-1].startswith(f"jaxserve serve: port {port} is in use (--port")
+
+
+def test_chat_template_from_a_file_or_inline_replaces_the_models(tiny_model_dir, tmp_path):
+    """vLLM's --chat_template (issue 42, the first hour): a Jinja file or the template
+    itself, checked before the model loads; the server renders chats with it."""
+    from jaxserve.tokenizer import Tokenizer
+    from server.cli.serve import chat_template
+
+    inline = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(inline)
+    assert chat_template(str(path)) == chat_template(inline) == inline
+    assert chat_template(None) is None
+    tok = Tokenizer(tiny_model_dir)
+    mine = tok.with_chat_template(inline)
+    chat = [{"role": "user", "content": "hi"}]
+    assert mine.apply_chat_template(chat) == "<user>hi"
+    assert tok.chat_template != inline  # (the model's own tokenizer is left as it was)
+    for value, error in [
+        ("chat.jinja", "--chat_template 'chat.jinja' is neither a file nor a Jinja template"),
+        ("{% for m in messages %}", "--chat_template does not compile"),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            chat_template(value)
+    proc = _serve_until_exit("--chat_template=no-such.jinja")  # (before the model loads)
+    last = proc.stderr.splitlines()[-1]
+    assert proc.returncode == 1 and "--chat_template 'no-such.jinja' is neither" in last, last
