@@ -136,6 +136,8 @@ class OpenAIServing:
         n, body = job.params.n, job.body
         # (a beam search's hypotheses carry logprobs whether or not they were asked for)
         wants_logprobs = job.params.logprobs is not None
+        if body.scores_prompt:  # (the one token computed is not part of the reply)
+            finals = [_prompt_only(out) for out in finals]
         choices = []
         for i, out in enumerate(finals):
             echo = self._echo_text(job.prompts[i]) if body.echo else ""
@@ -446,6 +448,25 @@ def _versions(out: RequestOutput) -> dict[str, int]:
 
 def _event(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """`out` with its samples' tokens left out: a prompt scored with max_tokens 0."""
+    outputs = [
+        dataclasses.replace(
+            c,
+            text="",
+            token_ids=[],
+            logprobs=[] if c.logprobs is not None else None,
+            cumulative_logprob=0.0 if c.logprobs is not None else None,
+            delta_text="",
+            delta_token_ids=[],
+            finish_reason="length",
+            stop_reason=None,
+        )
+        for c in out.outputs
+    ]
+    return dataclasses.replace(out, outputs=outputs)
 
 
 def _usage(finals: list[RequestOutput]) -> dict:

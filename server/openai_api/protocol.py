@@ -223,7 +223,18 @@ class CompletionRequest(_Request):
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
 
+    @property
+    def scores_prompt(self) -> bool:
+        """echo with max_tokens 0: the legacy way of scoring a prompt (its text and
+        logprobs back, nothing generated). The engine computes one token, which the
+        reply leaves out."""
+        return self.echo and self.max_tokens == 0
+
     def _max_tokens(self):
+        if self.scores_prompt:
+            if self.stream:
+                raise BadField("max_tokens", "max_tokens 0 (scoring the prompt) is not streamed")
+            return 1, "max_tokens"
         return self.max_tokens, "max_tokens"
 
     def _logprobs(self):

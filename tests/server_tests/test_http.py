@@ -219,6 +219,29 @@ def test_chat_template_and_tokenize(served, client, http):
     assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": PROMPT}
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(client, http):
+    """The legacy way of scoring a prompt (lm-eval's loglikelihood): echo, logprobs and
+    max_tokens 0 give the prompt's text and logprobs and nothing generated; it was a
+    400 (issue 36, D5)."""
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=0, temperature=0, logprobs=1, echo=True
+    )
+    (choice,) = out.choices
+    lp = choice.logprobs
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert len(lp.tokens) == out.usage.prompt_tokens and out.usage.completion_tokens == 0
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    scored = client.completions.create(  # the same logprobs as a reply that goes on
+        model="tiny", prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1, echo=True
+    )
+    assert scored.choices[0].logprobs.token_logprobs[: len(lp.tokens)] == lp.token_logprobs
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 0, "echo": True, "stream": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = http.post("/v1/completions", json={**body, "echo": False, "stream": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
 def test_completion_echo_logprobs_and_several_prompts(client):
     out = client.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True
