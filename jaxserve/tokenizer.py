@@ -54,8 +54,11 @@ def _clean_up_tokenization(text: str) -> str:
 
 
 def check_chat_template(template: str) -> None:
-    """Raises jinja2's TemplateSyntaxError where `template` does not compile."""
-    _jinja_env().from_string(template)
+    """Raises ValueError where `template` does not compile (jinja2's message)."""
+    try:
+        _jinja_env().from_string(template)
+    except jinja2.TemplateError as e:
+        raise ValueError(str(e)) from None
 
 
 @functools.cache

@@ -12,7 +12,6 @@ the KV pages that travel `disagg_io`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -123,8 +122,8 @@ class LLMEngine(EngineLifecycle, KVTransfer):  # pause and sleep; KV pages that 
         no warm-up); nothing if it is warmed up."""
         if self.runner.warmed_up:
             return
-        config = dataclasses.replace(self.config, warmup=True)
-        self.compiled = load_or_warm_up(config, self.runner, self.tier is not None, None)
+        tier = self.tier is not None
+        self.compiled = load_or_warm_up(self.config, self.runner, tier, None, now=True)
         self._log_ready()
 
     def _log_ready(self) -> None:

@@ -111,18 +111,23 @@ def make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | Lookahead |
 
 
 def load_or_warm_up(
-    config: EngineConfig, runner: ModelRunner, kv_transfer: bool, target: Target | None
+    config: EngineConfig,
+    runner: ModelRunner,
+    kv_transfer: bool,
+    target: Target | None,
+    *,
+    now: bool = False,
 ) -> dict:
     """Warm-up's programs by name: the bundle's (`compiled_dir`), or compiled now
-    (`warmup`, or for a compile-only `target`); none otherwise. `kv_transfer`: with
-    the KV tier's gather/scatter programs."""
+    (`warmup`, `now`, or for a compile-only `target`); none otherwise. `kv_transfer`:
+    with the KV tier's gather/scatter programs."""
     drafter = runner.drafter
     compiled: dict = {}
     if config.compiled_dir:  # warm-up loads the bundle's programs instead
         compiled = runner.load_compiled(config.compiled_dir, kv_transfer=kv_transfer)
         if drafter:
             drafter.use_compiled(compiled)
-    elif config.warmup or target is not None:
+    elif config.warmup or now or target is not None:
         extras = [drafter.lower_all] if drafter else []
         if runner.lora is not None:  # the adapters' slot write
             extras.append(lambda abstract: runner.lora.lower(runner.weights, abstract))

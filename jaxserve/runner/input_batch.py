@@ -369,8 +369,7 @@ class SamplingMetadata:
     beam: np.ndarray
 
 
-# (slots, not frozen: built for every sequence every step, and a frozen dataclass's
-# __init__ costs ~6x a plain one's; treated as a value all the same)
+# (slots, not frozen: as SeqWork)
 @dataclasses.dataclass(slots=True)
 class SampleRow:
     """What the sampler needs to know of one sequence at this step."""

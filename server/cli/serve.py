@@ -411,7 +411,7 @@ def chat_template(value: str | None) -> str | None:
         raise ValueError(f"--chat_template {value!r:.80} is neither a file nor a Jinja template")
     try:
         check_chat_template(template)
-    except Exception as e:
+    except ValueError as e:
         raise ValueError(f"--chat_template does not compile: {e}") from None
     return template
 
