@@ -29,6 +29,29 @@ import re
 
 import jax
 
+# The engine arguments of each platform's preset (configs/tpu.toml, configs/gpu.toml;
+# a test keeps these equal to the files): `jaxserve preflight` without --config uses
+# them, under the flags given. (Here, not beside the flags: a test reads them in a
+# process that may define other commands' flags.)
+DEVICE_PRESETS = {
+    "tpu": dict(
+        dtype="bfloat16",
+        attention_backend="pallas_tpu",
+        block_size=32,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        kv_cache_memory_fraction=0.9,
+    ),
+    "cuda": dict(
+        dtype="bfloat16",
+        attention_backend="pallas_gpu",
+        block_size=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        kv_cache_memory_fraction=0.9,
+    ),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class Chip:

@@ -46,7 +46,7 @@ from absl import flags
 from jaxserve.config import engine_config
 from jaxserve.llm import resolve_model_dir
 from jaxserve.preflight import preflight
-from jaxserve.targets import Target
+from jaxserve.targets import DEVICE_PRESETS, Target
 from models.config import ModelConfig
 from server.cli.engine_flags import engine_kwargs
 
@@ -60,26 +60,6 @@ flags.DEFINE_string(
 )
 flags.mark_flags_as_required(["target"])
 
-# Without --config: the platform's preset (configs/tpu.toml, configs/gpu.toml; a test
-# keeps these equal to the files), under the flags given.
-DEVICE_PRESETS = {
-    "tpu": dict(
-        dtype="bfloat16",
-        attention_backend="pallas_tpu",
-        block_size=32,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        kv_cache_memory_fraction=0.9,
-    ),
-    "cuda": dict(
-        dtype="bfloat16",
-        attention_backend="pallas_gpu",
-        block_size=16,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        kv_cache_memory_fraction=0.9,
-    ),
-}
 # LLM(...) arguments that are not the engine's.
 _NOT_ENGINE = ("tokenizer", "skip_tokenizer_init", "compiled")
 

@@ -265,7 +265,7 @@ def test_preflight_cli_presets_are_the_config_files():
     import pathlib
     import tomllib
 
-    from server.cli.preflight import DEVICE_PRESETS
+    from jaxserve.targets import DEVICE_PRESETS
 
     configs = pathlib.Path(__file__).resolve().parents[2] / "configs"
     for platform, name in (("tpu", "tpu"), ("cuda", "gpu")):
