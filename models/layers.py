@@ -216,7 +216,9 @@ def _param(value: jax.Array, axes: tuple[str | None, ...] | None) -> nnx.Param:
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
-def rows_dot(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+def rows_dot(
+    x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, cpu_kernel: bool = True
+) -> jax.Array:
     """x [M, K] times weights w [N, K] (each output's weights a row: an embedding used as
     the LM head, an int8 Linear's kernel), dequantized with `scale` [N] when w is int8
     -> float32 [M, N].
@@ -227,8 +229,9 @@ def rows_dot(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.
     times the bytes of the int8 weights, every step), and its products of a few rows
     re-read the weights. So on the CPU, up to `max_rows` rows (decode steps) call the
     C++ kernel of `pallas_kernels.cpu.matmul`, which reads each weight once for all
-    rows, when it is loaded (the model runner loads it); more rows (a prefill chunk),
-    or no kernel, take XLA's dot, whose cost the rows amortise. Traced under a mesh
+    rows, when it is loaded (the model runner loads it) and `cpu_kernel` (the module's
+    engine uses the kernels: `without_cpu_kernels`); more rows (a prefill chunk), or
+    no kernel, take XLA's dot, whose cost the rows amortise. Traced under a mesh
     (tensor parallelism), XLA's dot too: it partitions it like any other, where it
     cannot partition the kernel's custom call.
     """
@@ -241,7 +244,8 @@ def rows_dot(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.
 
     def cpu(x):
         if (
-            x.shape[0] <= cpu_matmul.max_rows(w.dtype)
+            cpu_kernel
+            and x.shape[0] <= cpu_matmul.max_rows(w.dtype)
             and cpu_library.is_loaded()
             and jax.sharding.get_abstract_mesh().size <= 1  # no mesh: size 0
         ):
@@ -258,6 +262,8 @@ class RowsLinear(nnx.Module):
     `rows_dot` can hand a decode step's few rows to the CPU kernel, which streams the
     weights once (`store_rows` builds it from a loaded Linear)."""
 
+    cpu_kernel = True  # False: XLA's dot on the CPU too (`without_cpu_kernels`)
+
     def __init__(self, layer: nnx.Linear):
         self.kernel = _param(layer.kernel[...].T, _axes(layer.kernel, reverse=True))
         self.bias = layer.bias
@@ -267,7 +273,12 @@ class RowsLinear(nnx.Module):
         return None
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
-        y = rows_dot(x.reshape(-1, x.shape[-1]), self.kernel[...], self.row_scales())
+        y = rows_dot(
+            x.reshape(-1, x.shape[-1]),
+            self.kernel[...],
+            self.row_scales(),
+            cpu_kernel=self.cpu_kernel,
+        )
         if self.bias is not None:
             y = y + self.bias[...]
         return y.astype(x.dtype).reshape(*x.shape[:-1], -1)
@@ -304,20 +315,20 @@ class QuantizedEmbed(nnx.Module):
         return rows.astype(self.scale.dtype)
 
 
-def lm_head_logits(hidden: jax.Array, head: nnx.Module) -> jax.Array:
+def lm_head_logits(hidden: jax.Array, head: nnx.Module, *, cpu_kernel: bool = True) -> jax.Array:
     """hidden [B, D] -> float32 logits [B, V] through an LM head: a Linear ([D, V]), an
     Embed (tied, [V, D]: its D contracted in place, no transpose) or their int8
-    variants (both [V, D])."""
+    variants (both [V, D]). `cpu_kernel`: as `rows_dot`'s, for a tied head."""
     if isinstance(head, nnx.Linear):
         w = head.kernel[...]
         return dot_f32(hidden.astype(w.dtype), w, (((1,), (0,)), ((), ())))
     if isinstance(head, RowsLinear):  # QuantizedLinear included
-        w, scale = head.kernel[...], head.row_scales()
+        w, scale, cpu_kernel = head.kernel[...], head.row_scales(), head.cpu_kernel
     else:
         w = head.embedding[...]
         scale = head.scale[...] if isinstance(head, QuantizedEmbed) else None
     dtype = scale.dtype if scale is not None else w.dtype
-    return rows_dot(hidden.astype(dtype), w, scale)
+    return rows_dot(hidden.astype(dtype), w, scale, cpu_kernel=cpu_kernel)
 
 
 def store_rows(model: nnx.Module) -> nnx.Module:
@@ -328,6 +339,19 @@ def store_rows(model: nnx.Module) -> nnx.Module:
     prefill 1.20 -> 1.17 s; in float32 XLA's 16-row products of [out, in] weights
     are 27% slower, so float32 keeps [in, out])."""
     return _replace_layers(model, {nnx.Linear: RowsLinear})
+
+
+def without_cpu_kernels(model: nnx.Module) -> nnx.Module:
+    """Marks, in place, every module that would call the CPU's few-row matmul kernel
+    (`RowsLinear`s, and the model for its tied LM head) to take XLA's dot instead;
+    returns the model. An engine with `native_cpu_kernels=False` does this to its
+    model, so that its choice is its own: the mark is in the model's graph, which
+    its programs are traced from, and another engine in the process keeps its
+    kernels."""
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, nnx.Module) and hasattr(module, "cpu_kernel"):
+            module.cpu_kernel = False
+    return model
 
 
 def _replace_layers(model: nnx.Module, variants: dict, kept: str = "") -> nnx.Module:

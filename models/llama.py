@@ -163,6 +163,7 @@ class Decoder(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     layer_cls = DecoderLayer
     decoder_cls = Decoder
+    cpu_kernel = True  # the tied LM head's (`models.layers.without_cpu_kernels`)
 
     def __init__(
         self,
@@ -197,7 +198,8 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [B, D] -> [B, V] float32
         head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        return soft_cap(lm_head_logits(hidden, head), self.config.final_logit_softcap)
+        logits = lm_head_logits(hidden, head, cpu_kernel=self.cpu_kernel)
+        return soft_cap(logits, self.config.final_logit_softcap)
 
     @classmethod
     def checkpoint_key(cls, path: tuple) -> tuple[str, bool]:

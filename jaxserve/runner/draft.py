@@ -43,6 +43,7 @@ from jaxserve.runner.input_batch import SeqWork, StepShapes, build_batch, pick_b
 from jaxserve.runner.sampler import argmax
 from jaxserve.runner.step import ModelDef, StepInput, StepPrograms
 from jaxserve.sequence import SequenceState
+from models.layers import without_cpu_kernels
 from pallas_kernels import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ def load_draft(
         compile_only=compile_only,
     )
     logger.info("draft model %s loaded in %.1fs", spec.model, time.perf_counter() - t0)
-    return model
+    return model if config.native_cpu_kernels else without_cpu_kernels(model)
 
 
 class DraftRunner:

@@ -93,6 +93,10 @@ class ModelRunner:
             self.compile_device = devices[0]
         elif mesh is None:
             mesh = meshes.engine_mesh(config.parallel.tensor_parallel_size)
+        cpu_backend = resolve_backend_name(config.attention_backend) == "cpu"
+        if target is None and cpu_backend and not config.native_cpu_kernels:
+            # This engine's attention without the C++ kernels (another's keeps them).
+            config = dataclasses.replace(config, attention_backend="reference")
         self.config = config
         self.mesh = mesh
         check_kv_dtype(config.attention_backend, config.kv_dtype, self.compile_device)
@@ -438,7 +442,7 @@ class ModelRunner:
             row_buckets=self.row_buckets,
             weights=self.weights,
             kv_transfer=kv_transfer,
-            cpu_kernels=cpu_library.is_loaded(),
+            cpu_kernels=self.weight_form.cpu_kernels and cpu_library.is_loaded(),
             kv_groups=self.kv_plan.manifest() if self.kv_plan.hybrid else (),
         )
 

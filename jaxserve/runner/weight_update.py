@@ -50,7 +50,7 @@ from jaxserve.runner import lora_io
 from jaxserve.runner.step import ModelDef
 from models import get_model_class
 from models.config import ModelConfig
-from models.layers import quantize_weights, store_rows
+from models.layers import quantize_weights, store_rows, without_cpu_kernels
 from pallas_kernels.cpu import features as cpu_features
 from pallas_kernels.cpu import library as cpu_library
 
@@ -87,12 +87,20 @@ class ServingForm:
 
     quantization: str | None  # "int8": quantized from the float weights
     rows: bool  # linears stored [out, in] (`models.layers.store_rows`)
+    cpu_kernels: bool = True  # the config's `native_cpu_kernels`
 
     def apply(self, model: nnx.Module) -> nnx.Module:
         """The float model (weights placed) -> the serving model, in place."""
         if self.quantization is not None:
             model = quantize_weights(model, self.quantization)
-        return store_rows(model) if self.rows else model
+        return self.arrange(model)
+
+    def arrange(self, model: nnx.Module) -> nnx.Module:
+        """A model in the served quantization -> the serving model, in place: its
+        linears' layout, and which matmuls it leaves to XLA."""
+        if self.rows:
+            model = store_rows(model)
+        return model if self.cpu_kernels else without_cpu_kernels(model)
 
 
 def load_serving_model(
@@ -129,13 +137,14 @@ def load_serving_model(
         and config.dtype == "bfloat16"
         and config.quantization is None
         and (mesh is None or mesh.devices.size == 1)
+        and config.native_cpu_kernels
         and cpu_library.is_loaded()
     )
-    if rows:
-        model = store_rows(model)
+    form = ServingForm(config.quantization, rows, config.native_cpu_kernels)
+    model = form.arrange(model)
     if config.lora.enable_lora:  # the adapters' slot-stacked matrices beside the weights
         model = lora_io.add_adapters(model, config, mesh, compile_device)
-    return model, ServingForm(config.quantization, rows)
+    return model, form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +185,9 @@ class WeightConverter:
         self.leaves = [leaf for _, leaf in paths_leaves]
         self.hf = [tensor_names(cls, path, leaf.shape) for path, leaf in paths_leaves]
         # Served as they are (no quantization, no rows layout): the same tree.
-        self.as_is = form == ServingForm(None, False) and self.treedef == model_def.treedef
+        self.as_is = (
+            form.quantization is None and not form.rows and self.treedef == model_def.treedef
+        )
         if mesh is not None:
             shardings = jax.tree.leaves(meshes.state_shardings(abstract, mesh))
             self.placements = [_Placement(s, True) for s in shardings]
@@ -255,8 +266,7 @@ class WeightConverter:
             )
         except (OSError, SafetensorError) as e:  # (missing files, a truncated one)
             raise ValueError(f"path {path!r}: {e}") from e
-        if self.form.rows:
-            model = store_rows(model)
+        model = self.form.arrange(model)
         model_def, weights = ModelDef.split(model)
         return self._serving(weights, model_def)
 

@@ -61,12 +61,14 @@ LOCK_TIMEOUT_S = 120.0
 _lock = threading.Lock()
 _loaded: str | None = None  # where the registered library was loaded from
 _failure: str | None = None  # why the build or load failed (not retried)
-_in_use = True  # False: an engine turned the kernels off (`prepare`)
 
 
 def is_loaded() -> bool:
-    """Whether the layers call the kernels (at trace time)."""
-    return _loaded is not None and _in_use
+    """Whether the kernels are registered in this process, so that a program traced
+    now may call them. Whether it does is its engine's choice (`native_cpu_kernels`,
+    carried by its model: `models.layers.without_cpu_kernels` and the "reference"
+    attention backend), never a switch of the process."""
+    return _loaded is not None
 
 
 @functools.cache
@@ -258,11 +260,10 @@ def _register(lib: ctypes.CDLL) -> None:
 
 
 def prepare(*, enabled: bool, cache_dir: str | None) -> bool:
-    """An engine on the CPU starts: loads the kernels (`enabled`, the config's
-    `native_cpu_kernels`) or turns them off for the programs traced from now on;
-    True if they are used. (The registration itself is process-wide and stays.)"""
-    global _in_use
-    _in_use = enabled
+    """An engine on the CPU starts: loads the kernels if it uses them (`enabled`, its
+    config's `native_cpu_kernels`); True if it does. An engine without them changes
+    nothing for another that has them: its model says so (the registration, which
+    JAX keeps per process, stays)."""
     if not enabled:
         logger.info("CPU kernels off (native_cpu_kernels=False): XLA's formulations")
         return False

@@ -35,9 +35,27 @@ def test_float32_keeps_its_layout():
     assert not linears(LLM(**{**KW, "dtype": "float32"}))
 
 
-def test_native_cpu_kernels_off_keeps_xlas_layout_and_formulations(monkeypatch):
-    monkeypatch.setattr(cpu_library, "_in_use", cpu_library._in_use)  # (restored after)
-    llm = LLM(**KW, native_cpu_kernels=False)
-    assert not linears(llm) and not cpu_library.is_loaded()
+def forward_hlo(llm) -> str:
+    llm.engine.warm_up()
+    programs = llm.engine.compiled
+    return "".join(p.as_text() for name, p in programs.items() if name.startswith("forward"))
+
+
+def test_two_engines_in_a_process_each_keep_their_own_kernel_choice():
+    """native_cpu_kernels is each engine's: one built without the kernels after one
+    with them leaves the first's layout, programs and bundle manifest as they were
+    (the switch was process-wide: the second turned the kernels off for both)."""
+    on = LLM(**KW)
+    off = LLM(**KW, native_cpu_kernels=False)
+    assert cpu_library.is_loaded()
+    assert linears(on) and not linears(off)
+    # Compiled after `off` was built, `on`'s programs still call the kernels.
+    on_text, off_text = forward_hlo(on), forward_hlo(off)
+    kernel = 'custom_call_target="jaxserve_'
+    assert kernel + "matmul_bf16" in on_text and kernel + "attention_bf16" in on_text
+    assert kernel not in off_text  # XLA's matmuls, the reference attention
+    assert on.engine.runner.manifest(kv_transfer=False)["target"]["cpu_kernels"] is True
+    assert off.engine.runner.manifest(kv_transfer=False)["target"]["cpu_kernels"] is False
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    assert len(llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    for llm in (on, off):
+        assert len(llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
