@@ -15,8 +15,16 @@ variants.
 refused: a local directory and the hub name of the same model differ, and the
 shapes (checked exactly, module by module) are what makes an adapter fit.
 
+The files are untrusted input (a server loads the adapter a client names), so
+reading them is bounded: `adapter_config.json` to `MAX_CONFIG_BYTES`, the weights to
+`LoRALayout.max_weights_bytes` (the largest adapter the engine's slots could hold),
+each checked by size before it is read; the safetensors header is checked field by
+field; `rank_pattern` and `alpha_pattern` keys, which PEFT reads as regular
+expressions, are matched by RE2 (linear time) rather than by Python's backtracking
+`re`. Whatever is wrong is a ValueError naming the adapter and the file.
+
 Host logic: numpy and json, no JAX (the tensors are read by a small safetensors
-reader, which takes bfloat16 without JAX's dtypes).
+reader, which takes bfloat16 without JAX's dtypes). Any thread may read an adapter.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import os
 import re
 
 import numpy as np
+import re2
 
 from jaxserve.lora.request import LoRARequest
 
@@ -37,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+# adapter_config.json is a few kB; with a rank_pattern entry per module of an 80-layer
+# model, tens of kB.
+MAX_CONFIG_BYTES = 1 << 20
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Config fields that, when set, ask for something other than plain LoRA.
 _REFUSED_FIELDS = {
@@ -74,6 +86,17 @@ class LoRALayout:
     modules: dict[str, tuple[int, int]]
     max_rank: int
 
+    @property
+    def max_weights_bytes(self) -> int:
+        """The largest `adapter_model.safetensors` that can hold an adapter the slots take:
+        every module at `max_rank` in float64 (the widest dtype read), plus 1 KiB of
+        header per module (two tensors' names, dtypes, shapes, offsets) and 1 MiB for
+        the rest of the header (PEFT's metadata). A larger file is refused unread."""
+        per_module = sum(
+            8 * self.max_rank * (d_in + d_out) for d_in, d_out in self.modules.values()
+        )
+        return per_module + 1024 * len(self.modules) + (1 << 20)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Adapter:
@@ -96,14 +119,16 @@ def load_adapter(request: LoRARequest, layout: LoRALayout, model_dir: str = "") 
     """Reads the adapter at `request.lora_path` and checks it against `layout`; raises
     ValueError naming the adapter and what does not match."""
     what = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
-    config_bytes, weights_bytes = _read_files(request.lora_path, what)
+    config_bytes, weights_bytes = _read_files(request.lora_path, layout, what)
     try:
         config = json.loads(config_bytes)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # (not JSON, not UTF-8, nested too deep)
         raise ValueError(f"{what}: {CONFIG_FILE} is not JSON: {e}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{what}: {CONFIG_FILE} must hold a JSON object")
     rank, alpha = _check_config(config, what)
+    ranks = _patterns(config, "rank_pattern", what)
+    alphas = _patterns(config, "alpha_pattern", what)
     _check_base_model(config.get("base_model_name_or_path"), model_dir, what)
     tensors = _parse_safetensors(weights_bytes, what)
     pairs = _pair_tensors(tensors, what)
@@ -111,14 +136,12 @@ def load_adapter(request: LoRARequest, layout: LoRALayout, model_dir: str = "") 
     for module, (a, b) in sorted(pairs.items()):
         key = _check_module(module, a, b, layout, what)
         r = a.shape[0]
-        ranks = config.get("rank_pattern") or {}
-        expected = ranks.get(_pattern_key(ranks, module), rank)
+        expected = _pattern_value(ranks, module, rank)
         if r != expected:
             raise ValueError(
                 f"{what}: {module} has rank {r} in {WEIGHTS_FILE}, its config says {expected}"
             )
-        patterns = config.get("alpha_pattern") or {}
-        a_m = patterns.get(_pattern_key(patterns, module), alpha)
+        a_m = _pattern_value(alphas, module, alpha)
         scale = a_m / math.sqrt(r) if config.get("use_rslora") else a_m / r
         weights[key] = (np.ascontiguousarray(a), np.ascontiguousarray(b.T * np.float32(scale)))
     digest = hashlib.blake2b(config_bytes, digest_size=16)
@@ -128,11 +151,12 @@ def load_adapter(request: LoRARequest, layout: LoRALayout, model_dir: str = "") 
     )
 
 
-def _read_files(path: str, what: str) -> tuple[bytes, bytes]:
+def _read_files(path: str, layout: LoRALayout, what: str) -> tuple[bytes, bytes]:
+    """The config's and the weights' bytes, each file's size checked before it is read."""
     if not os.path.isdir(path):
         raise ValueError(f"{what}: lora_path is not a directory")
     files = []
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
+    for name, bound in ((CONFIG_FILE, MAX_CONFIG_BYTES), (WEIGHTS_FILE, layout.max_weights_bytes)):
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             also = ""
@@ -141,7 +165,17 @@ def _read_files(path: str, what: str) -> tuple[bytes, bytes]:
                 also += "adapter with safe_serialization=True)"
             raise ValueError(f"{what}: no {name}{also}")
         with open(file, "rb") as f:
-            files.append(f.read())
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(bound + 1) if size <= bound else b""
+        if size > bound or len(data) > bound:  # (or it grew since its size was read)
+            why = "MAX_CONFIG_BYTES"
+            if name == WEIGHTS_FILE:
+                why = "every module the served model has, at max_lora_rank, in float64"
+            raise ValueError(
+                f"{what}: {name} has {max(size, len(data))} bytes, more than the {bound} "
+                f"an adapter's {name} may have ({why})"
+            )
+        files.append(data)
     return files[0], files[1]
 
 
@@ -165,15 +199,12 @@ def _check_config(config: dict, what: str) -> tuple[int, float]:
         raise ValueError(f"{what}: lora_alpha must be a number, got {alpha!r}")
     targets = config.get("target_modules")
     if isinstance(targets, list):  # (a regex string, or "all-linear": the tensors tell)
-        bad = sorted(t for t in targets if t not in SUPPORTED_TARGETS)
+        bad = sorted((t for t in targets if t not in SUPPORTED_TARGETS), key=str)
         if bad:
             raise ValueError(
                 f"{what}: target_modules {bad} are not supported; an adapter may target "
                 f"any of {list(SUPPORTED_TARGETS)}"
             )
-    for field in ("rank_pattern", "alpha_pattern"):
-        if not isinstance(config.get(field) or {}, dict):
-            raise ValueError(f"{what}: {field} must be an object, got {config[field]!r}")
     return rank, float(alpha)
 
 
@@ -193,13 +224,51 @@ def _check_base_model(base: object, model_dir: str, what: str) -> None:
         )
 
 
-def _pattern_key(patterns: dict, module: str) -> str:
-    """PEFT's `get_pattern_key`: the first pattern that matches the module's name at a
-    dot boundary (else the name itself, which no pattern has)."""
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module):
-            return key
-    return module
+# RE2 reports a pattern it refuses by raising; its log line would only repeat that.
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False
+
+
+def _patterns(config: dict, field: str, what: str) -> list[tuple[object, float]]:
+    r"""`rank_pattern` or `alpha_pattern` as (compiled key, value), in the config's order.
+    PEFT matches each key as a regular expression against the module's name
+    (`get_pattern_key`: `re.match(rf"(.*\.)?({key})$", name)`); RE2 matches the same
+    patterns in time linear in the name, where Python's backtracking `re` can take
+    exponential time on a crafted key (`(\w*)*!`). A key RE2 does not read (a
+    backreference, a lookaround, one too large) is refused by name."""
+    patterns = config.get(field) or {}
+    if not isinstance(patterns, dict):
+        raise ValueError(f"{what}: {field} must be an object, got {patterns!r}")
+    compiled = []
+    for key, value in patterns.items():
+        if field == "rank_pattern":
+            ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        else:
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not ok:
+            kind = "a positive integer" if field == "rank_pattern" else "a number"
+            raise ValueError(f"{what}: {field}[{key!r}] must be {kind}, got {value!r}")
+        try:
+            pattern = re2.compile(rf"(.*\.)?({key})$", _RE2_OPTIONS)
+        except re2.error as e:
+            why = e.args[0] if e.args else ""
+            why = why.decode(errors="replace") if isinstance(why, bytes) else str(why)
+            raise ValueError(
+                f"{what}: {field} key {key!r} is not a regular expression RE2 reads ({why}); "
+                "a key is a module name, or a pattern of names without backreferences or "
+                "lookarounds"
+            ) from None
+        compiled.append((pattern, value))
+    return compiled
+
+
+def _pattern_value(patterns: list[tuple[object, float]], module: str, default):
+    """The value of the first pattern that matches the module's name (`_patterns`), else
+    `default`."""
+    for pattern, value in patterns:
+        if pattern.match(module):
+            return value
+    return default
 
 
 def _pair_tensors(tensors: dict[str, np.ndarray], what: str) -> dict[str, tuple]:
@@ -259,24 +328,66 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.u
 
 
 def _parse_safetensors(data: bytes, what: str) -> dict[str, np.ndarray]:
-    """The file's tensors as float32 arrays."""
+    """The file's tensors as float32 arrays; ValueError naming the file and what in it is
+    malformed (the header is read as untrusted: every field checked before use)."""
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{what}: cannot read {WEIGHTS_FILE}: {why}")
+
+    if len(data) < 8:
+        raise bad(f"it has {len(data)} bytes, fewer than the 8 of its header's length")
+    size = int.from_bytes(data[:8], "little")
+    if size > len(data) - 8:
+        raise bad(f"its header length {size} runs past the end of the file ({len(data)} bytes)")
     try:
-        size = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + size])
-        tensors = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = _DTYPES.get(info["dtype"])
-            if dtype is None:
-                raise ValueError(f"tensor {name!r} has dtype {info['dtype']}, not a float type")
-            start, end = info["data_offsets"]
-            raw = np.frombuffer(
-                data, dtype, (end - start) // np.dtype(dtype).itemsize, 8 + size + start
-            )
-            if info["dtype"] == "BF16":  # the high half of a float32
-                raw = (raw.astype(np.uint32) << 16).view(np.float32)
-            tensors[name] = raw.astype(np.float32).reshape(info["shape"])
-        return tensors
-    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{what}: cannot read {WEIGHTS_FILE}: {e}") from None
+        header = json.loads(data[8 : 8 + size].decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise bad(f"its header is not UTF-8 ({e})") from None
+    except (ValueError, RecursionError) as e:  # (JSONDecodeError; nested too deep)
+        raise bad(f"its header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad(f"its header is a JSON {type(header).__name__}, not an object")
+    start_of_data, data_bytes = 8 + size, len(data) - 8 - size
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, (start, end) = _tensor_info(name, info, data_bytes, bad)
+        raw = np.frombuffer(data, dtype, (end - start) // dtype.itemsize, start_of_data + start)
+        if info["dtype"] == "BF16":  # the high half of a float32
+            raw = (raw.astype(np.uint32) << 16).view(np.float32)
+        tensors[name] = raw.astype(np.float32).reshape(shape)
+    return tensors
+
+
+def _tensor_info(name: str, info: object, data_bytes: int, bad) -> tuple:
+    """A header entry's (dtype, shape, data_offsets), once they describe bytes the file
+    holds: a float dtype, a shape of non-negative integers whose size fills its offsets
+    exactly, offsets within the `data_bytes` after the header."""
+    if not isinstance(info, dict):
+        raise bad(f"tensor {name!r} is described by {info!r}, not an object")
+    if not isinstance(info.get("dtype"), str) or info["dtype"] not in _DTYPES:
+        raise bad(f"tensor {name!r} has dtype {info.get('dtype')!r}, not one of {list(_DTYPES)}")
+    dtype = np.dtype(_DTYPES[info["dtype"]])
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(shape, list) or not all(is_int(d) for d in shape):
+        raise bad(f"tensor {name!r} has shape {shape!r}, not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(o) for o in offsets):
+        raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [start, end]")
+    start, end = offsets
+    if not start <= end <= data_bytes:
+        raise bad(
+            f"tensor {name!r} has data_offsets {offsets}, outside the {data_bytes} bytes of "
+            "tensor data"
+        )
+    if math.prod(shape) * dtype.itemsize != end - start:
+        raise bad(
+            f"tensor {name!r} of shape {shape} in {info['dtype']} needs "
+            f"{math.prod(shape) * dtype.itemsize} bytes, its data_offsets {offsets} span "
+            f"{end - start}"
+        )
+    return dtype, shape, (start, end)
