@@ -102,6 +102,7 @@ class _Backend(Protocol):
 
     special_tokens: dict[str, str]  # bos_token, eos_token, ... -> its text
     all_special_ids: list[int]
+    hf_class: str  # transformers' class for this kind of tokenizer file
 
     @property
     def vocab_size(self) -> int: ...
@@ -115,6 +116,8 @@ class _Backend(Protocol):
 
 class _TokenizersBackend:
     """`tokenizer.json` with the `tokenizers` library; its post-processor adds BOS/EOS."""
+
+    hf_class = "TokenizersBackend"  # transformers 5's class for a tokenizer.json
 
     def __init__(self, path: str, config: dict[str, Any]):
         self._tok = tokenizers.Tokenizer.from_file(path)
@@ -157,6 +160,8 @@ class _SentencePieceBackend:
     starts with "▁▁" and inserts one when a special token follows text.
     Added tokens' lstrip/rstrip flags are not applied (Llama and Mistral set none).
     """
+
+    hf_class = "SentencePieceBackend"  # transformers 5's class for a tokenizer.model
 
     def __init__(self, path: str, config: dict[str, Any]):
         import sentencepiece  # only for tokenizer.model directories
@@ -276,6 +281,7 @@ class Tokenizer:
         if os.path.exists(config_path):
             with open(config_path) as f:
                 config = json.load(f)
+        self.config = config  # tokenizer_config.json as read ({} without one)
         self._backend = _load_backend(model_dir, config)
         self.special_tokens = self._backend.special_tokens
         self.chat_template = self._load_chat_template(model_dir, config)
@@ -304,6 +310,11 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._backend.vocab_size
+
+    @property
+    def tokenizer_class(self) -> str:
+        """The config's `tokenizer_class`, else transformers' class for the file loaded."""
+        return self.config.get("tokenizer_class") or self._backend.hf_class
 
     @property
     def backend(self) -> _Backend:

@@ -94,6 +94,9 @@ class ServerOptions:
     # LoRA adapters served from start-up (`--lora_modules`; the engine needs
     # enable_lora): each read and checked before the server reports SERVING.
     lora_modules: tuple[LoRAModule, ...] = ()
+    # HTTP `GET /tokenizer_info` (vLLM's, behind the same flag: it shows the chat
+    # template and the tokenizer's configuration); off: 404.
+    enable_tokenizer_info_endpoint: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
@@ -240,7 +243,13 @@ class JaxServeServer:
         if o.http_port is not None:
             from server.openai_api.api import HttpServer, build_app
 
-            app = build_app(self.state, self.metrics, o.keys(), o.chat_parsers())
+            app = build_app(
+                self.state,
+                self.metrics,
+                o.keys(),
+                o.chat_parsers(),
+                serve_tokenizer_info=o.enable_tokenizer_info_endpoint,
+            )
             try:  # (binds the port now; serves from `start`)
                 self._http = HttpServer(
                     app, o.host, o.http_port, tls_cert=o.tls_cert, tls_key=o.tls_key

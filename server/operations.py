@@ -55,6 +55,8 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("generate", "user", (("POST", "/inference/v1/generate"),), ("Generate",)),
     Operation("tokenize", "user", (("POST", "/tokenize"),), ("Tokenize",)),
     Operation("detokenize", "user", (("POST", "/detokenize"),), ("Detokenize",)),
+    # Served with --enable_tokenizer_info_endpoint; without it, 404 (as vLLM's).
+    Operation("tokenizer_info", "user", (("GET", "/tokenizer_info"),)),
     _admin("pause", (("POST", "/pause"),), ("PauseGeneration",)),
     _admin("resume", (("POST", "/resume"),), ("ResumeGeneration",)),
     _admin("is_paused", (("GET", "/is_paused"),), ("IsPaused",)),

@@ -174,6 +174,12 @@ flags.DEFINE_string(
     "The chat template (a Jinja file, or the template itself) to render chat messages "
     "with instead of the model's: for a model whose template has no tools, or none.",
 )
+flags.DEFINE_bool(
+    "enable_tokenizer_info_endpoint",
+    False,
+    "Serve GET /tokenizer_info (vLLM's, for lm-eval's remote tokenizer): the tokenizer's "
+    "configuration, special tokens and chat template; off: 404.",
+)
 DECODE_TIER_BYTES = 1 << 30  # --role=decode without --kv_offload_bytes
 flags.DEFINE_string(
     "served_model_name",
@@ -292,6 +298,7 @@ def _options(role: str = "both", lora_modules: tuple[LoRAModule, ...] = ()):
         tool_call_constrained=FLAGS.tool_call_constrained,
         reasoning_parser=FLAGS.reasoning_parser,
         lora_modules=lora_modules,
+        enable_tokenizer_info_endpoint=FLAGS.enable_tokenizer_info_endpoint,
     )
 
 

@@ -5,7 +5,8 @@ Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
 (streamed as server-sent events with `stream`), `POST /v1/responses` (OpenAI's
 Responses API, stateless: `responses.py`), `POST /inference/v1/generate` (vLLM's
 tokens in, tokens out: `tokens.py`), `POST /tokenize`,
-`POST /detokenize`, `GET /health`, `GET /metrics`, pause and sleep beside a
+`POST /detokenize`, `GET /tokenizer_info` (with `tokenizer_info`: `tokenizer_info.py`;
+without, 404), `GET /health`, `GET /metrics`, pause and sleep beside a
 trainer (`/pause`, `/resume`, `/is_paused`, `/sleep`, `/wake_up`, `/is_sleeping`:
 `lifecycle_routes.py`), and LoRA adapters loaded at run time (`/v1/load_lora_adapter`,
 `/v1/unload_lora_adapter`: `lora_routes.py`). A request's `model` is the served model
@@ -56,6 +57,7 @@ from server.openai_api.protocol import (
 )
 from server.openai_api.responses import ResponsesServing, response_id
 from server.openai_api.responses_protocol import ResponsesRequest
+from server.openai_api.tokenizer_info import tokenizer_info
 from server.openai_api.tokens import GenerateTokensRequest, TokensServing
 from server.prometheus import ServerMetrics
 from server.serving import Refused, ServingState
@@ -87,9 +89,12 @@ def build_app(
     metrics: ServerMetrics,
     keys: Keys | None = None,
     parsers: ChatParsers | None = None,
+    *,
+    serve_tokenizer_info: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app; `server.edge` checks each route's scope and body bound
-    (`keys`; default: no keys, so no admin route) before the route runs."""
+    (`keys`; default: no keys, so no admin route) before the route runs.
+    `serve_tokenizer_info`: answer `GET /tokenizer_info` (else 404)."""
     app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None)
     openai = OpenAIServing(state, metrics, parsers)
     responses = ResponsesServing(openai)
@@ -266,6 +271,13 @@ def build_app(
                 metrics, f"tokens outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens"
             )
         return {"prompt": await asyncio.to_thread(tok.decode, body.tokens)}
+
+    @api.get("/tokenizer_info")
+    async def get_tokenizer_info():
+        if not serve_tokenizer_info:  # (declared in the table, so routed: 404 here)
+            raise HTTPException(404, "Not Found")
+        serving.ready(state)
+        return tokenizer_info(_tokenizer(state))
 
     routers = [app.router, api, lifecycle_router(state, metrics), lora_router(state, metrics)]
     operations.check_table(http_routes=_routes(routers))
