@@ -23,13 +23,12 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.engine import LLMEngine
 from jaxserve.front import EngineFront
 from jaxserve.tokenizer import Tokenizer
-from server import disagg, operations
+from server import disagg, operations, reflection
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
 from server.edge import GrpcEdge, Keys
@@ -292,14 +291,8 @@ class JaxServeServer:
             server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            server,
-        )
+        health_service = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        reflection.enable(server, (SERVICE_NAME, health_service))
         return server
 
     async def _close_ports(self) -> None:
