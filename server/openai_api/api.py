@@ -5,8 +5,8 @@ Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
 (streamed as server-sent events with `stream`), `POST /v1/responses` (OpenAI's
 Responses API, stateless: `responses.py`), `POST /inference/v1/generate` (vLLM's
 tokens in, tokens out: `tokens.py`), `POST /tokenize`,
-`POST /detokenize`, `GET /tokenizer_info` (with `tokenizer_info`: `tokenizer_info.py`;
-without, 404), `GET /health`, `GET /metrics`, pause and sleep beside a
+`POST /detokenize`, `GET /tokenizer_info` (with `serve_tokenizer_info`:
+`tokenizer_info.py`; without, 404), `GET /health`, `GET /metrics`, pause and sleep beside a
 trainer (`/pause`, `/resume`, `/is_paused`, `/sleep`, `/wake_up`, `/is_sleeping`:
 `lifecycle_routes.py`), and LoRA adapters loaded at run time (`/v1/load_lora_adapter`,
 `/v1/unload_lora_adapter`: `lora_routes.py`). A request's `model` is the served model
