@@ -17,11 +17,19 @@ Loaded programs are called by `ByShape`: the executable compiled for the call's
 argument shapes (its bucket), the way `jax.jit` picks from its cache, except that
 a shape without a program raises instead of compiling.
 
-Unpickling runs code: load only bundles you made.
+Unpickling runs code, and so does a native program: a bundle is code. So it is
+loaded only from where no other user could have written it, with the checks of the
+CPU kernels' cache (`pallas_kernels.cpu.cache`, `private=False`): its directory this
+user's or root's and unwritable by others, under ancestors no other user can
+rename it in; each file a regular file of this user or root that no one else may
+write, checked on the descriptor it is then read from; a program file named in
+the manifest a plain name in the bundle. Anything else is refused, naming the file
+and why, before a byte of it is unpickled. Load only bundles you made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -40,6 +48,7 @@ import jaxserve
 from jaxserve import compile_records
 from jaxserve.config import EngineConfig
 from jaxserve.runner.step import StepPrograms
+from pallas_kernels.cpu import cache as trust
 from pallas_kernels.cpu import features as cpu_features
 
 FORMAT = 2  # 2: the step programs take packed batches (runner.packing)
@@ -167,12 +176,38 @@ def check(found: dict, expected: dict, directory: str) -> None:
         )
 
 
-def read_manifest(directory: str) -> dict:
-    """The bundle's manifest; ValueError if `directory` holds no bundle of this format."""
-    path = os.path.join(directory, MANIFEST)
+def _read_trusted(directory: str, name: str) -> bytes:
+    """A file of the bundle, read from a descriptor whose file was checked as code
+    (the module's docstring); ValueError naming it and why it is not trusted."""
     try:
-        with open(path) as f:
-            found = json.load(f)
+        fd = trust.open_checked(os.path.join(directory, name), private=False)
+    except trust.UnsafeCacheError as e:
+        raise ValueError(
+            f"compiled bundle {directory}: refused, {e}: a bundle is code (pickles and "
+            "native programs), loaded only where no other user could have written it"
+        ) from None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def check_directory(directory: str) -> None:
+    """Raises ValueError naming `directory` and why, unless a bundle may be loaded
+    from it (the module's docstring); FileNotFoundError if there is none."""
+    try:
+        trust.check_dir(os.path.abspath(directory), private=False)
+    except trust.UnsafeCacheError as e:
+        raise ValueError(
+            f"compiled bundle {directory}: refused, {e}: a bundle is code (pickles and "
+            "native programs), loaded only where no other user could have written it"
+        ) from None
+
+
+def read_manifest(directory: str) -> dict:
+    """The bundle's manifest; ValueError if `directory` holds no bundle of this format,
+    or one that is not to be trusted (`check_directory`)."""
+    try:
+        check_directory(directory)
+        found = json.loads(_read_trusted(directory, MANIFEST))
     except FileNotFoundError:
         raise ValueError(
             f"compiled={directory!r} holds no bundle ({MANIFEST} missing): make one with "
@@ -195,13 +230,16 @@ def _file_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9=+.-]", "_", name) + ".bin"
 
 
+_PROGRAM_FILE = re.compile(r"[A-Za-z0-9=+_-][A-Za-z0-9=+._-]*\.bin")  # `_file_name`'s
+
+
 def save(directory: str, compiled: dict[str, jax.stages.Compiled], described: dict) -> int:
     """Writes the programs and their manifest into `directory` (created; an older
     bundle there is replaced); returns the bytes written. The manifest goes last, so
     an interrupted save leaves no loadable bundle."""
     if not compiled:
         raise ValueError("no compiled programs to save: the engine was built with warmup=False")
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, mode=0o755, exist_ok=True)  # (unwritable by others: `load`)
     path = os.path.join(directory, MANIFEST)
     if os.path.exists(path):
         os.remove(path)
@@ -211,14 +249,21 @@ def save(directory: str, compiled: dict[str, jax.stages.Compiled], described: di
     for name, program in sorted(compiled.items()):
         data = pickle.dumps(compile_records.serialized(program))
         file = _file_name(name)
-        with open(os.path.join(directory, file), "wb") as f:
+        with _create(os.path.join(directory, file), "wb") as f:
             f.write(data)
         programs[name] = {"file": file, "sha256": hashlib.sha256(data).hexdigest()}
         total += len(data)
-    with open(path + ".tmp", "w") as f:
+    with _create(path + ".tmp", "w") as f:
         json.dump({"format": FORMAT, **described, "programs": programs}, f, indent=1)
     os.replace(path + ".tmp", path)
     return total
+
+
+def _create(path: str, mode: str):
+    """A new file that no other user may write, whatever the umask (`load` checks)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), mode)
 
 
 def load(
@@ -234,9 +279,14 @@ def load(
     backend = devices[0].client
     loaded = {}
     for name, entry in programs.items():
-        with open(os.path.join(directory, entry["file"]), "rb") as f:
-            data = f.read()
-        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        file = entry.get("file") if isinstance(entry, dict) else None
+        if not isinstance(file, str) or not _PROGRAM_FILE.fullmatch(file):
+            raise ValueError(
+                f"compiled bundle {directory}: program {name!r} names file {file!r}, not "
+                "a program file of the bundle"
+            )
+        data = _read_trusted(directory, file)
+        if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
             raise ValueError(f"compiled bundle {directory}: {entry['file']} ({name}) is corrupt")
         serialized, in_tree, out_tree = pickle.loads(data)
         loaded[name] = serialize_executable.deserialize_and_load(

@@ -7,6 +7,11 @@ checked before every load (the library on the descriptor that is then loaded, so
 it cannot be swapped between the check and the load). A directory that fails is
 refused with `UnsafeCacheError`, naming it and why; the caller builds elsewhere.
 
+Compiled bundles (`jaxserve.runner.bundle`: pickles and native programs) are code
+too, and pass the same checks with `private=False`: the directory need not be
+private, only unwritable by others, and root's files are trusted as well (a bundle
+shipped in an image).
+
 Builds take an exclusive lock on the directory (`fcntl.flock`, waited for at most a
 timeout), write under a temporary name and `os.replace` it into place, so a
 crashed build leaves no half-written library; the next build sweeps its leftovers.
@@ -55,25 +60,29 @@ def _euid() -> int:
     return os.geteuid()
 
 
-def _refusal(st: os.stat_result, *, directory: bool) -> str | None:
-    """Why a file with this (l)stat must not be trusted, or None."""
+def _refusal(st: os.stat_result, *, directory: bool, private: bool = True) -> str | None:
+    """Why a file with this (l)stat must not be trusted, or None. `private`: this
+    user's alone, and a directory 0700; else root's counts too, and a directory
+    needs only to be unwritable by others."""
     kind = "directory" if directory else "regular file"
     if not (stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)):
         return f"not a {kind} (mode {stat.filemode(st.st_mode)})"
-    if st.st_uid != _euid():
+    if st.st_uid != _euid() and (private or st.st_uid != 0):
         return f"owned by uid {st.st_uid}, not this user ({_euid()})"
-    mask = 0o077 if directory else 0o022  # a directory private, a file unwritable by others
+    private_dir = directory and private
+    mask = 0o077 if private_dir else 0o022  # else: unwritable by others
     if st.st_mode & mask:
-        want = "0700" if directory else "no group or other write"
+        want = "0700" if private_dir else "no group or other write"
         return f"mode {stat.S_IMODE(st.st_mode):04o} (needs {want})"
     return None
 
 
-def check_dir(path: str) -> None:
-    """Raises UnsafeCacheError unless `path` is this user's private directory (a
-    symlink is refused too: its target is not what was checked) under ancestors that
-    no other user can rename it in (`_ancestor_refusal`)."""
-    reason = _refusal(os.lstat(path), directory=True)
+def check_dir(path: str, *, private: bool = True) -> None:
+    """Raises UnsafeCacheError unless `path` is this user's private directory
+    (`private=False`: this user's or root's, unwritable by others; a symlink is
+    refused too: its target is not what was checked) under ancestors that no other
+    user can rename it in (`_ancestor_refusal`)."""
+    reason = _refusal(os.lstat(path), directory=True, private=private)
     if reason:
         raise UnsafeCacheError(f"{path}: {reason}")
     reason = _ancestor_refusal(os.path.dirname(os.path.abspath(path)))
@@ -112,17 +121,17 @@ def ensure_dir(path: str) -> None:
     check_dir(path)
 
 
-def open_checked(path: str) -> int:
-    """Opens the library at `path` for loading and checks the opened file; returns
-    the descriptor (the caller closes it). Raises UnsafeCacheError, or
-    FileNotFoundError if there is none."""
+def open_checked(path: str, *, private: bool = True) -> int:
+    """Opens the library at `path` for loading and checks the opened file
+    (`private`: as `check_dir`'s); returns the descriptor (the caller closes it).
+    Raises UnsafeCacheError, or FileNotFoundError if there is none."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise
         raise UnsafeCacheError(f"{path}: a symbolic link") from None
-    reason = _refusal(os.fstat(fd), directory=False)
+    reason = _refusal(os.fstat(fd), directory=False, private=private)
     if reason:
         os.close(fd)
         raise UnsafeCacheError(f"{path}: {reason}")

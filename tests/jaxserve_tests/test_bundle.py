@@ -18,6 +18,7 @@ from jaxserve.config import engine_config
 from jaxserve.llm import resolve_model_dir
 from jaxserve.runner import bundle
 from models.config import ModelConfig
+from pallas_kernels.cpu import cache as trust
 
 # Small shapes keep the program count low: token buckets 1, 2, ..., 32 and row
 # buckets 1, 2, 4 -> 6 forward + 6 sampling programs.
@@ -295,6 +296,56 @@ def test_a_corrupt_program_file_is_refused(tmp_path):
     program.write_bytes(program.read_bytes()[:-8])
     with pytest.raises(ValueError, match="corrupt"):
         bundle.load(str(tmp_path), {"engine": {}}, jax.devices()[:1])
+
+
+def _tiny_bundle(directory) -> None:
+    f = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((3,), "float32")).compile()
+    bundle.save(str(directory), {"forward T=3": f}, {"engine": {}})
+
+
+def _load(directory):
+    return bundle.load(str(directory), {"engine": {}}, jax.devices()[:1])
+
+
+def test_a_bundle_others_could_have_written_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """A bundle is code (pickles, native programs): loaded only from where no other
+    user could have written it, as the CPU kernels' cache (it was loaded from
+    anywhere)."""
+    _tiny_bundle(tmp_path / "ok")
+    assert _load(tmp_path / "ok")  # saved with modes that pass, whatever the umask
+    program = "forward_T=3.bin"
+
+    def refused(directory, reason):
+        with pytest.raises(ValueError, match="a bundle is code") as e:
+            _load(directory)
+        assert reason in str(e.value)
+
+    shared = tmp_path / "shared"
+    _tiny_bundle(shared)
+    shared.chmod(0o777)
+    refused(shared, "mode 0777 (needs no group or other write)")
+    writable = tmp_path / "writable"
+    _tiny_bundle(writable)
+    (writable / program).chmod(0o666)
+    refused(writable, f"{program}: mode 0666")
+    linked = tmp_path / "linked"
+    _tiny_bundle(linked)
+    (linked / program).unlink()
+    (linked / program).symlink_to(tmp_path / "ok" / program)
+    refused(linked, "a symbolic link")
+    escaping = tmp_path / "escaping"
+    _tiny_bundle(escaping)
+    manifest = json.loads((escaping / "manifest.json").read_text())
+    manifest["programs"]["forward T=3"]["file"] = "../ok/" + program
+    (escaping / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="names file '../ok/forward_T=3.bin', not a program"):
+        _load(escaping)
+    # Another user's program file (root's would be trusted: as root, give it away).
+    if os.geteuid() == 0:
+        os.chown(tmp_path / "ok" / program, 4242, -1)
+    else:
+        monkeypatch.setattr(trust, "_euid", lambda: os.geteuid() + 1)
+    refused(tmp_path / "ok", "owned by uid")
 
 
 BY_SHAPE = r"""
