@@ -174,9 +174,9 @@ class JaxServeServicer(LifecycleRPCs, LoRARPCs, pb_grpc.JaxServeServicer):  # pa
             prompt = {"prompt": request.prompt}
         elif kind == "prompt_token_ids":
             prompt = {"prompt_token_ids": list(request.prompt_token_ids.ids)}
-        elif kind == "messages":
-            prompt = {"messages": servicer_chat.messages(request.messages)}
         try:
+            if kind == "messages":
+                prompt = {"messages": servicer_chat.messages(request.messages)}
             # Off the event loop: a long prompt takes seconds to tokenize, and every
             # other call on this server would wait meanwhile.
             return await asyncio.to_thread(

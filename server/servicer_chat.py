@@ -14,15 +14,20 @@ from jaxserve.tokenizer import Tokenizer
 from server import jaxserve_pb2 as pb
 from server.openai_api import chat_output
 from server.openai_api.chat_output import ChatParsers, ChatReading
-from server.openai_api.protocol import BadField, tool_choice_mode
+from server.openai_api.protocol import CHAT_ROLES, BadField, tool_choice_mode
 from server.reasoning_parsers import Reasoning
 from server.tool_parsers import assemble
 
 
 def messages(msg: pb.ChatMessages) -> list[dict[str, Any]]:
-    """The messages as chat templates read them (earlier calls' arguments as objects)."""
+    """The messages as chat templates read them (earlier calls' arguments as objects).
+    Raises BadField for a role OpenAI's chat has not, as the HTTP API does."""
     out = []
-    for m in msg.messages:
+    for i, m in enumerate(msg.messages):
+        if m.role not in CHAT_ROLES:
+            raise BadField(
+                f"messages[{i}].role", f"role must be one of {CHAT_ROLES}, got {m.role!r}"
+            )
         entry: dict[str, Any] = {"role": m.role, "content": m.content}
         for key in ("tool_call_id", "reasoning", "name"):
             if getattr(m, key):

@@ -289,6 +289,11 @@ def test_the_proto_carries_every_sampling_field_with_its_default():
         (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5, 320])), "prompt_token_ids"),
         (request(structured_outputs=pb.StructuredOutputs(regex="a(b")), "structured_outputs"),
         (request(stop_token_ids=[320]), "stop_token_ids"),
+        # A role OpenAI's chat has not: the HTTP API's refusal (it was rendered).
+        (
+            pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard")])),
+            "messages[0].role",
+        ),
     ],
 )
 def test_an_invalid_argument_names_its_field_as_metadata(served, req, field):
