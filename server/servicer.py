@@ -265,7 +265,7 @@ class JaxServeServicer(LifecycleRPCs, LoRARPCs, pb_grpc.JaxServeServicer):  # pa
                         readers[c.index] = reading.choice()
                     reader = readers[c.index]
                     if reader is not None:
-                        events = reader.step(c.delta_text, c.finished)
+                        events = reader.step(c.delta_text, c.finish_reason)
                         if c.finished:
                             msg.finish_reason = (
                                 chat_output.finish_reason(c.finish_reason, reader) or ""
@@ -314,7 +314,7 @@ class JaxServeServicer(LifecycleRPCs, LoRARPCs, pb_grpc.JaxServeServicer):  # pa
                 comp.cumulative_logprob = c.cumulative_logprob
             reader = None if reading is None else reading.choice()
             if reader is not None:
-                servicer_chat.set_whole(comp, reader.read(c.text))
+                servicer_chat.set_whole(comp, reader.read(c.text, c.finish_reason))
                 comp.finish_reason = chat_output.finish_reason(c.finish_reason, reader) or ""
             completions.append(comp)
         return pb.CompleteResponse(

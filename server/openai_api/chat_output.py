@@ -9,7 +9,8 @@ model's own format for `required`, a named function, or `auto` with
 a `ChoiceReader` per choice, which turns text into events: `Reasoning`,
 `Content`, and the tool parsers' call events. `message` and `delta` write those
 events as OpenAI's message and streamed delta; both come from the same events, so
-a streamed reply reassembles to the non-streamed one.
+a streamed reply reassembles to the non-streamed one (but for a call that failed
+or was cut short: the stream had sent its beginning).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class ChatReading:
         self.reasoning = None
         if parsers.reasoning_parser is not None:
             self.reasoning = reasoning_parsers.PARSERS[parsers.reasoning_parser](tokenizer)
+        # Whether a grammar holds the reply's calls: then a call cut by max_tokens is
+        # no content.
         self.constrain_calls = self.mode in ("required", "named") or (
             self.mode == "auto" and parsers.tool_call_constrained
         )
@@ -141,34 +144,47 @@ class ChatReading:
         return ChoiceReader(
             None if self.reasoning is None else self.reasoning.stream(self.prompt),
             None if self.tools is None else self.tools.stream([f.name for f in self.functions]),
+            constrained=self.tools is not None and self.constrain_calls,
         )
 
 
 class ChoiceReader:
     """One choice's text through the reasoning parser, then its answer through the
-    tool-call parser."""
+    tool-call parser; `constrained`: a grammar held the calls."""
 
-    def __init__(self, reasoning: ReasoningStream | None, calls: CallStream | None):
+    def __init__(
+        self,
+        reasoning: ReasoningStream | None,
+        calls: CallStream | None,
+        *,
+        constrained: bool = False,
+    ):
         self.reasoning = reasoning
         self.calls = calls
+        self.constrained = constrained
 
     def feed(self, text: str) -> list:
         if not text:
             return []
         return self._answer(self.reasoning.feed(text) if self.reasoning else [Content(text)])
 
-    def finish(self) -> list:
+    def finish(self, reason: str | None = None) -> list:
+        """The events of the reply's end; `reason` is the engine's finish reason: cut by
+        max_tokens ("length") in calls a grammar held, a call is cut short, its text
+        no content (`CallStream.finish`)."""
         events = self._answer(self.reasoning.finish()) if self.reasoning else []
-        return events + (self.calls.finish() if self.calls else [])
+        cut = self.constrained and reason == "length"
+        return events + (self.calls.finish(cut=cut) if self.calls else [])
 
-    def step(self, delta: str, finished: bool) -> list:
-        """The events of one streamed delta; the one that finishes the reply ends it."""
+    def step(self, delta: str, reason: str | None) -> list:
+        """The events of one streamed delta; the one with the engine's finish reason
+        (the reply's last) ends it."""
         events = self.feed(delta)
-        return events + self.finish() if finished else events
+        return events + self.finish(reason) if reason is not None else events
 
-    def read(self, text: str) -> list:
-        """The events of a whole reply."""
-        return self.feed(text) + self.finish()
+    def read(self, text: str, reason: str | None = None) -> list:
+        """The events of a whole reply that ended for `reason`."""
+        return self.feed(text) + self.finish(reason)
 
     def _answer(self, events: Sequence) -> list:
         if self.calls is None:

@@ -240,7 +240,7 @@ class OpenAIServing:
             if reader is None:
                 message = {"role": "assistant", "content": echo + c.text}
             else:
-                events = reader.read(c.text)
+                events = reader.read(c.text, c.finish_reason)
                 message = chat_output.message(events, reasoning=reader.reasoning is not None)
                 if echo:
                     message["content"] = echo + (message["content"] or "")
@@ -287,7 +287,7 @@ class OpenAIServing:
             if reader is None:
                 delta = {"content": c.delta_text} if c.delta_text else {}
             else:
-                delta = chat_output.delta(reader.step(c.delta_text, c.finished))
+                delta = chat_output.delta(reader.step(c.delta_text, c.finish_reason))
             choice = {
                 "index": c.index,
                 "delta": delta,

@@ -13,7 +13,9 @@ fed the same events.
 
 A call the model breaks off (malformed, or cut by `max_output_tokens`) has already
 been streamed in part: its item ends with status `incomplete`, and its text follows
-as a message, in the stream and in the non-streamed output alike. A reply cut by
+as a message, in the stream and in the non-streamed output alike; a call a grammar
+held (tool_choice required or a function, constrained auto) that is cut short is
+that incomplete item alone, its text no message. A reply cut by
 `max_output_tokens` is status `incomplete` (`incomplete_details.reason`), streamed
 as `response.incomplete`, as OpenAI does.
 """
@@ -35,7 +37,7 @@ from server.openai_api.protocol import BadField
 from server.openai_api.responses_protocol import FunctionToolChoice, ResponsesRequest, chat_param
 from server.reasoning_parsers import Reasoning
 from server.serving import Refused
-from server.tool_parsers import CallArgs, CallEnd, CallFailed, CallStart, Content
+from server.tool_parsers import CallArgs, CallCut, CallEnd, CallFailed, CallStart, Content
 
 
 def _id(prefix: str) -> str:
@@ -77,6 +79,8 @@ class OutputItems:
                 out.append(self._at(item, "response.function_call_arguments.delta", delta=e.text))
             elif isinstance(e, CallEnd):
                 self._close("completed", out)
+            elif isinstance(e, CallCut):
+                self._close("incomplete", out)
         return out
 
     def finish(self, incomplete: bool) -> list[dict[str, Any]]:
@@ -187,7 +191,7 @@ class ResponsesServing:
         (c,) = final.outputs
         reader = _reader(job)
         items = OutputItems()
-        items.feed([Content(c.text)] if reader is None else reader.read(c.text))
+        items.feed([Content(c.text)] if reader is None else reader.read(c.text, c.finish_reason))
         items.finish(c.finish_reason == "length")
         return self._response(job, body, rid, items.output, final, c.finish_reason)
 
@@ -214,7 +218,7 @@ class ResponsesServing:
                     if reader is None:
                         events: list = [Content(c.delta_text)] if c.delta_text else []
                     else:
-                        events = reader.step(c.delta_text, c.finished)
+                        events = reader.step(c.delta_text, c.finish_reason)
                     for payload in items.feed(events):
                         yield event(payload)
                 if out.finished:

@@ -3,6 +3,7 @@ one file defining a `ToolParser` and an entry here."""
 
 from server.tool_parsers.base import (
     CallArgs,
+    CallCut,
     CallEnd,
     CallFailed,
     CallStart,
@@ -25,6 +26,7 @@ PARSERS: dict[str, type[ToolParser]] = {
 __all__ = [
     "PARSERS",
     "CallArgs",
+    "CallCut",
     "CallEnd",
     "CallFailed",
     "CallStart",

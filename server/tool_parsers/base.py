@@ -18,6 +18,13 @@ that call's text included, is content; a non-streamed response then has that
 text as content and no such call, while a stream has already sent the call's
 valid beginning. Either way the reply does not end with `finish_reason:
 "tool_calls"`, even where another call completed.
+
+A reply whose calls a grammar held (`finish(cut=True)`: tool_choice required or
+named, constrained auto) and that max_tokens cut short is not content written
+like a call: it is a call cut short. Its text is dropped (a marker cut midway
+too) and, once its name was sent, it ends in `CallCut`: a non-streamed response
+has no such call and no such content, a stream has sent its arguments as far
+as they got (as OpenAI streams a call cut by max_tokens).
 """
 
 from __future__ import annotations
@@ -67,7 +74,12 @@ class CallFailed:
     text: str  # the call's text as the model wrote it: content from here on
 
 
-Event = Content | CallStart | CallArgs | CallEnd | CallFailed
+@dataclasses.dataclass(frozen=True)
+class CallCut:
+    index: int  # a call its grammar held, cut short by max_tokens: not a call, not content
+
+
+Event = Content | CallStart | CallArgs | CallEnd | CallFailed | CallCut
 
 
 @dataclasses.dataclass
@@ -98,6 +110,8 @@ def assemble(events: Iterable[Event]) -> tuple[str, list[ToolCall]]:
         elif isinstance(e, CallFailed):
             del calls[e.index]
             content.append(e.text)
+        elif isinstance(e, CallCut):
+            del calls[e.index]
     return "".join(content), list(calls.values())
 
 
@@ -244,6 +258,7 @@ class CallStream:
         self._next_index = 0
         self._after_call = False  # the last thing was a call: leading whitespace goes
         self._failed = False  # a call failed: everything from here on is content
+        self._cut = False  # the reply was cut short in calls a grammar held (`finish`)
         self.gap = ""  # the whitespace before the last marker found (`_text_until`)
         self.completed = 0  # calls that ended well
 
@@ -257,7 +272,10 @@ class CallStream:
         self._advance(final=False)
         return self._take()
 
-    def finish(self) -> list[Event]:
+    def finish(self, cut: bool = False) -> list[Event]:
+        """The events of the reply's end; `cut`: max_tokens cut it short while a grammar
+        held its calls, so a call it breaks off is a call cut short, not content."""
+        self._cut = cut
         self._advance(final=True)
         return self._take()
 
@@ -282,7 +300,14 @@ class CallStream:
             self._events.append(Content(text))
 
     def _fail(self, call: ObjectCall | None, raw: str) -> None:
-        """A call went wrong: its text `raw` and all that follows are content."""
+        """A call went wrong: its text `raw` and all that follows are content (cut
+        short: dropped, the call ended by `CallCut` if it was sent)."""
+        if self._cut:
+            if call is not None and call.index is not None:
+                self._events.append(CallCut(call.index))
+            self._failed = True
+            self._pending = ""
+            return
         if call is not None and call.index is not None:
             self._events.append(CallFailed(call.index, raw))
         else:
@@ -307,6 +332,8 @@ class CallStream:
             self._pending = p[at + len(marker) :]
             return True
         if final:
+            if self._cut:  # a marker cut midway begins no content
+                p = p[: len(p) - partial_suffix(p, marker)]
             self._say(p)
             self._pending = ""
             return False

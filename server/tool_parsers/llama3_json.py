@@ -66,6 +66,9 @@ class _Llama3Stream(CallStream):
                     p = p[1:].lstrip(_WS)
                 if not p and not final:
                     return
+                if not p and self._cut:  # cut after the tag or a "; ": no content
+                    self._pending = ""
+                    return
                 if not p.startswith("{"):  # not a call: the rest is content
                     if self._state == "next":
                         self._pending = self._pending.lstrip(_WS)

@@ -22,7 +22,7 @@ from server.openai_api.api import HttpServer, build_app
 from server.openai_api.chat_output import ChatParsers
 from server.openai_api.responses import OutputItems
 from server.reasoning_parsers import Reasoning
-from server.tool_parsers import CallArgs, CallEnd, CallFailed, CallStart, Content
+from server.tool_parsers import CallArgs, CallCut, CallEnd, CallFailed, CallStart, Content
 from server.tool_parsers.json_prefix import JsonObject
 
 TOOLS = [
@@ -260,6 +260,27 @@ def test_tool_choice_auto_answers_in_text(client):
     assert r.tool_choice == "auto" and [t.name for t in r.tools] == list(SCHEMAS)
 
 
+def test_a_forced_call_cut_by_max_output_tokens_is_an_incomplete_item_alone(client):
+    """A required call cut short (D6): its function_call item, as far as it got, ends
+    incomplete, and its text (the marker, the partial JSON) is no message; cut before
+    its name, the output is empty. It was a message holding the raw markup."""
+    for max_tokens, kinds in ((8, []), (25, [("function_call", "incomplete")])):
+        kw = dict(
+            model="tiny",
+            input=QUESTION,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_output_tokens=max_tokens,
+            temperature=0,
+        )
+        r = client.responses.create(**kw)
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert [(i.type, i.status) for i in r.output] == kinds and r.output_text == ""
+        streamed = reassemble(client.responses.create(**kw, stream=True))
+        assert plain(streamed.output) == plain(r.output) and streamed.status == r.status
+
+
 BAD = [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"store": True}, "store"),
@@ -428,5 +449,12 @@ def test_items_do_not_depend_on_how_events_arrive_and_a_broken_call_stays_incomp
     assert whole.output[4]["content"][0]["text"].endswith("oops and more")
     done = [e for e in sent if e["type"] == "response.function_call_arguments.done"]
     assert [e["arguments"] for e in done] == ['{"location": "Paris"}']  # not the broken one
+    # A call cut short under a grammar: its item ends incomplete, no message follows.
+    cut = OutputItems()
+    cut.feed([CallStart(0, "call_c", "get_weather"), CallArgs(0, '{"loc'), CallCut(0)])
+    cut.finish(incomplete=True)
+    assert [(i["type"], i["status"], i["arguments"]) for i in cut.output] == [
+        ("function_call", "incomplete", '{"loc')
+    ]
     kinds = [e["type"] for e in sent]
     assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done")

@@ -267,10 +267,10 @@ def test_streamed_calls_reassemble_to_the_non_streamed(client, temperature):
             calls = [(name, args) for _, name, args in got["calls"].values()]
             if choice.finish_reason == "length" and calls[len(want) :]:
                 # A call cut off by max_tokens: the stream had sent its beginning; the
-                # whole reply has its text as content instead.
+                # whole reply leaves it out, and its text is no content either (D6).
                 ((name, _),) = calls[len(want) :]
                 calls = calls[: len(want)]
-                assert f'"name": "{name}"' in choice.message.content
+                assert name in SCHEMAS and not choice.message.content
             assert calls == want
             assert got["finish"] == choice.finish_reason
             assert got["content"] == (choice.message.content or "")
@@ -439,6 +439,37 @@ def test_invalid_tool_requests_are_400_naming_the_param(served, body, param):
         )
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param, r.json()
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_a_forced_call_cut_by_max_tokens_leaks_no_markup(client):
+    """A required or named call cut by max_tokens (D6): the reply is not its text as
+    content (the marker and partial JSON), nor a call with broken arguments: no
+    content, no calls, finish_reason "length". Streamed, the call is sent as far as
+    it got (as OpenAI streams one), its arguments a valid JSON prefix, and no content."""
+    sent = 0
+    for tool_choice in ("required", NAMED):
+        for max_tokens in (3, 8, 15, 25):
+            kw = dict(
+                model="tiny",
+                messages=MESSAGES,
+                tools=TOOLS,
+                tool_choice=tool_choice,
+                parallel_tool_calls=False,
+                max_completion_tokens=max_tokens,
+                temperature=0,
+            )
+            c = client.chat.completions.create(**kw).choices[0]
+            assert c.finish_reason == "length"
+            assert not c.message.content and c.message.tool_calls is None, c.message
+            streamed = reassemble(client.chat.completions.create(**kw, stream=True))[0]
+            assert streamed["finish"] == "length" and streamed["content"] == ""
+            for _, name, arguments in streamed["calls"].values():
+                assert name in SCHEMAS
+                sent += bool(arguments)
+    assert sent  # some cut came after the arguments began
 
 
 def test_tools_without_a_parser_are_refused_unless_none(served):

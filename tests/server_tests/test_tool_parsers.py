@@ -14,6 +14,8 @@ from jaxserve.tokenizer import Tokenizer
 from server.tool_parsers import (
     PARSERS,
     CallArgs,
+    CallCut,
+    CallEnd,
     CallFailed,
     CallStart,
     Content,
@@ -371,6 +373,27 @@ def test_free_text_may_not_spell_a_one_token_marker_out_in_pieces(marker_tokeniz
     matcher = llguidance.LLMatcher(llg, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
     assert all(matcher.consume_token(t) for t in head)  # free text so far
     assert not all(matcher.consume_token(t) for t in tail)  # not the marker spelled out
+
+
+@pytest.mark.parametrize("fmt", sorted(PARSERS))
+def test_calls_a_grammar_held_cut_anywhere_are_no_content(fmt):
+    """`finish(cut=True)`: max_tokens cut a reply whose calls a grammar held (D6). Cut
+    anywhere, nothing of it is content (it was the marker and the partial JSON); a
+    call whose name was sent ends in `CallCut` (a whole reply leaves it out), those
+    before it stay. Not cut, the same text is content, as ever."""
+    text = PARALLEL[fmt]
+    names = [f.name for f in FUNCTIONS]
+    whole = calls_of(events_of(fmt, text, names=names)[0])[1]
+    for k in range(1, len(text)):
+        stream = PARSERS[fmt](None).stream(names)
+        events = stream.feed(text[:k]) + stream.finish(cut=True)
+        content, calls = calls_of(events)
+        assert content == "" and not any(isinstance(e, CallFailed) for e in events), k
+        started = [e.index for e in events if isinstance(e, CallStart)]
+        ended = [e.index for e in events if isinstance(e, CallEnd | CallCut)]
+        assert started == ended and calls == whole[: len(calls)], (k, events)
+    cut_short = text[: text.index("get_time") + 4]
+    assert calls_of(events_of(fmt, cut_short, names=names)[0])[0]  # uncut: content
 
 
 def test_a_reply_whose_later_call_breaks_does_not_finish_with_tool_calls():
