@@ -4,8 +4,8 @@ engine's tokenizer to llguidance's (no JAX, no torch).
 Grammars are llguidance's: a JSON schema, a regex, a choice (a Lark grammar of
 the literal strings) or a context-free grammar in Lark syntax (llguidance's
 dialect); a GBNF grammar (llama.cpp's, recognised by `::=`) is translated to Lark,
-and llguidance's own JSON form (`{"grammars": [...]}`, as `then` composes) is
-taken as it is.
+and llguidance's own JSON form (`{"grammars": [...]}`, as `then` and `either`
+compose) is taken as it is.
 """
 
 from __future__ import annotations
@@ -91,22 +91,44 @@ def _llguidance_json(text: str, field: str) -> str:
     return text
 
 
-# The name `then` gives the grammar it appends (llguidance grammars reference each
-# other by name).
+# The names `then` and `either` give the grammars they compose (llguidance grammars
+# reference each other by name).
 _THEN = "jaxserve_then"
+_EITHER = "jaxserve_either"
+
+
+def _grammars(grammar: str) -> list[dict]:
+    """Any grammar `to_grammar` returns as llguidance's list of named grammars."""
+    if grammar.lstrip().startswith("{"):
+        return json.loads(grammar)["grammars"]
+    return [{"lark_grammar": grammar}]
 
 
 def then(prefix: str, grammar: str, rules: str = "") -> str:
     """llguidance's grammar of the Lark rule items `prefix` (with the Lark `rules` it
     names) followed by `grammar` (any grammar `to_grammar` returns): for example
     free text up to a marker, then a JSON schema."""
-    if grammar.lstrip().startswith("{"):
-        grammars = json.loads(grammar)["grammars"]
-    else:
-        grammars = [{"lark_grammar": grammar}]
+    grammars = _grammars(grammar)
     first = {**grammars[0], "name": _THEN}
     lark = f"start: {prefix} @{_THEN}\n{rules}"
     return json.dumps({"grammars": [{"name": "start", "lark_grammar": lark}, first, *grammars[1:]]})
+
+
+def either(*grammars: str) -> str:
+    """llguidance's grammar of text that follows one of `grammars` (any that
+    `to_grammar` returns): for example tool calls, or an answer in a JSON schema.
+    Raises ValueError if two of them hold grammars of the same name."""
+    named: list[dict] = []
+    starts = []
+    for i, grammar in enumerate(grammars):
+        parts = _grammars(grammar)
+        starts.append(f"@{_EITHER}_{i}")
+        named += [{**parts[0], "name": f"{_EITHER}_{i}"}, *parts[1:]]
+    names = [g.get("name") for g in named if g.get("name") is not None]
+    if len(set(names)) < len(names):
+        raise ValueError(f"grammars to alternate share a name: {sorted(names)}")
+    lark = "start: " + " | ".join(starts) + "\n"
+    return json.dumps({"grammars": [{"name": "start", "lark_grammar": lark}, *named]})
 
 
 def llg_tokenizer(

@@ -11,6 +11,12 @@ a `ChoiceReader` per choice, which turns text into events: `Reasoning`,
 events as OpenAI's message and streamed delta; both come from the same events, so
 a streamed reply reassembles to the non-streamed one (but for a call that failed
 or was cut short: the stream had sent its beginning).
+
+OpenAI's `response_format` is the format of the answer, not of the calls: a
+forced call (required, named) replaces it for the turn, and under `auto` the
+reply is calls or an answer in the format (the grammars' alternation), as OpenAI
+serves an agent with tools and an output type. vLLM's `structured_outputs` and
+`guided_*` constrain the whole reply: with calls a grammar holds they conflict.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
-from jaxserve.structured import GrammarCompiler, to_grammar
+from jaxserve.structured import either, to_grammar
 from jaxserve.tokenizer import Tokenizer
 from server import reasoning_parsers, tool_parsers
 from server.openai_api.protocol import BadField, ChatCompletionRequest
@@ -81,8 +87,8 @@ class ChatReading:
         self.reasoning = None
         if parsers.reasoning_parser is not None:
             self.reasoning = reasoning_parsers.PARSERS[parsers.reasoning_parser](tokenizer)
-        # Whether a grammar holds the reply's calls: then a call cut by max_tokens is
-        # no content.
+        # Whether a grammar holds the reply's calls (`sampling_params` adds auto with an
+        # answer format): then a call cut by max_tokens is no content.
         self.constrain_calls = self.mode in ("required", "named") or (
             self.mode == "auto" and parsers.tool_call_constrained
         )
@@ -96,36 +102,38 @@ class ChatReading:
         return cls(parsers, tokenizer, mode, functions, body.parallel_tool_calls)
 
     def sampling_params(
-        self, params: SamplingParams, prompt: str | None, constraint_name: str
+        self,
+        params: SamplingParams,
+        prompt: str | None,
+        constraint_name: str,
+        *,
+        answer_format: bool = False,
     ) -> SamplingParams:
-        """`params` as this reading needs them: the call grammar, or the request's own
-        constraint, applied after the reasoning; special tokens decoded where the
-        parsers' markers are special tokens. `prompt` is the rendered chat."""
+        """`params` as this reading needs them: the call grammar, the request's own
+        constraint, or their alternation, applied after the reasoning; special tokens
+        decoded where the parsers' markers are special tokens. `prompt` is the
+        rendered chat; `answer_format`: the request's constraint is the answer's
+        format (OpenAI's response_format), not the whole reply's."""
         self.prompt = prompt
         spec = params.structured_outputs
         grammar = None
-        if self.constrain_calls:
+        if spec is not None and answer_format and self.mode != "none":
+            calls = self._call_grammar(required=True)
+            if self.mode == "auto":  # calls, or the answer in its format
+                grammar = either(calls, _checked(spec, constraint_name))
+            else:  # a forced call: the format is for another turn's answer
+                grammar = calls
+            self.constrain_calls = True
+        elif self.constrain_calls:
             if spec is not None:
                 raise BadField(
                     constraint_name,
                     f"{constraint_name} cannot be combined with tool_choice {self.mode!r}, "
                     "which constrains the reply to tool calls",
                 )
-            lark = self.tools.grammar(
-                self.functions, required=self.mode != "auto", parallel=self.parallel
-            )
-            try:
-                grammar = to_grammar(StructuredOutputsParams(grammar=lark))
-            except ValueError as e:
-                raise BadField(
-                    "tools", f"tools: a function's parameters cannot be followed: {e}"
-                ) from None
+            grammar = self._call_grammar(required=self.mode != "auto")
         elif spec is not None and self.reasoning is not None:
-            try:
-                GrammarCompiler.check(spec)
-            except ValueError as e:
-                raise BadField(constraint_name, str(e)) from None
-            grammar = to_grammar(spec)
+            grammar = _checked(spec, constraint_name)
         if grammar is not None and self.reasoning is not None:
             grammar = self.reasoning.then(grammar, prompt)
         if grammar is not None:
@@ -137,6 +145,17 @@ class ChatReading:
             skip_special_tokens=params.skip_special_tokens and not special,
         )
 
+    def _call_grammar(self, required: bool) -> str:
+        """The llguidance grammar of the calls to the functions (`required`: calls only,
+        else text that may end in calls)."""
+        lark = self.tools.grammar(self.functions, required=required, parallel=self.parallel)
+        try:
+            return to_grammar(StructuredOutputsParams(grammar=lark))
+        except ValueError as e:
+            raise BadField(
+                "tools", f"tools: a function's parameters cannot be followed: {e}"
+            ) from None
+
     def choice(self) -> ChoiceReader | None:
         """A reader for one choice's text; None if the text is all content."""
         if self.tools is None and self.reasoning is None:
@@ -146,6 +165,14 @@ class ChatReading:
             None if self.tools is None else self.tools.stream([f.name for f in self.functions]),
             constrained=self.tools is not None and self.constrain_calls,
         )
+
+
+def _checked(spec: StructuredOutputsParams, constraint_name: str) -> str:
+    """The grammar of the request's own constraint; BadField naming it if invalid."""
+    try:
+        return to_grammar(spec)
+    except ValueError as e:
+        raise BadField(constraint_name, str(e)) from None
 
 
 class ChoiceReader:

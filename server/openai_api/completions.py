@@ -97,8 +97,12 @@ class OpenAIServing:
                 except TypeError as e:  # a chat_template_kwargs key the template owns
                     raise BadField("chat_template_kwargs", f"chat_template_kwargs: {e}") from None
             if reading is not None:
+                constraint = names["structured_outputs"]
                 params = reading.sampling_params(
-                    params, parsed[0].text, names["structured_outputs"]
+                    params,
+                    parsed[0].text,
+                    constraint,
+                    answer_format=constraint == "response_format",
                 )
             requests = [
                 GenerateRequest(

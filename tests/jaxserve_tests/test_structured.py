@@ -14,7 +14,7 @@ from test_tokenizer_sentencepiece import model_dir  # noqa: F401 (a fixture: Sen
 from jaxserve import LLM, SamplingParams
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.sampling_params import StructuredOutputsParams as SO
-from jaxserve.structured import GrammarCompiler, then, to_grammar
+from jaxserve.structured import GrammarCompiler, either, then, to_grammar
 from jaxserve.tokenizer import Tokenizer
 
 SCHEMAS = {
@@ -124,6 +124,40 @@ def test_then_prefixes_any_grammar(demo_tokenizer):
                 ids = tok.encode("free text END" + answer, add_special_tokens=False)
                 ids.append(tok.eos_token_id)  # the end: allowed only after a whole answer
                 assert all(m.accept(t) for t in ids) is ok, (spec, answer)
+    finally:
+        compiler.close()
+
+
+def test_either_takes_any_one_of_its_grammars(demo_tokenizer):
+    """`either`: text that follows one of its grammars (tool calls or an answer's JSON
+    schema, as a chat's response_format beside tools), whatever their kinds; composed
+    with `then` too. Two grammars holding the same names are refused."""
+    tok = demo_tokenizer
+    compiler = GrammarCompiler(tok, 4096, [tok.eos_token_id])
+    schema = to_grammar(SO(json=SCHEMAS["flat_required"]))
+    lark = to_grammar(SO(grammar=LARK))
+    regex = to_grammar(SO(regex="[0-9]+"))
+    try:
+        for grammar, prefix in [
+            (either(lark, schema), ""),
+            (either(schema, regex, lark), ""),
+            (then("notes", either(lark, schema), "notes[lazy]: /(.|\n)*END/\n"), "x END"),
+        ]:
+            template = compiler.compile(SO(grammar=grammar)).result(timeout=60)
+            for answer, ok in [
+                ('{"name":"a","age":3}', True),
+                ("1+2", True),
+                ('{"age":3}', False),
+                ("1+", False),
+                ("hello", False),
+            ]:
+                m = compiler.matcher(template)
+                ids = tok.encode(prefix + answer, add_special_tokens=False)
+                ids.append(tok.eos_token_id)
+                assert all(m.accept(t) for t in ids) is ok, (grammar, answer)
+        taken = then("notes", schema, "notes: /x/\n")
+        with pytest.raises(ValueError, match="share a name"):
+            either(taken, taken)
     finally:
         compiler.close()
 

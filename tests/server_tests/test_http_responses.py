@@ -14,7 +14,7 @@ import openai
 import pytest
 import transformers
 from conftest import ServerThread
-from test_http_tools import LLM_KWARGS, SCHEMAS, TRIP, WEATHER, client_of, demo_copy
+from test_http_tools import GREETING, LLM_KWARGS, SCHEMAS, TRIP, WEATHER, client_of, demo_copy
 
 from jaxserve.tokenizer import Tokenizer
 from server.edge import Keys
@@ -281,6 +281,44 @@ def test_a_forced_call_cut_by_max_output_tokens_is_an_incomplete_item_alone(clie
         assert plain(streamed.output) == plain(r.output) and streamed.status == r.status
 
 
+def test_text_format_with_tools(client, served):
+    """text.format beside tools (D1, what openai-agents sends for an agent with tools and
+    an output type; it was a 400 with a forced call): a forced call is the turn's
+    output; under auto the reply is a call or a message in the format, which ever
+    the model picks, with or without --tool_call_constrained."""
+    fmt = {"type": "json_schema", "name": "greeting", "schema": GREETING, "strict": True}
+    kw = dict(
+        model="tiny",
+        input=QUESTION,
+        tools=TOOLS,
+        text={"format": fmt},
+        parallel_tool_calls=False,
+        max_output_tokens=200,
+    )
+    for tool_choice in ("required", {"type": "function", "name": "book_trip"}):
+        forced = dict(kw, tool_choice=tool_choice, temperature=0)
+        r = client.responses.create(**forced)
+        (call,) = r.output
+        assert call.type == "function_call" and r.status == "completed"
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        streamed = reassemble(client.responses.create(**forced, stream=True))
+        assert plain(streamed.output) == plain(r.output)
+    port = served.server.http_port
+    with app_with(served, parsers=ChatParsers("hermes", tool_call_constrained=True)) as flagged:
+        for p in (port, flagged):
+            picked = set()
+            for seed in range(12):
+                r = client_of(p).responses.create(**kw, temperature=1.0, extra_body={"seed": seed})
+                assert r.status == "completed"
+                (item,) = r.output
+                if item.type == "function_call":
+                    jsonschema.validate(json.loads(item.arguments), SCHEMAS[item.name])
+                else:
+                    jsonschema.validate(json.loads(r.output_text), GREETING)
+                picked.add(item.type)
+            assert picked == {"function_call", "message"}, p
+
+
 BAD = [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"store": True}, "store"),
@@ -293,8 +331,6 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
-    ({"tools": TOOLS, "tool_choice": "required",
-      "text": {"format": {"type": "json_object"}}}, "text.format"),
     ({"input": []}, "input"),
     ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),

@@ -423,8 +423,6 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "frobnicate"}}}}}],
       "tool_choice": "required"}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "required",
-      "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a+"}, "guided_regex"),
 ]  # fmt: skip
 
@@ -470,6 +468,79 @@ def test_a_forced_call_cut_by_max_tokens_leaks_no_markup(client):
                 assert name in SCHEMAS
                 sent += bool(arguments)
     assert sent  # some cut came after the arguments began
+
+
+GREETING = {
+    "type": "object",
+    "properties": {"greeting": {"type": "string", "maxLength": 12}},
+    "required": ["greeting"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "greeting", "schema": GREETING}}
+LT, BRACE = 32, 95  # the demo tokenizer's "<" (a call's first token) and "{" (JSON's)
+
+
+def check_call_or_answer(c):
+    """A reply under auto with a format: valid calls, or content in the format."""
+    if c.message.tool_calls:
+        assert c.finish_reason == "tool_calls" and not c.message.content
+        for call in c.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        return "call"
+    assert c.finish_reason == "stop", c
+    jsonschema.validate(json.loads(c.message.content), GREETING)
+    return "answer"
+
+
+def test_a_forced_call_replaces_the_answer_format(client):
+    """response_format with tool_choice required or a named function (D1): OpenAI takes
+    it, and the turn is the call (the format is the final answer's); it was a 400."""
+    for tool_choice in ("required", NAMED):
+        kw = dict(
+            model="tiny",
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            parallel_tool_calls=False,
+            response_format=FORMAT,
+            max_completion_tokens=200,
+            temperature=0,
+        )
+        c = client.chat.completions.create(**kw).choices[0]
+        check_calls(c, tool_choice, False)
+        streamed = reassemble(client.chat.completions.create(**kw, stream=True))[0]
+        got = [(name, args) for _, name, args in streamed["calls"].values()]
+        assert got == [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+        assert streamed["finish"] == "tool_calls"
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+def test_auto_with_an_answer_format_calls_or_answers_in_it(served, client, constrained):
+    """tool_choice auto with response_format (D1; what openai-agents sends for an agent
+    with tools and an output type): the reply is calls or an answer in the format.
+    It was locked to the format (no call possible), and with --tool_call_constrained
+    refused. A logit bias toward a call's first token, or JSON's, picks the branch."""
+    parsers = ChatParsers("hermes", tool_call_constrained=constrained)
+    with app_with(served, parsers) as chat:
+        kw = dict(
+            model="tiny",
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice="auto",
+            parallel_tool_calls=False,
+            response_format=FORMAT,
+            max_completion_tokens=200,
+            temperature=0,
+        )
+        for token, want in ((LT, "call"), (BRACE, "answer")):
+            out = chat.chat.completions.create(**kw, logit_bias={str(token): 30})
+            assert check_call_or_answer(out.choices[0]) == want
+        out = chat.chat.completions.create(**{**kw, "temperature": 1.0}, n=4, seed=5)
+        for c in out.choices:
+            check_call_or_answer(c)
+        stream = chat.chat.completions.create(**kw, logit_bias={str(LT): 30}, stream=True)
+        streamed = reassemble(stream)[0]
+        assert streamed["finish"] == "tool_calls" and streamed["calls"]
 
 
 def test_tools_without_a_parser_are_refused_unless_none(served):
