@@ -10,7 +10,8 @@ stream that is closed or cancelled before its request finished aborts the
 request, which frees its pages within a step.
 
 Pause and sleep (`jaxserve.engine.lifecycle`), weight updates and LoRA adapters added
-or removed run on the engine thread like any command. A request that arrives while
+or removed run on the engine thread like any command (an added adapter's files are
+read and checked on a worker thread first). A request that arrives while
 generation is paused is held by the engine until the resume; the engine thread gives
 up on it after `pause_wait_s` (aborting it, its stream ending with
 EngineUnavailableError). While paused or asleep the loop waits for commands; it does
@@ -242,10 +243,12 @@ class AsyncLLMEngine:
     # --------------------------------------------------------------------- LoRA
 
     async def add_lora(self, request: LoRARequest) -> bool:
-        """Reads the adapter on the engine thread between two steps (its files are
-        small: the steps wait that long)."""
+        """Reads and checks the adapter's files on a worker thread, the steps going on
+        meanwhile (a large adapter, a slow disk), then keeps it in host memory on the
+        engine thread between two steps."""
         adapters = self._adapters()
-        return await self.call(lambda e: adapters.add(request))
+        adapter = await asyncio.to_thread(adapters.read, request)
+        return await self.call(lambda e: adapters.add(request, adapter))
 
     async def remove_lora(self, lora_int_id: int) -> bool:
         adapters = self._adapters()

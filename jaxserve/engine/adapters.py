@@ -43,9 +43,8 @@ class EngineAdapters:
         self.runner = runner
         self.layout = runner.lora.layout()
         model_dir = config.model_dir
-        self.cache = AdapterCache(
-            config.lora.max_cpu_loras, lambda r: load_adapter(r, self.layout, model_dir)
-        )
+        self._read = lambda r: load_adapter(r, self.layout, model_dir)
+        self.cache = AdapterCache(config.lora.max_cpu_loras, self._read)
         self.slots = SlotTable(config.lora.max_loras)  # the scheduler's
         # The adapters in host memory, as of the cache's last change (`loaded`).
         self._loaded: tuple[LoRARequest, ...] = ()
@@ -84,9 +83,20 @@ class EngineAdapters:
 
     # ------------------------------------------------------- vLLM's engine API
 
-    def add(self, request: LoRARequest) -> bool:
-        """Reads and checks an adapter ahead of its requests (ParamError if it is bad)."""
-        self._get(request)
+    def read(self, request: LoRARequest) -> Adapter:
+        """Reads and checks an adapter's files (ParamError if it is bad); any thread may
+        call it (it reads the layout alone), so that a slow or large read holds no step
+        up. `add` keeps what it returns."""
+        try:
+            return self._read(request)
+        except ValueError as e:
+            raise ParamError("lora", str(e)) from None
+
+    def add(self, request: LoRARequest, loaded: Adapter | None = None) -> bool:
+        """Keeps an adapter in host memory ahead of its requests: `loaded` (what `read`
+        returned, off the engine's thread), else read and checked now (ParamError if it
+        is bad)."""
+        self._get(request, loaded)
         return True
 
     def remove(self, lora_int_id: int) -> bool:
@@ -110,9 +120,9 @@ class EngineAdapters:
         changes one it handed out."""
         return self._loaded
 
-    def _get(self, request: LoRARequest) -> Adapter:
+    def _get(self, request: LoRARequest, loaded: Adapter | None = None) -> Adapter:
         try:
-            adapter = self.cache.get(request)
+            adapter = self.cache.get(request, loaded)
         except ValueError as e:
             raise ParamError("lora", str(e)) from None
         finally:

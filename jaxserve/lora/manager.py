@@ -49,8 +49,9 @@ class AdapterCache:
         self._refs: collections.Counter[int] = collections.Counter()  # live requests per id
         self.num_reads = 0
 
-    def get(self, request: LoRARequest) -> Adapter:
-        """The adapter `request` names, read (and checked) if it is not here; raises
+    def get(self, request: LoRARequest, loaded: Adapter | None = None) -> Adapter:
+        """The adapter `request` names, read (and checked) if it is not here, unless
+        `loaded` is that adapter read already (off the engine's thread); raises
         ValueError naming the problem. An id names one adapter while requests use it."""
         i = request.lora_int_id
         adapter = self._entries.get(i)
@@ -65,7 +66,9 @@ class AdapterCache:
             del self._entries[i]
             adapter = None
         if adapter is None:
-            adapter = self._load(request)
+            if loaded is not None and loaded.request != request:
+                raise RuntimeError(f"adapter {loaded.request} read, {request} asked for")
+            adapter = loaded if loaded is not None else self._load(request)
             self.num_reads += 1
             self._entries[i] = adapter
         self._entries.move_to_end(i)

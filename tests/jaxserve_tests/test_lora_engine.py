@@ -3,12 +3,14 @@ come and go, the prefix cache keyed by adapter, the offline API, bad adapters re
 while the engine serves on, and the combinations refused at start-up. (Parity with
 PEFT: tests/models_tests/test_lora_parity.py; tensor parallelism: lora_tp_check.py.)"""
 
+import asyncio
 import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import types
 
 import numpy as np
@@ -301,6 +303,52 @@ def test_stats_count_slots_loads_and_requests_per_adapter(tiny_model_dir, tmp_pa
     s = engine.stats()
     assert s.lora_requests_running == s.lora_requests_waiting == ()
     assert (s.lora_slots_in_use, s.lora_loads, s.lora_evictions) == (2, 3, 1)
+
+
+def test_the_engine_steps_while_an_added_adapter_is_read(tiny_model_dir, tmp_path, monkeypatch):
+    """`add_lora` reads and checks the files on a worker thread: a request without the
+    adapter streams to its end while the read is held up (a large adapter, a slow disk),
+    and the engine thread only keeps what was read."""
+    import jaxserve.engine.adapters as engine_adapters
+    from jaxserve.async_engine import AsyncLLMEngine
+    from jaxserve.engine import LLMEngine
+
+    started, release, readers = threading.Event(), threading.Event(), []
+    load = engine_adapters.load_adapter
+
+    def slow_load(*args):
+        readers.append(threading.current_thread().name)
+        started.set()
+        release.wait(timeout=60)
+        return load(*args)
+
+    monkeypatch.setattr(engine_adapters, "load_adapter", slow_load)
+    front = AsyncLLMEngine(LLMEngine(engine_config(tiny_model_dir, **LORA)))
+    modules = front.engine.adapters.layout.modules
+    a = LoRARequest("a", 1, write_adapter(tmp_path / "a", modules, seed=1))
+
+    async def main():
+        add = asyncio.create_task(front.add_lora(a))
+        assert await asyncio.to_thread(started.wait, 60)
+        ids = prompts(1)[0]["prompt_token_ids"]
+        stream = front.generate(GenerateRequest("plain", ids, GREEDY))
+        outputs = await asyncio.wait_for(_collect(stream), 60)  # (not held up by the read)
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 6
+        assert not add.done() and front.list_loras() == []
+        release.set()
+        assert await add is True and front.list_loras() == [a]
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        front.shutdown()
+    assert readers == [readers[0]] and readers[0] != "jaxserve-engine"  # one read, off it
+    assert front.engine.adapters.cache.num_reads == 1
+
+
+async def _collect(stream) -> list:
+    return [out async for out in stream]
 
 
 def test_disaggregated_pages_carry_their_adapter(tiny_model_dir, tmp_path):
