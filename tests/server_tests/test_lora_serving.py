@@ -5,6 +5,7 @@ under the served model; adapters are loaded and unloaded at run time (vLLM's rou
 the gRPC RPCs) and every bad load is refused by name while the server serves on; and a
 `--lora_modules` entry that cannot be served stops the server at start-up."""
 
+import os
 import subprocess
 import sys
 import threading
@@ -176,6 +177,7 @@ def test_http_load_and_unload_at_run_time(served, http, offline, tmp_path):
     other_base = write_adapter(tmp_path / "other", {"layers.0.self_attn.q_proj": (48, 64)})
     modules = served.engine.adapters.layout.modules
     dora = write_adapter(tmp_path / "dora", modules, use_dora=True)
+    not_an_object = _with_list_header(write_adapter(tmp_path / "list", modules))
     for body, param, words in [
         (load, "lora_name", "The lora adapter 'extra' has already been loaded."),
         ({**load, "lora_name": "tiny"}, "lora_name", "the served model's name"),
@@ -183,6 +185,7 @@ def test_http_load_and_unload_at_run_time(served, http, offline, tmp_path):
         ({"lora_name": "x", "lora_path": str(tmp_path / "no")}, "lora_path", "not a directory"),
         ({"lora_name": "x", "lora_path": other_base}, "lora_path", "maps 48 -> 64 features"),
         ({"lora_name": "x", "lora_path": dora}, "lora_path", "DoRA (use_dora) is not supported"),
+        ({"lora_name": "x", "lora_path": not_an_object}, "lora_path", "header is a JSON list"),
         ({"lora_name": 3, "lora_path": "p"}, "lora_name", "string"),
         # Outside --allowed_local_paths: refused alike whether it exists or not.
         ({"lora_name": "x", "lora_path": "/etc"}, "lora_path", "not under the roots"),
@@ -253,8 +256,17 @@ def test_the_lora_routes_and_rpcs_need_the_admin_key(served, stub):
     assert [a.lora_name for a in served.server.state.loras.adapters()] == ["sql", "chat"]
 
 
-def test_grpc_load_and_unload(stub, offline):
+def _with_list_header(path: str) -> str:
+    """The adapter at `path`, its safetensors header a JSON list (not an object)."""
+    with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
+        f.write((6).to_bytes(8, "little") + b"[1, 2]")
+    return path
+
+
+def test_grpc_load_and_unload(stub, offline, served, tmp_path):
     paths, want = offline
+    modules = served.engine.adapters.layout.modules
+    not_an_object = _with_list_header(write_adapter(tmp_path / "list", modules))
     reply = stub.LoadLoRAAdapter(
         pb.LoadLoRAAdapterRequest(lora_name="extra", lora_path=paths[2]), metadata=GRPC_AUTH
     )
@@ -275,6 +287,11 @@ def test_grpc_load_and_unload(stub, offline):
             "already",
         ),
         (stub.LoadLoRAAdapter, pb.LoadLoRAAdapterRequest(lora_name="y", lora_path="/no"), "/no"),
+        (
+            stub.LoadLoRAAdapter,
+            pb.LoadLoRAAdapterRequest(lora_name="y", lora_path=not_an_object),
+            "cannot read adapter_model.safetensors: its header is a JSON list",
+        ),
         (stub.UnloadLoRAAdapter, pb.UnloadLoRAAdapterRequest(lora_name="y"), "cannot be found"),
     ]:
         with pytest.raises(grpc.RpcError) as e:
