@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import re
+from collections.abc import Callable
 
 import numpy as np
 import re2
@@ -238,7 +239,7 @@ def _patterns(config: dict, field: str, what: str) -> list[tuple[object, float]]
     backreference, a lookaround, one too large) is refused by name."""
     patterns = config.get(field) or {}
     if not isinstance(patterns, dict):
-        raise ValueError(f"{what}: {field} must be an object, got {patterns!r}")
+        raise ValueError(f"{what}: {field} must be an object, got {patterns!r:.100}")
     compiled = []
     for key, value in patterns.items():
         if field == "rank_pattern":
@@ -247,14 +248,14 @@ def _patterns(config: dict, field: str, what: str) -> list[tuple[object, float]]
             ok = isinstance(value, int | float) and not isinstance(value, bool)
         if not ok:
             kind = "a positive integer" if field == "rank_pattern" else "a number"
-            raise ValueError(f"{what}: {field}[{key!r}] must be {kind}, got {value!r}")
+            raise ValueError(f"{what}: {field}[{key!r:.100}] must be {kind}, got {value!r:.100}")
         try:
             pattern = re2.compile(rf"(.*\.)?({key})$", _RE2_OPTIONS)
         except re2.error as e:
             why = e.args[0] if e.args else ""
             why = why.decode(errors="replace") if isinstance(why, bytes) else str(why)
             raise ValueError(
-                f"{what}: {field} key {key!r} is not a regular expression RE2 reads ({why}); "
+                f"{what}: {field} key {key!r:.100} is not a regular expression RE2 reads ({why}); "
                 "a key is a module name, or a pattern of names without backreferences or "
                 "lookarounds"
             ) from None
@@ -360,33 +361,40 @@ def _parse_safetensors(data: bytes, what: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _tensor_info(name: str, info: object, data_bytes: int, bad) -> tuple:
+def _tensor_info(
+    name: str, info: object, data_bytes: int, bad: Callable[[str], ValueError]
+) -> tuple:
     """A header entry's (dtype, shape, data_offsets), once they describe bytes the file
-    holds: a float dtype, a shape of non-negative integers whose size fills its offsets
-    exactly, offsets within the `data_bytes` after the header."""
+    holds: a float dtype, a shape of at most 32 non-negative integers whose size fills
+    its offsets exactly, offsets within the `data_bytes` after the header. (The values
+    quoted in an error are cut short: the file's author chose them.)"""
+    name = f"{name!r:.100}"
     if not isinstance(info, dict):
-        raise bad(f"tensor {name!r} is described by {info!r}, not an object")
+        raise bad(f"tensor {name} is described by {info!r:.100}, not an object")
     if not isinstance(info.get("dtype"), str) or info["dtype"] not in _DTYPES:
-        raise bad(f"tensor {name!r} has dtype {info.get('dtype')!r}, not one of {list(_DTYPES)}")
+        raise bad(f"tensor {name} has dtype {info.get('dtype')!r:.100}, not one of {list(_DTYPES)}")
     dtype = np.dtype(_DTYPES[info["dtype"]])
     shape, offsets = info.get("shape"), info.get("data_offsets")
 
     def is_int(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
-    if not isinstance(shape, list) or not all(is_int(d) for d in shape):
-        raise bad(f"tensor {name!r} has shape {shape!r}, not a list of non-negative integers")
+    if not isinstance(shape, list) or len(shape) > 32 or not all(is_int(d) for d in shape):
+        raise bad(
+            f"tensor {name} has shape {shape!r:.100}, not a list of at most 32 non-negative "
+            "integers"
+        )
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(o) for o in offsets):
-        raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [start, end]")
+        raise bad(f"tensor {name} has data_offsets {offsets!r:.100}, not [start, end]")
     start, end = offsets
     if not start <= end <= data_bytes:
         raise bad(
-            f"tensor {name!r} has data_offsets {offsets}, outside the {data_bytes} bytes of "
+            f"tensor {name} has data_offsets {offsets}, outside the {data_bytes} bytes of "
             "tensor data"
         )
     if math.prod(shape) * dtype.itemsize != end - start:
         raise bad(
-            f"tensor {name!r} of shape {shape} in {info['dtype']} needs "
+            f"tensor {name} of shape {shape} in {info['dtype']} needs "
             f"{math.prod(shape) * dtype.itemsize} bytes, its data_offsets {offsets} span "
             f"{end - start}"
         )

@@ -239,6 +239,7 @@ MALFORMED = [
     (_header(_entry(shape="4x16")) + A_BYTES, "has shape '4x16', not a list"),
     (_header(_entry(shape=[-4, -16])) + A_BYTES, "has shape [-4, -16]"),
     (_header(_entry(shape=[True, 16])) + A_BYTES, "has shape [True, 16]"),
+    (_header(_entry(shape=[0] * 100)) + A_BYTES, "not a list of at most 32"),
     (_header(_entry(data_offsets=[0])) + A_BYTES, "data_offsets [0], not [start, end]"),
     (_header(_entry(data_offsets=[0, 1 << 30])) + A_BYTES, "outside the 256 bytes"),
     (_header(_entry(data_offsets=[256, 0])) + A_BYTES, "outside the 256 bytes"),
