@@ -19,6 +19,7 @@ instance"; anything else is the prefill's own failure.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import grpc
 
@@ -116,6 +117,20 @@ def chunks(pages: list[bytes], max_bytes: int):
         size += len(page)
     if batch:
         yield pb.KVPages(pages=batch)
+
+
+# A decode instance's gRPC address: HOST:PORT (a name, an IPv4 or a bracketed IPv6).
+_TARGET = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
+
+
+def check_decode_target(target: str) -> str | None:
+    """Why `target` is not a decode instance's address (HOST:PORT), or None. Checked
+    before the prefill: an address gRPC cannot dial left the push waiting its whole
+    timeout."""
+    match = _TARGET.fullmatch(target)
+    if match is None or not 0 < int(match.group(1)) < 65536:
+        return f"decode_target must be HOST:PORT, got {target[:100]!r}"
+    return None
 
 
 async def push(target: str, pages: list[bytes], *, max_message_bytes: int, metadata=()) -> int:

@@ -399,6 +399,9 @@ class JaxServeServicer(LifecycleRPCs, LoRARPCs, pb_grpc.JaxServeServicer):  # pa
         return engine
 
     async def Prefill(self, request, context):
+        why = disagg.check_decode_target(request.decode_target)
+        if why is not None:
+            await self._invalid(context, BadField("decode_target", why))
         msg = request.request
         params = await self._params(msg, context)
         why = disagg.can_disaggregate(params, msg.HasField("beam_search"))

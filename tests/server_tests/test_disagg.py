@@ -294,6 +294,18 @@ def test_pushed_pages_are_bounded_before_they_are_read_and_refusals_reveal_no_la
     assert layout.fingerprint not in e.value.details()
 
 
+@pytest.mark.parametrize("target", ["", "decode", "host:0", "host:99999", "dns:///x:1"])
+def test_a_decode_target_that_is_no_address_is_refused_before_the_prefill(cluster, target):
+    """An empty or malformed decode_target (the chaos storm sent one) ran the prefill,
+    then the push waited its whole timeout (60 s) on an address gRPC cannot dial."""
+    prefill, _, _ = cluster
+    req = pb.PrefillRequest(request=request(LONG, max_tokens=4), decode_target=target)
+    with pytest.raises(grpc.RpcError) as e:
+        stub(prefill.target).Prefill(req, timeout=20)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert "decode_target must be HOST:PORT" in e.value.details()
+
+
 def _junk_page(fingerprint: str) -> bytes:
     """Bytes that pass a page's framing and checksum, with this header."""
     import hashlib
