@@ -5,12 +5,13 @@ params) can be imported without pulling in JAX.
 """
 
 from jaxserve.lora import LoRARequest
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "Logprob",
     "LoRARequest",
     "RequestOutput",
     "RequestOutputKind",

@@ -5,13 +5,59 @@ from __future__ import annotations
 import dataclasses
 
 
+class Logprob(float):
+    """One token's logprob as vLLM's `Logprob` has it (`.logprob`, `.rank`,
+    `.decoded_token`), and the number itself: code that reads logprobs as floats (sums,
+    JSON, comparisons) works unchanged.
+
+    `rank`: the token's rank among its row's values, vLLM's: how many are at least its
+    own (1: the highest); None where unknown. `decoded_token`: its text, decoded when
+    first read (None without a tokenizer), so that a caller that never reads it (a
+    server writing its own) pays nothing."""
+
+    __slots__ = ("_text", "rank")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
+        self = super().__new__(cls, logprob)
+        self.rank, self._text = rank, decoded_token
+        return self
+
+    @classmethod
+    def of(cls, logprob: float, rank: int | None, tokenizer, token_id: int) -> Logprob:
+        """A logprob whose text `tokenizer` decodes when it is first read."""
+        self = cls(logprob, rank)
+        if tokenizer is not None:
+            self._text = (tokenizer, token_id)
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    @property
+    def decoded_token(self) -> str | None:
+        if isinstance(self._text, tuple):
+            tokenizer, token_id = self._text
+            self._text = tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._text
+
+    def __reduce__(self):  # (pickled, copied: the text decoded, the tokenizer left)
+        return (Logprob, (float(self), self.rank, self.decoded_token))
+
+    def __repr__(self) -> str:
+        return (
+            f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+            f"decoded_token={self.decoded_token!r})"
+        )
+
+
 @dataclasses.dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort", or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     delta_text: str = ""  # text new since the previous output (for streaming)
@@ -31,7 +77,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then per token.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Why the engine failed this request (an unexpected error in its host work, named
     # with its cause); its unfinished samples end "abort". None for every other output.
     error: str | None = None

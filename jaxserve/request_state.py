@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.generate_request import ResumedSample
 from jaxserve.lora import LoRARequest
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.sequence import SequenceState
 from jaxserve.structured import GrammarMatcher
@@ -33,11 +33,11 @@ class RequestState:
     params: SamplingParams
     seqs: list[SequenceState]
     detoks: list[IncrementalDetokenizer | None]
-    logprobs: list[list[dict[int, float]]]
+    logprobs: list[list[dict[int, Logprob]]]
     cumulative_logprob: list[float]
     arrival_time: float
     first_token_time: float | None = None
-    prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(
+    prompt_logprobs: list[dict[int, Logprob] | None] = dataclasses.field(
         default_factory=lambda: [None]  # the first prompt token has no prediction
     )
     grammar: concurrent.futures.Future | None = None  # structured output: its compile
@@ -74,7 +74,9 @@ class RequestState:
                 if detok is not None:
                     detok.add(token, check_stop=False)  # the other instance checked them
                 if self.params.logprobs is not None:
-                    self.logprobs[seq.index].append(dict(r.logprobs[j]))
+                    tokenizer = self.tokenizer(seq)  # (the rank did not come over)
+                    entry = {t: Logprob.of(v, None, tokenizer, t) for t, v in r.logprobs[j].items()}
+                    self.logprobs[seq.index].append(entry)
                     self.cumulative_logprob[seq.index] += r.logprobs[j][token]
             self.resumed[seq.index] = list(r.token_ids)
 
@@ -84,30 +86,40 @@ class RequestState:
         seq = item.seq
         if seq.params.prompt_logprobs is None or seq.index != 0:
             return
-        chosen, top_ids, top_lp = prompt_lp
+        chosen, ranks, top_ids, top_lp = prompt_lp
         k = seq.params.prompt_logprobs
+        tokenizer = self.tokenizer(seq)
         # Entry i is for prompt token i, predicted at position i - 1; a recomputation
         # after preemption finds its entries already there.
         for pos in range(item.start, min(item.start + item.num_tokens, seq.num_prompt_tokens - 1)):
             if len(self.prompt_logprobs) != pos + 1:
                 continue
             row = offset + pos - item.start
-            entry = {
-                int(t): float(v) for t, v in zip(top_ids[row, :k], top_lp[row, :k], strict=True)
-            }
-            entry[seq.prompt_token_ids[pos + 1]] = float(chosen[row])
-            self.prompt_logprobs.append(entry)
+            target = seq.prompt_token_ids[pos + 1]
+            self.prompt_logprobs.append(
+                _entry(
+                    top_ids[row, :k], top_lp[row, :k], target, chosen[row], ranks[row], tokenizer
+                )
+            )
 
     def record_logprobs(self, seq: SequenceState, out, i: int, token: int) -> None:
         """The logprobs of `token`, sampled in the step's row `i`."""
         k = seq.params.logprobs
-        entry = {
-            int(t): float(v)
-            for t, v in zip(out.top_ids[i, :k], out.top_logprobs[i, :k], strict=True)
-        }
-        entry[token] = float(out.logprobs[i])
+        entry = _entry(
+            out.top_ids[i, :k],
+            out.top_logprobs[i, :k],
+            token,
+            out.logprobs[i],
+            out.ranks[i],
+            self.tokenizer(seq),
+        )
         self.logprobs[seq.index].append(entry)
-        self.cumulative_logprob[seq.index] += float(out.logprobs[i])
+        self.cumulative_logprob[seq.index] += entry[token]
+
+    def tokenizer(self, seq: SequenceState):
+        """The tokenizer that decodes the sample's logprobs' tokens (None: none)."""
+        detok = self.detoks[seq.index]
+        return None if detok is None else detok.tokenizer
 
     def check_stop(
         self, seq: SequenceState, token: int, eos_token_ids: set[int], max_model_len: int
@@ -221,3 +233,13 @@ def check_resume(
             )
         if params.logprobs is not None and len(r.logprobs or ()) != len(r.token_ids):
             raise ValueError(f"resume.samples[{r.index}].logprobs must have one entry per token")
+
+
+def _entry(top_ids, top_values, token: int, value, rank, tokenizer) -> dict[int, Logprob]:
+    """One position's logprobs: the top k (ranks 1..k) and the token's own."""
+    entry = {
+        t: Logprob.of(v, r, tokenizer, t)
+        for r, (t, v) in enumerate(zip(top_ids.tolist(), top_values.tolist(), strict=True), 1)
+    }
+    entry[token] = Logprob.of(float(value), int(rank), tokenizer, token)
+    return entry

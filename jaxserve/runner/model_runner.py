@@ -48,7 +48,7 @@ class PendingStep:
     vector (`runner.packing`) whose copy to the host started at dispatch."""
 
     out: jax.Array  # a packed SamplerOutput of `rows` rows
-    prompt_lp: jax.Array | None  # packed (logprob, top ids, top logprobs) [T]; None: none asked
+    prompt_lp: jax.Array | None  # packed (logprob, rank, top ids, top logprobs) [T]; None: none
     tokens: jax.Array  # [R] int32: the sampled ids padded, for the next step's inputs
     rows: int  # B: the sampling rows
     token_rows: int  # T: the token bucket (prompt logprobs' rows)

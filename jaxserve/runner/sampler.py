@@ -77,6 +77,7 @@ jax.tree_util.register_dataclass(
 class SamplerOutput:
     token_ids: jax.Array  # [B] i32
     logprobs: jax.Array  # [B] f32: each sampled token's value (0 unless asked), by mode
+    ranks: jax.Array  # [B] i32: its rank in the row's values (1: the highest; 0 unless asked)
     top_ids: jax.Array  # [B, 20] i32 (zeros unless requested)
     top_logprobs: jax.Array  # [B, 20] f32: the top values (logprobs or logits, by mode)
     accepted: jax.Array  # [B] bool: the row's draft was accepted (its token is the draft)
@@ -89,7 +90,12 @@ class SamplerOutput:
         sds = jax.ShapeDtypeStruct
         top = (rows, MAX_TOP_LOGPROBS)
         shapes = SamplerOutput(
-            sds((rows,), i32), sds((rows,), f32), sds(top, i32), sds(top, f32), sds((rows,), bool)
+            sds((rows,), i32),
+            sds((rows,), f32),
+            sds((rows,), i32),
+            sds(top, i32),
+            sds(top, f32),
+            sds((rows,), bool),
         )
         return Layout.of(shapes)
 
@@ -98,7 +104,10 @@ class SamplerOutput:
 def prompt_logprobs_layout(rows: int) -> Layout:
     """How `prompt_logprobs_step` packs `token_logprobs` of `rows` rows."""
     sds, top = jax.ShapeDtypeStruct, (rows, MAX_TOP_LOGPROBS)
-    return Layout.of((sds((rows,), jnp.float32), sds(top, jnp.int32), sds(top, jnp.float32)))
+    row = (rows,)
+    return Layout.of(
+        (sds(row, jnp.float32), sds(row, jnp.int32), sds(top, jnp.int32), sds(top, jnp.float32))
+    )
 
 
 def _apply_penalties(logits, md: SamplingMetadata):
@@ -252,13 +261,13 @@ def sample(
 
     if not logprobs_mode.startswith("processed"):
         sampled, accepted = draw(logits, md)
-        chosen, top_ids, top_vals = lax.cond(
+        values = lax.cond(
             md.want_logprobs[0],
             lambda x: token_logprobs(x, sampled, as_logits=as_logits),
             lambda x: no_logprobs(x.shape[0]),
             logits,
         )
-        return _beam_rows(logits, md, SamplerOutput(sampled, chosen, top_ids, top_vals, accepted))
+        return _beam_rows(logits, md, SamplerOutput(sampled, *values, accepted))
 
     # Processed: the processed logits [B, V] leave the sampling branches, a copy that
     # only a batch asking for logprobs makes (another branch of the same program).
@@ -275,10 +284,8 @@ def sample(
     def without(logits, md):
         return *draw(logits, md), *no_logprobs(logits.shape[0])
 
-    sampled, accepted, chosen, top_ids, top_vals = lax.cond(
-        md.want_logprobs[0], with_logprobs, without, logits, md
-    )
-    return _beam_rows(logits, md, SamplerOutput(sampled, chosen, top_ids, top_vals, accepted))
+    sampled, accepted, *values = lax.cond(md.want_logprobs[0], with_logprobs, without, logits, md)
+    return _beam_rows(logits, md, SamplerOutput(sampled, *values, accepted))
 
 
 def _beam_rows(logits, md: SamplingMetadata, out: SamplerOutput) -> SamplerOutput:
@@ -288,10 +295,11 @@ def _beam_rows(logits, md: SamplingMetadata, out: SamplerOutput) -> SamplerOutpu
 
     def replace(out: SamplerOutput) -> SamplerOutput:
         scaled = logits / jnp.where(beam, md.beam, 1.0)[:, None]
-        chosen, top_ids, top_vals = token_logprobs(scaled, out.token_ids)
+        chosen, ranks, top_ids, top_vals = token_logprobs(scaled, out.token_ids)
         return dataclasses.replace(
             out,
             logprobs=jnp.where(beam, chosen, out.logprobs),
+            ranks=jnp.where(beam, ranks, out.ranks),
             top_ids=jnp.where(beam[:, None], top_ids, out.top_ids),
             top_logprobs=jnp.where(beam[:, None], top_vals, out.top_logprobs),
         )
@@ -306,18 +314,21 @@ def _plain_greedy(logits, md: SamplingMetadata):
 
 def token_logprobs(logits: jax.Array, token_ids: jax.Array, *, as_logits: bool = False):
     """The values of rows of logits [R, V]: log_softmax (or with `as_logits`, static,
-    the logits themselves); of each row's `token_ids` [R], and the top
-    MAX_TOP_LOGPROBS (ids, values)."""
+    the logits themselves); of each row's `token_ids` [R] with their ranks (vLLM's:
+    how many of the row's values are at least the token's, so 1 is the highest), and
+    the top MAX_TOP_LOGPROBS (ids, values)."""
     values = logits if as_logits else jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(values, token_ids[:, None], axis=-1)[:, 0]
+    ranks = jnp.sum(values >= chosen[:, None], axis=-1, dtype=jnp.int32)
     vals, ids = lax.top_k(values, MAX_TOP_LOGPROBS)
-    return chosen, ids.astype(jnp.int32), vals
+    return chosen, ranks, ids.astype(jnp.int32), vals
 
 
 def no_logprobs(rows: int):
     """`token_logprobs`'s zeros, for the branch of a `lax.cond` that skips it."""
     return (
         jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows,), jnp.int32),
         jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.int32),
         jnp.zeros((rows, MAX_TOP_LOGPROBS), jnp.float32),
     )

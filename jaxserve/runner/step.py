@@ -185,7 +185,7 @@ def _prompt_logprobs(
     logprobs_mode: str = "raw_logprobs",
 ) -> jax.Array:
     """Every token row's hidden state [T, D] and its next prompt token [T] (-1: none)
-    -> (the target's logprob, top ids, top logprobs) per row, packed in one vector
+    -> (the target's logprob and rank, top ids, top logprobs) per row, packed in one vector
     (`prompt_logprobs_layout(T)`).
 
     As vLLM's: `*_logits` modes give the logits, `*_logprobs` modes their log_softmax,

@@ -1,10 +1,12 @@
 """The engine with a real (tiny) model: batch invariance, seeds, logprobs, streaming, compiles."""
 
+import pickle
+
 import numpy as np
 import pytest
 from engine_utils import SMALL_LLM, prompt_logits
 
-from jaxserve import LLM, RequestOutputKind, SamplingParams
+from jaxserve import LLM, Logprob, RequestOutputKind, SamplingParams
 from jaxserve.generate_request import GenerateRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -124,6 +126,43 @@ def test_logprobs_match_the_model(tiny_model_dir):
     assert out.cumulative_logprob == pytest.approx(
         sum(lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)), abs=1e-5
     )
+
+
+def test_logprobs_are_vllms_logprob_objects(tiny_model_dir):
+    """Generated and prompt logprobs are vLLM's `Logprob`s (`.logprob`, `.rank`,
+    `.decoded_token`; ported code reads them) and still the numbers: the top k ranked
+    1..k, the token's own rank how many values are at least its own (they were plain
+    floats, without ranks)."""
+    llm = make_llm(tiny_model_dir)
+    prompt = np.random.RandomState(3).randint(3, 320, size=12).tolist()
+    sp = SamplingParams(
+        temperature=2.0, seed=1, max_tokens=8, logprobs=2, prompt_logprobs=2, ignore_eos=True
+    )
+    out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    sample = out.outputs[0]
+    ids = prompt + sample.token_ids
+    logits = prompt_logits(llm.engine.runner, ids, [40, 41, 42])
+    raw = logits - logits.max(-1, keepdims=True)
+    raw -= np.log(np.exp(raw).sum(-1, keepdims=True))
+    entries = [*out.prompt_logprobs[1:], *sample.logprobs]  # position i predicts ids[i + 1]
+    outside_top = 0
+    for i, entry in enumerate(entries):
+        token, row = ids[i + 1], raw[i]
+        assert all(isinstance(lp, Logprob) for lp in entry.values())
+        own = entry[token]
+        assert own.logprob == float(own) == pytest.approx(row[token], abs=1e-4)
+        # vLLM's rank: how many values are at least the token's (1: the highest).
+        assert (row > row[token] + 1e-4).sum() < own.rank <= (row >= row[token] - 1e-4).sum()
+        top = sorted(entry.values(), key=lambda lp: lp.rank)[:2]
+        assert [lp.rank for lp in top] == [1, 2] and top[0] >= top[1]
+        outside_top += own.rank > 2
+        assert own.decoded_token == llm.tokenizer.decode([token], skip_special_tokens=False)
+    assert outside_top > 0  # (a temperature of 2: some tokens ranked past the top 2)
+    # Copied or pickled (Ray, multiprocessing): the same value, rank and text.
+    again = pickle.loads(pickle.dumps(sample.logprobs))
+    assert [{t: (lp, lp.rank, lp.decoded_token) for t, lp in e.items()} for e in again] == [
+        {t: (lp, lp.rank, lp.decoded_token) for t, lp in e.items()} for e in sample.logprobs
+    ]
 
 
 def test_streamed_deltas_add_up_to_the_final_output(tiny_model_dir):

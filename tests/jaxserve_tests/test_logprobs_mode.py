@@ -136,6 +136,10 @@ def test_sampler_values_match_numpy(mode):
         token = int(out.token_ids[i])
         assert np.isfinite(want[token]), (i, mode)  # never a token the processing excluded
         np.testing.assert_allclose(out.logprobs[i], want[token], rtol=1e-4, atol=1e-4)
+        # Its rank, vLLM's: how many values are at least its own.
+        assert (
+            (want > want[token] + 1e-4).sum() < out.ranks[i] <= (want >= want[token] - 1e-4).sum()
+        )
         # The top 20 values in order; -inf where fewer tokens survived the processing.
         np.testing.assert_allclose(
             out.top_logprobs[i], np.sort(want)[::-1][:MAX_TOP_LOGPROBS], rtol=1e-4, atol=1e-4

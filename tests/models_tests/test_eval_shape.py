@@ -271,6 +271,6 @@ def test_real_size_builds_and_traces_abstractly(name):
     assert selected.shape == (4, config.hidden_size)
     assert hidden.shape == (32, config.hidden_size)
     assert prompt_lp.shape == (prompt_logprobs_layout(32).size,)  # packed:
-    assert prompt_logprobs_layout(32).shapes() == ((32,), (32, 20), (32, 20))
+    assert prompt_logprobs_layout(32).shapes() == ((32,), (32,), (32, 20), (32, 20))
     assert logits.shape == (4, config.vocab_size) and logits.dtype == jnp.float32
     assert [x.shape for x in new_kv] == [x.shape for x in kv]
