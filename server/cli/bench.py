@@ -37,7 +37,7 @@ from jaxserve.generate_request import GenerateRequest
 from jaxserve.llm import LLM, resolve_model_dir
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.tokenizer import Tokenizer
-from server.cli import bench_clients
+from server.cli import bench_clients, logs
 from server.cli.engine_flags import engine_kwargs
 
 FLAGS = flags.FLAGS
@@ -361,7 +361,7 @@ def _roofline(llm: LLM) -> dict:
 
 def main(argv) -> None:
     del argv
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logs.configure(logging.WARNING)
     model_dir = resolve_model_dir(FLAGS.model)
     kwargs = engine_kwargs()
     result = {

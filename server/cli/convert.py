@@ -10,13 +10,13 @@ like any model directory, restoring each array straight into its sharding.
 
 from __future__ import annotations
 
-import logging
 import time
 
 from absl import flags
 
 from jaxserve.checkpoint import convert
 from jaxserve.llm import resolve_model_dir
+from server.cli import logs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Hugging Face model directory (or embedded model name).")
@@ -34,7 +34,7 @@ flags.mark_flags_as_required(["model", "output"])
 
 def main(argv) -> None:
     del argv
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logs.configure(fmt="%(asctime)s %(levelname)s %(message)s")
     t0 = time.perf_counter()
     try:
         out = convert(

@@ -31,6 +31,7 @@ from jaxserve.inputs import parse_prompt
 from jaxserve.llm import LLM
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import FIELDS, RequestOutputKind, SamplingParams
+from server.cli import logs
 from server.cli.engine_flags import engine_kwargs
 
 FLAGS = flags.FLAGS
@@ -122,8 +123,7 @@ def _to_request(llm: LLM, index: int, record: dict, base: dict) -> GenerateReque
 
 def main(argv) -> None:
     del argv
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("jax").setLevel(logging.WARNING)  # e.g. "Unable to initialize backend"
+    logs.configure()
     try:
         bad = _generate()
     except (ValueError, FileNotFoundError, TypeError) as e:

@@ -30,7 +30,6 @@ CUDA plugin, at jax's version).
 
 from __future__ import annotations
 
-import logging
 import os
 
 # Compile-only devices of another platform: this process brings up no accelerator
@@ -48,6 +47,7 @@ from jaxserve.llm import resolve_model_dir
 from jaxserve.preflight import preflight
 from jaxserve.targets import DEVICE_PRESETS, Target
 from models.config import ModelConfig
+from server.cli import logs
 from server.cli.engine_flags import engine_kwargs
 
 FLAGS = flags.FLAGS
@@ -66,7 +66,7 @@ _NOT_ENGINE = ("tokenizer", "skip_tokenizer_init", "compiled")
 
 def main(argv) -> None:
     del argv
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logs.configure(fmt="%(asctime)s %(levelname)s %(message)s")
     try:
         target = Target.parse(FLAGS.target)
         if FLAGS.compiled:

@@ -67,6 +67,7 @@ from jaxserve.llm import LLM, resolve_model_dir
 from jaxserve.tokenizer import check_chat_template
 from server import reasoning_parsers, tool_parsers
 from server.app import ListenError
+from server.cli import logs
 from server.cli.engine_flags import engine_kwargs
 from server.lora_registry import LoRAModule, LoRAModuleError, parse_lora_modules
 
@@ -191,8 +192,7 @@ flags.DEFINE_string(
 
 def main(argv) -> None:
     _model_from_argv(argv[1:])
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("jax").setLevel(logging.WARNING)
+    logs.configure()
     try:
         if FLAGS.process_id > 0 and FLAGS.role != "router":
             _follow()

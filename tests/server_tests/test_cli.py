@@ -206,6 +206,16 @@ def test_a_cpu_machine_hears_nothing_of_other_platforms(tiny_model_dir, tmp_path
         assert noise not in proc.stderr, (noise, proc.stderr[-3000:])
 
 
+def test_convert_prints_no_library_bookkeeping(tiny_model_dir, tmp_path):
+    """A one-second `convert` printed 56 lines of orbax's INFO (absl's handler let
+    every library's INFO through); the libraries now log from WARNING."""
+    proc = _jaxserve("convert", f"--model={tiny_model_dir}", f"--output={tmp_path / 'o'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wrote" in proc.stdout
+    for noise in ("checkpoint", "orbax", "ocdbt", "Pytree"):
+        assert noise not in proc.stderr, (noise, proc.stderr[-3000:])
+
+
 @pytest.mark.slow
 def test_bad_input_lines_are_named_before_the_warm_up_and_skipped(tiny_model_dir, tmp_path):
     """A bad JSONL line used to abort the whole run after the warm-up, writing
