@@ -14,6 +14,9 @@ request cannot change on its way down.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
+from typing import Any
 
 from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
@@ -64,3 +67,30 @@ class GenerateRequest:
         object.__setattr__(self, "prompt_token_ids", ids)
         if self.resume is not None:
             object.__setattr__(self, "resume", tuple(self.resume))
+
+
+# The fields of GenerateRequest a client sets, on every front end: the HTTP bodies
+# take them by these names and types (`server.openai_api.protocol.ClientFields`),
+# gRPC's GenerateRequest has a field of each name, and every front end passes them on
+# with `client_fields`. A new one is a GenerateRequest field, its name here, the
+# proto's field, and the engine's code that reads it.
+CLIENT_FIELDS = ("priority", "cache_salt")
+
+
+@functools.cache
+def client_field_types() -> dict[str, tuple[Any, Any]]:
+    """Each client field's (type, default), from GenerateRequest's declaration."""
+    hints = typing.get_type_hints(GenerateRequest)
+    defaults = {f.name: f.default for f in dataclasses.fields(GenerateRequest)}
+    return {name: (hints[name], defaults[name]) for name in CLIENT_FIELDS}
+
+
+def client_fields(source: Any) -> dict[str, Any]:
+    """The client fields `source` (an HTTP body, a gRPC message) carries, by name, as
+    GenerateRequest's keyword arguments. An empty string is the field unset (gRPC
+    cannot tell the two apart)."""
+    out = {}
+    for name, (_, default) in client_field_types().items():
+        value = getattr(source, name, default)
+        out[name] = default if value is None or value == "" else value
+    return out

@@ -15,7 +15,7 @@ import itertools
 import grpc
 
 from jaxserve.front import EngineFront, cannot_transfer_kv
-from jaxserve.generate_request import GenerateRequest
+from jaxserve.generate_request import GenerateRequest, client_fields
 from jaxserve.inputs import ParsedPrompt, parse_prompt
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import (
@@ -221,8 +221,7 @@ class JaxServeServicer(LifecycleRPCs, LoRARPCs, pb_grpc.JaxServeServicer):  # pa
             prompt.token_ids,
             params,
             prompt=prompt.text,
-            priority=request.priority,
-            cache_salt=request.cache_salt or None,
+            **client_fields(request),
             resume=resume,
             beam=beam,
             lora=lora,

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from jaxserve.front import EngineFront
-from jaxserve.generate_request import GenerateRequest
+from jaxserve.generate_request import GenerateRequest, client_fields
 from jaxserve.inputs import ParsedPrompt, parse_prompt
 from jaxserve.lora import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
@@ -110,8 +110,7 @@ class OpenAIServing:
                     p.token_ids,
                     params,
                     prompt=p.text,
-                    priority=body.priority,
-                    cache_salt=body.cache_salt,
+                    **client_fields(body),
                     beam=body.beam_search(params),
                     lora=lora,
                 )

@@ -13,8 +13,9 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from jaxserve.generate_request import client_field_types
 from jaxserve.sampling_params import (
     FIELDS,
     BeamSearchParams,
@@ -68,7 +69,12 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
 
 
-class _Request(BaseModel):
+# The fields of GenerateRequest a client sets (`jaxserve.generate_request.CLIENT_FIELDS`:
+# priority, cache_salt), with their types and defaults, in every request body.
+ClientFields = create_model("ClientFields", **client_field_types())
+
+
+class _Request(ClientFields):
     """The fields completions and chat completions share."""
 
     @model_validator(mode="before")
@@ -108,8 +114,6 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    cache_salt: str | None = None
-    priority: int = 0
     return_token_ids: bool = False  # adds prompt_token_ids and each choice's token_ids
     return_tokens_as_token_ids: bool = False  # logprobs tokens as "token_id:N"
     structured_outputs: StructuredOutputs | None = None

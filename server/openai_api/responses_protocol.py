@@ -18,11 +18,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxserve.generate_request import client_fields
 from server.openai_api.protocol import (
     BadField,
     ChatCompletionRequest,
     ChatMessage,
     ChatTool,
+    ClientFields,
     FunctionDefinition,
     JsonSchema,
     MessageFunctionCall,
@@ -67,7 +69,7 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(ClientFields):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -91,8 +93,6 @@ class ResponsesRequest(BaseModel):
     seed: int | None = None
     top_k: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    priority: int = 0
-    cache_salt: str | None = None
 
     def check_unsupported(self) -> None:
         if self.previous_response_id is not None:
@@ -145,11 +145,7 @@ class ResponsesRequest(BaseModel):
                     raise BadField("text.format.schema", "text.format json_schema needs a schema")
                 schema = JsonSchema(name=fmt.name, schema=fmt.schema_, strict=fmt.strict)
             response_format = ResponseFormat(type=fmt.type, json_schema=schema)
-        extra = {
-            k: getattr(self, k)
-            for k in ("seed", "top_k", "cache_salt")
-            if getattr(self, k) is not None
-        }
+        extra = {k: getattr(self, k) for k in ("seed", "top_k") if getattr(self, k) is not None}
         return ChatCompletionRequest(
             model=self.model,
             messages=messages,
@@ -161,7 +157,7 @@ class ResponsesRequest(BaseModel):
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=response_format,
             chat_template_kwargs=self.chat_template_kwargs,
-            priority=self.priority,
+            **client_fields(self),
             **extra,
         )
 

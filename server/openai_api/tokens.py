@@ -22,10 +22,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from jaxserve.front import EngineFront
-from jaxserve.generate_request import GenerateRequest
+from jaxserve.generate_request import GenerateRequest, client_fields
 from jaxserve.inputs import parse_prompt
 from jaxserve.lora import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
@@ -39,11 +39,11 @@ from server.openai_api.completions import (
     _usage,
     error_body,
 )
-from server.openai_api.protocol import BadField, StreamOptions
+from server.openai_api.protocol import BadField, ClientFields, StreamOptions
 from server.serving import Refused
 
 
-class GenerateTokensRequest(BaseModel):
+class GenerateTokensRequest(ClientFields):
     """vLLM's `GenerateRequest` (tokens in, tokens out)."""
 
     model: str | None = None
@@ -52,8 +52,6 @@ class GenerateTokensRequest(BaseModel):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = None
-    priority: int = 0
 
     def params(self) -> SamplingParams:
         """The validated SamplingParams; errors name `sampling_params.<field>`."""
@@ -121,8 +119,7 @@ class TokensServing:
                 rid,
                 prompt.token_ids,
                 params,
-                priority=body.priority,
-                cache_salt=body.cache_salt,
+                **client_fields(body),
                 lora=lora,
             )
             engine.validate(request)

@@ -281,6 +281,29 @@ def test_the_proto_carries_every_sampling_field_with_its_default():
     assert sampling_params_from_proto(pb.SamplingParams()) == SamplingParams()
 
 
+def test_every_front_end_takes_the_client_fields_from_their_one_declaration():
+    """A per-request field a client sets (priority, cache_salt) is declared once, on
+    GenerateRequest, and named in CLIENT_FIELDS: every HTTP body takes it with that
+    type and default, gRPC's message has it, and both pass it on by `client_fields`
+    (a field appeared in about 12 files)."""
+    from jaxserve.generate_request import CLIENT_FIELDS, client_field_types, client_fields
+    from server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+    from server.openai_api.responses_protocol import ResponsesRequest
+    from server.openai_api.tokens import GenerateTokensRequest
+
+    bodies = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, GenerateTokensRequest)
+    for name, (kind, default) in client_field_types().items():
+        for body in bodies:
+            field = body.model_fields[name]
+            assert (field.annotation, field.default) == (kind, default), (body, name)
+        assert name in pb.GenerateRequest.DESCRIPTOR.fields_by_name
+    sent = pb.GenerateRequest(prompt="x", priority=-2, cache_salt="")
+    assert client_fields(sent) == {"priority": -2, "cache_salt": None}  # "": unset
+    body = CompletionRequest(prompt="x", priority=3, cache_salt="t")
+    assert client_fields(body) == {"priority": 3, "cache_salt": "t"}
+    assert set(CLIENT_FIELDS) == {"priority", "cache_salt"}
+
+
 @pytest.mark.parametrize(
     "req,field",
     [
