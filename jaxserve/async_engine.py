@@ -9,11 +9,11 @@ stream, even one that reuses the id of a request aborted a moment earlier. A
 stream that is closed or cancelled before its request finished aborts the
 request, which frees its pages within a step.
 
-Pause and sleep (`jaxserve.engine.lifecycle`), weight updates and LoRA adapters added
-or removed run on the engine thread like any command (an added adapter's files are
-read and checked on a worker thread first). A request that arrives while
-generation is paused is held by the engine until the resume; the engine thread gives
-up on it after `pause_wait_s` (aborting it, its stream ending with
+Control operations (`jaxserve.controls`: pause and sleep, weight updates, LoRA
+adapters, ...) run on the engine thread like any command, as the table says (an
+added adapter's files are read and checked on a worker thread first). A request that
+arrives while generation is paused is held by the engine until the resume; the engine
+thread gives up on it after `pause_wait_s` (aborting it, its stream ending with
 EngineUnavailableError). While paused or asleep the loop waits for commands; it does
 not spin.
 
@@ -30,13 +30,19 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
+from jaxserve import controls
+from jaxserve.controls import NamedControls
 from jaxserve.engine import LLMEngine
-from jaxserve.engine.adapters import EngineAdapters, lora_disabled
-from jaxserve.engine.lifecycle import check_pause_mode, check_sleep_level, paused_error
+from jaxserve.engine.lifecycle import paused_error
 from jaxserve.engine_stats import StatsSnapshot
-from jaxserve.front import EngineDeadError, EngineUnavailableError, RequestFailedError
+from jaxserve.front import (
+    EngineDeadError,
+    EngineState,
+    EngineUnavailableError,
+    RequestFailedError,
+)
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.lora import LoRARequest
 from jaxserve.outputs import ModelInfo, RequestOutput
@@ -83,7 +89,7 @@ def _settle(future: asyncio.Future, result, error) -> None:
         future.set_result(result)
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(NamedControls):
     """One engine behind the `EngineFront` interface; it exports and imports KV pages
     (disaggregated prefill and decode)."""
 
@@ -96,9 +102,9 @@ class AsyncLLMEngine:
         self._streams: dict[str, OutputStream] = {}  # the event loop's: ids in use by clients
         self._live: dict[str, OutputStream] = {}  # the engine thread's: requests it accepted
         # The engine thread's: requests a pause holds -> when they give up (monotonic),
-        # and the callers of pause_generation("wait") until the engine has drained.
+        # and the callers waiting for a condition on the engine (a control's `until`).
         self._held: dict[str, float] = {}
-        self._drained: list[asyncio.Future] = []
+        self._waiting: list[tuple[Callable[[LLMEngine], bool], asyncio.Future]] = []
         self._pause_wait_s = engine.config.pause_wait_s
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -182,15 +188,11 @@ class AsyncLLMEngine:
     async def import_pages(self, pages: list[bytes]) -> int:
         return await asyncio.to_thread(self.engine.import_pages, pages)  # any thread
 
-    # ---------------------------------------------------------- pause and sleep
+    # ----------------------------------------------------------------- controls
 
     @property
-    def is_paused(self) -> bool:
-        return self.engine.is_paused  # (a flag the engine thread sets)
-
-    @property
-    def is_sleeping(self) -> bool:
-        return self.engine.is_sleeping
+    def state(self) -> EngineState:
+        return EngineState.of(self.engine)  # (values the engine thread sets)
 
     def unavailable(self) -> EngineUnavailableError | None:
         error = self.engine.refusal()
@@ -198,70 +200,25 @@ class AsyncLLMEngine:
             error = paused_error(0)
         return error
 
-    async def pause_generation(self, mode: str = "abort") -> None:
-        """`LLMEngine.pause_generation` on the engine thread; with "wait", returns once
-        the requests in flight have finished (or a resume came first)."""
-        check_pause_mode(mode)
-        await self.call(lambda e: e.pause_generation(mode))
-        if mode == "wait":
-            drained = asyncio.get_running_loop().create_future()
-            self._send(("drained", drained))
-            await drained
-
-    async def resume_generation(self) -> None:
-        await self.call(self._resume)
-
-    def _resume(self, engine: LLMEngine) -> None:
-        engine.resume_generation()
-        self._held.clear()  # scheduled now: they wait no more
-
-    async def sleep(self, level: int = 1, keep_host_copy: bool = True) -> None:
-        check_sleep_level(level)
-        await self.call(lambda e: e.sleep(level, keep_host_copy))
-
-    async def wake_up(self) -> None:
-        await self.call(lambda e: e.wake_up())
-
-    # ------------------------------------------------------------------ weights
-
-    @property
-    def weight_version(self) -> int:
-        return self.engine.weight_version  # (an int the engine thread sets)
-
-    async def update_weights(
-        self, params=None, *, path: str | None = None, weight_version: int | None = None
-    ) -> int:
-        """`LLMEngine.update_weights` on the engine thread between two steps: the
-        conversion too (a checkpoint read from `path` holds the steps up meanwhile)."""
-        return await self.call(
-            lambda e: e.update_weights(params, path=path, weight_version=weight_version)
-        )
-
-    async def reset_prefix_cache(self) -> bool:
-        return await self.call(lambda e: e.reset_prefix_cache())
-
-    # --------------------------------------------------------------------- LoRA
-
-    async def add_lora(self, request: LoRARequest) -> bool:
-        """Reads and checks the adapter's files on a worker thread, the steps going on
-        meanwhile (a large adapter, a slow disk), then keeps it in host memory on the
-        engine thread between two steps."""
-        adapters = self._adapters()
-        adapter = await asyncio.to_thread(adapters.read, request)
-        return await self.call(lambda e: adapters.add(request, adapter))
-
-    async def remove_lora(self, lora_int_id: int) -> bool:
-        adapters = self._adapters()
-        return await self.call(lambda e: adapters.remove(lora_int_id))
-
-    def list_loras(self) -> list[LoRARequest]:
-        adapters = self.engine.adapters
-        return [] if adapters is None else list(adapters.loaded())
-
-    def _adapters(self) -> EngineAdapters:
-        if self.engine.adapters is None:
-            raise lora_disabled()
-        return self.engine.adapters
+    async def control(self, name: str, **args: Any) -> Any:
+        """Runs the control `name` as `jaxserve.controls` declares it: its arguments
+        checked here, its `read` on a worker thread, its `run` on the engine thread
+        between two steps (or here, for a read of what the engine publishes); returns
+        once its `until` holds."""
+        op = controls.get(name)
+        args = op.bind(self.engine.config, args)
+        if op.thread == "any":
+            return op.run(self.engine, **args)
+        if op.read is None:
+            result = await self.call(lambda e: op.run(e, **args))
+        else:
+            read = await asyncio.to_thread(op.read, self.engine, **args)
+            result = await self.call(lambda e: op.run(e, read, **args))
+        if op.until is not None:
+            future = asyncio.get_running_loop().create_future()
+            self._send(("until", lambda e: op.until(e, **args), future))
+            await future
+        return result
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the engine thread, waiting at most about `timeout` seconds for the step
@@ -310,8 +267,8 @@ class AsyncLLMEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] == "drained":
-                self._drained.append(command[1])
+            if command[0] == "until":
+                self._waiting.append((command[1], command[2]))
             elif command[0] == "call":
                 _, fn, future = command
                 try:
@@ -349,10 +306,18 @@ class AsyncLLMEngine:
                 self._live.pop(command[1], None)
                 self._held.pop(command[1], None)
         self._expire_held()
-        if self._drained and not (self.engine.is_paused and self.engine.has_unfinished()):
-            for future in self._drained:
-                _reply(future, None, None)
-            self._drained = []
+        if self._waiting:
+            self._waiting = [w for w in self._waiting if not self._settled(*w)]
+
+    def _settled(self, holds: Callable[[LLMEngine], bool], future: asyncio.Future) -> bool:
+        """Answers `future` if `holds(engine)` (or raised); whether it did."""
+        try:
+            if not holds(self.engine):
+                return False
+            _reply(future, None, None)
+        except Exception as e:  # the caller's condition failed; the engine is fine
+            _reply(future, None, e)
+        return True
 
     def _expire_held(self) -> None:
         """Aborts the requests a pause has held for `pause_wait_s`; their streams end
@@ -402,7 +367,7 @@ class AsyncLLMEngine:
             end = EngineDeadError(f"the engine loop stopped: {e!r}")
         for stream in list(self._streams.values()):  # nobody waits forever
             stream.put(end)
-        for future in self._drained:
+        for _, future in self._waiting:
             _reply(future, None, end)
         if self._stop.is_set():  # closing: the engine's own thread releases it
             try:

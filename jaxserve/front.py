@@ -7,23 +7,21 @@ The servers use nothing else: no reaching into the engine behind a front. An
 operation a front cannot do, it says so in advance (`can_transfer_kv`), so that a
 server refuses at start-up a role it could not serve (`server.disagg.check_role`).
 
-Beside a trainer (RL rollouts), a front pauses generation around a weight update and
-gives the device memory back (`pause_generation`, `sleep`; `jaxserve.engine.lifecycle`
-says what each mode and level does), and takes new weights (`update_weights`:
-`jaxserve.engine.weight_sync` says what becomes of the requests running and of the
-KV). A request sent while the engine is paused waits for `resume_generation`, at most
+Besides generating, a front runs control operations by name (`control`): pause and
+resume, sleep and wake-up beside a trainer (RL rollouts), weight updates, prefix-cache
+resets, LoRA adapters. `jaxserve.controls` declares each once (its
+arguments, how the engine runs it, how replicas' results combine), so a front knows
+none of them; its `NamedControls` gives Python users vLLM's named methods
+(`pause_generation()`, `sleep()`, `update_weights()`, `add_lora()`, ...). A request
+sent while the engine is paused waits for the resume, at most
 `EngineConfig.pause_wait_s`; one sent while it sleeps is refused at once: both with
-`EngineUnavailableError` (HTTP 503, gRPC UNAVAILABLE).
-
-An engine started with `enable_lora` serves PEFT LoRA adapters (vLLM's `add_lora`,
-`remove_lora`, `list_loras`): a request names its adapter (`GenerateRequest.lora`), and
-an adapter may be read and checked before its first request (`add_lora`). A server
-keeps the names its clients use (`server.lora_registry`); a front knows adapters by
-`lora_int_id` only.
+`EngineUnavailableError` (HTTP 503, gRPC UNAVAILABLE). `state` says which, without
+asking the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, Self, runtime_checkable
 
@@ -58,6 +56,34 @@ class EngineUnavailableError(RuntimeError):
 class EngineStateError(RuntimeError):
     """A pause, sleep or wake-up the engine's state forbids now, e.g. `sleep` while
     requests run (pause or abort them first); the message says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineState:
+    """A front's engine state (`EngineFront.state`): what the servers answer after a
+    control, field for field. Each field's `combine` makes a data-parallel front's
+    from its replicas'."""
+
+    is_paused: bool = dataclasses.field(default=False, metadata={"combine": any})
+    is_sleeping: bool = dataclasses.field(default=False, metadata={"combine": any})
+    # The version of the weights served (0: those loaded at start-up); data-parallel:
+    # the oldest a replica serves (all the same once an update returned).
+    weight_version: int = dataclasses.field(default=0, metadata={"combine": min})
+
+    @classmethod
+    def of(cls, engine: Any) -> EngineState:
+        """An `LLMEngine`'s (it has each field as an attribute)."""
+        return cls(**{f.name: getattr(engine, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def combine(cls, states: Sequence[EngineState]) -> EngineState:
+        """Replicas' states as one, each field by its `combine`."""
+        return cls(
+            **{
+                f.name: f.metadata["combine"](getattr(s, f.name) for s in states)
+                for f in dataclasses.fields(cls)
+            }
+        )
 
 
 @runtime_checkable
@@ -126,13 +152,9 @@ class EngineFront(Protocol):
         ...
 
     @property
-    def is_paused(self) -> bool:
-        """Whether generation is paused (`pause_generation`; any replica)."""
-        ...
-
-    @property
-    def is_sleeping(self) -> bool:
-        """Whether the engine sleeps (`sleep`; any replica)."""
+    def state(self) -> EngineState:
+        """Whether the engine is paused or asleep, and the weights' version, read
+        without asking the engine (data-parallel: the replicas' combined)."""
         ...
 
     def unavailable(self) -> EngineUnavailableError | None:
@@ -141,70 +163,12 @@ class EngineFront(Protocol):
         request would be served, or would wait for `resume_generation`."""
         ...
 
-    async def pause_generation(self, mode: str = "abort") -> None:
-        """Pauses generation on the engine (every replica). `mode`: "abort" ends the
-        requests in flight now (finish_reason "abort", stop_reason "paused"); "wait"
-        lets them finish, returning once they have; "keep" freezes them with their KV
-        until `resume_generation`. New requests wait for the resume. Raises ValueError
-        (its `field` "mode") for another mode."""
-        ...
-
-    async def resume_generation(self) -> None:
-        """Ends a pause: kept requests go on where they stopped, waiting ones start."""
-        ...
-
-    async def sleep(self, level: int = 1, keep_host_copy: bool = True) -> None:
-        """Gives the device memory back (every replica): level 1 the KV cache, level 2
-        the weights too (kept in host memory unless `keep_host_copy` is False: new
-        weights come with `update_weights`). Raises ValueError (`field` "level") for
-        another level, EngineStateError while requests run unpaused."""
-        ...
-
-    async def wake_up(self) -> None:
-        """Takes the device memory again (the KV cache zeroed, the weights from their
-        host copy); no program is compiled again."""
-        ...
-
-    @property
-    def weight_version(self) -> int:
-        """The version of the weights served (`update_weights`; 0: those loaded at
-        start-up). Data-parallel: the oldest any replica serves."""
-        ...
-
-    async def update_weights(
-        self, params: Any = None, *, path: str | None = None, weight_version: int | None = None
-    ) -> int:
-        """Serves new weights from the next step on (every replica); returns their
-        version (`weight_version`, else the previous one + 1). Exactly one of `params`
-        (the float model's state or HF-named tensors) and `path` (a model directory);
-        `LLMEngine.update_weights` says what each may be. Requests running go on, their
-        KV recomputed with the new weights; paused or asleep, the weights are served
-        from the resume or wake-up. Raises ValueError naming the first mismatch, the
-        weights unchanged."""
-        ...
-
-    async def reset_prefix_cache(self) -> bool:
-        """Drops every cached KV page (prefix cache and KV tier, every replica); True
-        once done. Running requests keep theirs."""
-        ...
-
-    async def add_lora(self, request: LoRARequest) -> bool:
-        """Reads and checks the adapter at `request.lora_path` and keeps it in host
-        memory (every replica), ahead of the requests that name it; True once done.
-        Raises ValueError naming what does not fit (`ParamError`, field "lora"), or, for
-        an engine without `enable_lora`, naming that."""
-        ...
-
-    async def remove_lora(self, lora_int_id: int) -> bool:
-        """Forgets the adapter of that id (every replica; its device slot emptied);
-        False if no replica knew it. Raises ValueError while live requests use it (they
-        keep it: remove it once they finished), or for an engine without `enable_lora`.
-        A request that names it later reads it again from its path."""
-        ...
-
-    def list_loras(self) -> list[LoRARequest]:
-        """The adapters in host memory (added, or read for a request, and not dropped
-        since; data-parallel: on any replica, each id once). Empty without `enable_lora`."""
+    async def control(self, name: str, **args: Any) -> Any:
+        """Runs the control operation `name` of `jaxserve.controls.CONTROLS` (pause,
+        sleep, weights, adapters, ...: the table says what each takes and does) on the
+        engine (every replica) with `args`; its result. Raises ValueError naming an
+        unknown name or a bad argument before anything is sent, and what the engine
+        raises (`EngineStateError`: its state forbids it now)."""
         ...
 
     def close(self, timeout: float = 10.0) -> None:

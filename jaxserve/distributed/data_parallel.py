@@ -14,10 +14,10 @@ has siblings. `DataParallelEngine` routes each request to a replica:
 - load: otherwise (or when that replica is busier than the least-loaded one by more
   than `max_imbalance` requests) the replica with the fewest requests in flight.
 
-Metrics come per replica (`replica_stats()`) and in total (`stats()`). Pause, resume,
-sleep, wake-up, weight updates, prefix-cache resets and LoRA adapters added or removed
-go to every replica, and return once all have done it; every replica gets the same
-weight version.
+Metrics come per replica (`replica_stats()`) and in total (`stats()`). Control
+operations (pause, sleep, weight updates, LoRA adapters, ...) go to every replica and
+return once all have done them, their results combined as `jaxserve.controls`
+declares; the front knows none of them. Every replica gets the same weight version.
 """
 
 from __future__ import annotations
@@ -33,15 +33,17 @@ from typing import Any, TypeVar
 
 import jax
 
+from jaxserve import controls
 from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.config import EngineConfig
+from jaxserve.controls import NamedControls
 from jaxserve.distributed import meshes
 from jaxserve.engine import LLMEngine
-from jaxserve.engine.lifecycle import check_pause_mode, check_sleep_level
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.front import (
     EngineDeadError,
     EngineFront,
+    EngineState,
     EngineUnavailableError,
     RequestFailedError,
     cannot_transfer_kv,
@@ -143,7 +145,7 @@ def replica_engines(
     return engines
 
 
-class DataParallelEngine:
+class DataParallelEngine(NamedControls):
     """M replicas behind one `EngineFront`. A replica is an `EngineFront` itself: an
     `AsyncLLMEngine` (local) or a `jaxserve.distributed.ray_replicas.RayReplica`.
 
@@ -157,6 +159,7 @@ class DataParallelEngine:
         if not replicas:
             raise ValueError("a data-parallel engine needs at least one replica")
         self.replicas = list(replicas)
+        self.config = config
         page_size = config.cache.page_size
         self.router = PrefixRouter(
             len(replicas),
@@ -262,71 +265,25 @@ class DataParallelEngine:
     async def import_pages(self, pages: list[bytes]) -> int:
         raise NotImplementedError(cannot_transfer_kv(self))
 
-    # ---------------------------------------------------------- pause and sleep
+    # ----------------------------------------------------------------- controls
 
     @property
-    def is_paused(self) -> bool:
-        return any(r.is_paused for r in self.replicas)
-
-    @property
-    def is_sleeping(self) -> bool:
-        return any(r.is_sleeping for r in self.replicas)
+    def state(self) -> EngineState:
+        return EngineState.combine([r.state for r in self.replicas])
 
     def unavailable(self) -> EngineUnavailableError | None:
         return next((e for r in self.replicas if (e := r.unavailable()) is not None), None)
 
-    async def pause_generation(self, mode: str = "abort") -> None:
-        check_pause_mode(mode)
-        await self._on_every_replica(lambda r: r.pause_generation(mode))
-
-    async def resume_generation(self) -> None:
-        await self._on_every_replica(lambda r: r.resume_generation())
-
-    async def sleep(self, level: int = 1, keep_host_copy: bool = True) -> None:
-        check_sleep_level(level)
-        await self._on_every_replica(lambda r: r.sleep(level, keep_host_copy))
-
-    async def wake_up(self) -> None:
-        await self._on_every_replica(lambda r: r.wake_up())
-
-    # ------------------------------------------------------------------ weights
-
-    @property
-    def weight_version(self) -> int:
-        """The oldest version a replica serves (all the same once an update returned)."""
-        return min(r.weight_version for r in self.replicas)
-
-    async def update_weights(
-        self, params=None, *, path: str | None = None, weight_version: int | None = None
-    ) -> int:
-        """Every replica's weights (each places `params` on its own devices) under one
-        version: `weight_version`, else the newest a replica serves + 1 (so they agree
-        again after an update that failed on some). A replica that failed serves its
-        old weights; the error names it."""
-        if weight_version is None:
-            weight_version = max(r.weight_version for r in self.replicas) + 1
-        versions = await self._on_every_replica(
-            lambda r: r.update_weights(params, path=path, weight_version=weight_version)
-        )
-        return versions[0]
-
-    async def reset_prefix_cache(self) -> bool:
-        return all(await self._on_every_replica(lambda r: r.reset_prefix_cache()))
-
-    async def add_lora(self, request: LoRARequest) -> bool:
-        return all(await self._on_every_replica(lambda r: r.add_lora(request)))
-
-    async def remove_lora(self, lora_int_id: int) -> bool:
-        """True if a replica knew it. A replica whose requests use it keeps it and its
-        error is raised; the others have forgotten it (read again if a request names it)."""
-        return any(await self._on_every_replica(lambda r: r.remove_lora(lora_int_id)))
-
-    def list_loras(self) -> list[LoRARequest]:
-        seen: dict[int, LoRARequest] = {}
-        for r in self.replicas:
-            for lora in r.list_loras():
-                seen.setdefault(lora.lora_int_id, lora)
-        return list(seen.values())
+    async def control(self, name: str, **args: Any) -> Any:
+        """Runs the control `name` on every replica at once, as `jaxserve.controls`
+        declares it: its arguments checked first and made to agree (one weight
+        version), the replicas' results combined. A replica that failed keeps its
+        old state and its error is raised, naming it; the others have done it."""
+        op = controls.get(name)
+        args = op.bind(self.config, args)
+        if op.agree is not None:
+            args = op.agree([r.state for r in self.replicas], args)
+        return op.combine(await self._on_every_replica(lambda r: r.control(name, **args)))
 
     async def _on_every_replica(self, call: Callable[[EngineFront], Awaitable[T]]) -> list[T]:
         """Runs `call` on every replica at once and waits for all of them (none is left

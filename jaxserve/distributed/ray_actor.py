@@ -11,7 +11,9 @@ import dataclasses
 import functools
 import os
 import socket
+import time
 from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
 
 from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.config import EngineConfig
@@ -19,11 +21,21 @@ from jaxserve.distributed.progress_watch import ProgressWatch
 from jaxserve.engine import LLMEngine
 from jaxserve.engine.startup import use_compilation_cache
 from jaxserve.engine_stats import StatsSnapshot
-from jaxserve.front import EngineDeadError
+from jaxserve.front import EngineDeadError, EngineState
 from jaxserve.generate_request import GenerateRequest
-from jaxserve.lora import LoRARequest
 from jaxserve.outputs import ModelInfo
 from jaxserve.tokenizer import Tokenizer
+
+
+class ControlReply(NamedTuple):
+    """What `ReplicaActor.control` answers: the control's result or error (a value: its
+    own class and fields, not Ray's wrapper), and the engine's state after it, read at
+    `state_at` (the actor's monotonic clock, ns)."""
+
+    result: Any
+    error: Exception | None
+    state: EngineState
+    state_at: int
 
 
 class ReplicaActor:
@@ -117,10 +129,12 @@ class ReplicaActor:
     def stats(self) -> StatsSnapshot:
         return self.engine.stats()
 
-    def health(self) -> None:
+    def health(self) -> tuple[EngineState, int]:
         """Raises if the engine loop died, or showed no progress for step_timeout_s: its
         loop did not come round and its process did not compute (a step that hangs; one
-        that is only long, a compile or a long prefill, goes on)."""
+        that is only long, a compile or a long prefill, goes on). Else the engine's state
+        and when it was read (the actor's monotonic clock, ns): the front's handle keeps
+        it too, so a control still running (a "wait" pause draining) shows in it."""
         if not self.engine.healthy:
             raise EngineDeadError(f"the engine loop stopped: {self.engine.error!r}")
         stuck = self._progress.stalled_for(self.engine.last_round)
@@ -129,37 +143,17 @@ class ReplicaActor:
                 f"the engine loop has not come round, nor its process computed, for "
                 f"{stuck:.0f}s (step_timeout_s={self.step_timeout_s:g}): stalled"
             )
+        return self.engine.state, time.monotonic_ns()
 
-    # Pause, sleep and weight updates: the replica's engine does them (`AsyncLLMEngine`);
-    # the front's handle keeps their state (`RayReplica.is_paused`, `weight_version`), so
-    # that reading it asks no actor.
-
-    async def pause_generation(self, mode: str) -> None:
-        await self.engine.pause_generation(mode)
-
-    async def resume_generation(self) -> None:
-        await self.engine.resume_generation()
-
-    async def sleep(self, level: int, keep_host_copy: bool) -> None:
-        await self.engine.sleep(level, keep_host_copy)
-
-    async def wake_up(self) -> None:
-        await self.engine.wake_up()
-
-    async def update_weights(self, path: str | None, weight_version: int | None) -> int:
-        return await self.engine.update_weights(path=path, weight_version=weight_version)
-
-    async def reset_prefix_cache(self) -> bool:
-        return await self.engine.reset_prefix_cache()
-
-    async def add_lora(self, request: LoRARequest) -> bool:
-        return await self.engine.add_lora(request)
-
-    async def remove_lora(self, lora_int_id: int) -> bool:
-        return await self.engine.remove_lora(lora_int_id)
-
-    def list_loras(self) -> list[LoRARequest]:
-        return self.engine.list_loras()
+    async def control(self, name: str, args: dict[str, Any]) -> ControlReply:
+        """Runs a control operation on the replica's engine (`AsyncLLMEngine.control`);
+        the front's handle keeps the state it answers (as `health`'s), so that reading
+        it asks no actor."""
+        try:
+            result, error = await self.engine.control(name, **args), None
+        except Exception as e:  # the caller's to raise
+            result, error = None, e
+        return ControlReply(result, error, self.engine.state, time.monotonic_ns())
 
     def shutdown(self, timeout: float) -> None:
         self.engine.close(timeout)

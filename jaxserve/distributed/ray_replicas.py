@@ -39,16 +39,19 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
+from jaxserve import controls
 from jaxserve.async_engine import OutputStream
 from jaxserve.config import EngineConfig
-from jaxserve.distributed.ray_actor import ReplicaActor
+from jaxserve.controls import NamedControls
+from jaxserve.distributed.ray_actor import ControlReply, ReplicaActor
 from jaxserve.engine import validate_request
-from jaxserve.engine.adapters import lora_disabled
-from jaxserve.engine.lifecycle import check_pause_mode, check_sleep_level, paused_error
+from jaxserve.engine.lifecycle import paused_error
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.front import (
     EngineDeadError,
+    EngineState,
     EngineUnavailableError,
     RequestFailedError,
     cannot_transfer_kv,
@@ -66,7 +69,7 @@ STATS_MAX_AGE_S = 0.25  # counters fetched more recently are used again
 STARTUP_REPORT_S = 60.0  # while replicas load, say every minute what they wait for
 
 
-class RayReplica:
+class RayReplica(NamedControls):
     """The front's handle on one `ReplicaActor`: an `EngineFront` (that does not
     transfer KV pages), a replica of `DataParallelEngine`. A thread receives the
     actor's output batches and hands each output to its request's stream; another
@@ -86,10 +89,9 @@ class RayReplica:
         self._keys = itertools.count()
         self._streams: dict[int, OutputStream] = {}  # key -> its stream
         self._key_of: dict[str, int] = {}  # request id -> its key, while it runs
-        # Set through this handle only (its calls are the actor's only pause, sleep and
-        # weight update; the actor's engine starts with the weights of version 0).
-        self.is_paused = self.is_sleeping = False
-        self.weight_version = 0
+        # The actor's engine state as its newest control reply or health check said (it
+        # starts awake, unpaused, with the weights of version 0), and when it was read.
+        self._state, self._state_at = EngineState(), -1
         self._last_stats: StatsSnapshot = ray.get(actor.stats.remote())
         self._stats_at = time.monotonic()
         self._stop = threading.Event()
@@ -179,7 +181,7 @@ class RayReplica:
     async def import_pages(self, pages: list[bytes]) -> int:
         raise NotImplementedError(cannot_transfer_kv(self))
 
-    # ---------------------------------------------------------- pause and sleep
+    # ----------------------------------------------------------------- controls
 
     def unavailable(self) -> EngineUnavailableError | None:
         """Sleeping, or paused with `pause_wait_s` 0 (the actor's engine holds requests
@@ -193,70 +195,38 @@ class RayReplica:
             return paused_error(0)
         return None
 
-    async def pause_generation(self, mode: str = "abort") -> None:
-        check_pause_mode(mode)
-        was, self.is_paused = self.is_paused, True  # (at once: the actor holds new requests)
-        try:
-            await self.actor.pause_generation.remote(mode)
-        except BaseException:
-            self.is_paused = was
-            raise
+    @property
+    def state(self) -> EngineState:
+        """The engine's state as the actor's newest control reply said (or a health
+        check, within HEALTH_INTERVAL_S): read without asking the actor."""
+        return self._state
 
-    async def resume_generation(self) -> None:
-        await self.actor.resume_generation.remote()
-        self.is_paused = False
+    def _keep(self, state: EngineState, at: int) -> None:
+        """Keeps the actor's engine state read at `at` (the actor's clock), unless one
+        read later is kept (replies to calls that ran at once may cross)."""
+        with self._lock:
+            if at > self._state_at:
+                self._state, self._state_at = state, at
 
-    async def sleep(self, level: int = 1, keep_host_copy: bool = True) -> None:
-        check_sleep_level(level)
-        await self.actor.sleep.remote(level, keep_host_copy)
-        self.is_sleeping = True
-
-    async def wake_up(self) -> None:
-        await self.actor.wake_up.remote()
-        self.is_sleeping = False
-
-    async def update_weights(
-        self, params=None, *, path: str | None = None, weight_version: int | None = None
-    ) -> int:
-        """From `path` only, a model directory at the same path on every machine (as the
-        model's): arrays in this process are not shipped to the actors."""
-        if params is not None:
-            raise ParamError(
-                "params",
-                f"params: data-parallel replica {self.index} runs in a Ray actor and takes "
-                "new weights from path= (a model directory every machine reads), not params",
-            )
-        version = await self.actor.update_weights.remote(path, weight_version)
-        self.weight_version = version
-        return version
-
-    async def reset_prefix_cache(self) -> bool:
-        return await self.actor.reset_prefix_cache.remote()
-
-    async def add_lora(self, request: LoRARequest) -> bool:
-        """The adapter's path is read on the actor's machine (as the model's)."""
-        if not self.config.lora.enable_lora:
-            raise lora_disabled()
-        return await self.actor.add_lora.remote(request)
-
-    async def remove_lora(self, lora_int_id: int) -> bool:
-        if not self.config.lora.enable_lora:
-            raise lora_disabled()
-        return await self.actor.remove_lora.remote(lora_int_id)
-
-    def list_loras(self) -> list[LoRARequest]:
-        """Asks the actor, waiting at most STATS_TIMEOUT_S (TimeoutError naming it)."""
-        import ray
-
-        if not self.config.lora.enable_lora:
-            return []
-        try:
-            return ray.get(self.actor.list_loras.remote(), timeout=STATS_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(
-                f"data-parallel replica {self.index} ({self.where}) did not list its LoRA "
-                f"adapters within {STATS_TIMEOUT_S:g}s"
-            ) from None
+    async def control(self, name: str, **args: Any) -> Any:
+        """Runs the control `name` in the actor (`ReplicaActor.control`), its arguments
+        checked here first (`jaxserve.controls`), and keeps the state it answers with.
+        An argument that is an object of this process (`Arg.in_process`: arrays) is
+        refused by name: the actor runs in another process, on another machine maybe."""
+        op = controls.get(name)
+        args = op.bind(self.config, args)
+        for a in op.args:
+            if a.in_process is not None and args[a.name] is not None:
+                raise ParamError(
+                    a.name,
+                    f"{a.name}: data-parallel replica {self.index} runs in a Ray actor and "
+                    f"{a.in_process}",
+                )
+        reply: ControlReply = await self.actor.control.remote(name, args)
+        self._keep(reply.state, reply.state_at)
+        if reply.error is not None:
+            raise reply.error
+        return reply.result
 
     def close(self, timeout: float = 10.0) -> None:
         """Closes the actor's engine (at most about `timeout` seconds), kills the actor,
@@ -349,7 +319,7 @@ class RayReplica:
         timeout = self.config.parallel.step_timeout_s
         while not self._stop.wait(HEALTH_INTERVAL_S) and self.error is None:
             try:
-                ray.get(self.actor.health.remote(), timeout=timeout)
+                self._keep(*ray.get(self.actor.health.remote(), timeout=timeout))
             except ray.exceptions.GetTimeoutError:
                 self._fail(TimeoutError(f"no answer to a health check within {timeout:.0f}s"))
             except ray.exceptions.RayTaskError as e:

@@ -34,6 +34,7 @@ DEVICE_SIDE = {
     "jaxserve.checkpoint.hf",
     "jaxserve.checkpoint.orbax_io",
     "jaxserve.compile_records",  # compiles for compile-only devices
+    "jaxserve.controls",  # the engine's side of each control (pause and sleep checks)
     "jaxserve.distributed.data_parallel",
     "jaxserve.engine.core",  # LLMEngine builds the model runner
     "jaxserve.engine.lifecycle",  # sleep and wake-up free and allocate device buffers

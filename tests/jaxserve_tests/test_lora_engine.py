@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 import threading
-import types
 
 import numpy as np
 import pytest
@@ -334,9 +333,9 @@ def test_the_engine_steps_while_an_added_adapter_is_read(tiny_model_dir, tmp_pat
         stream = front.generate(GenerateRequest("plain", ids, GREEDY))
         outputs = await asyncio.wait_for(_collect(stream), 60)  # (not held up by the read)
         assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 6
-        assert not add.done() and front.list_loras() == []
+        assert not add.done() and await front.list_loras() == []
         release.set()
-        assert await add is True and front.list_loras() == [a]
+        assert await add is True and await front.list_loras() == [a]
 
     try:
         asyncio.run(main())
@@ -397,17 +396,15 @@ def test_structured_output_with_adapters_mixed_in_one_batch(tiny_model_dir, tmp_
     assert len({o.outputs[0].text for o in mixed[::2]}) > 1  # (the adapters do differ)
 
 
-def test_every_front_adds_removes_and_lists_adapters(tiny_model_dir, tmp_path, monkeypatch):
+def test_every_front_adds_removes_and_lists_adapters(tiny_model_dir, tmp_path):
     """vLLM's add_lora, remove_lora and list_loras through `AsyncLLMEngine`, a
     `DataParallelEngine` of two replicas (on this one device), and a Ray replica (its
-    handle and actor, without Ray, as test_pause_fronts builds them); a front of an
-    engine without enable_lora says so."""
-    import ray
+    handle and actor, without Ray: `ray_fakes`); a front of an engine without
+    enable_lora says so."""
+    from ray_fakes import ray_replica
 
     from jaxserve.async_engine import AsyncLLMEngine
     from jaxserve.distributed.data_parallel import DataParallelEngine
-    from jaxserve.distributed.ray_actor import ReplicaActor
-    from jaxserve.distributed.ray_replicas import RayReplica
     from jaxserve.engine import LLMEngine
 
     engines = [LLMEngine(engine_config(tiny_model_dir, **LORA)) for _ in range(3)]
@@ -417,33 +414,26 @@ def test_every_front_adds_removes_and_lists_adapters(tiny_model_dir, tmp_path, m
     bad = LoRARequest("bad", 3, str(tmp_path / "missing"))
     single = AsyncLLMEngine(engines[0])
     replicas = DataParallelEngine([single, AsyncLLMEngine(engines[1])], engines[0].config)
-    actor = object.__new__(ReplicaActor)  # its __init__ needs a Ray worker
-    actor.engine = AsyncLLMEngine(engines[2])
-    handle = object.__new__(RayReplica)  # the same
-    handle.config, handle.index, handle.where = engines[2].config, 0, "here"
-    calls = ("add_lora", "remove_lora", "list_loras")
-    handle.actor = types.SimpleNamespace(
-        **{name: types.SimpleNamespace(remote=getattr(actor, name)) for name in calls}
-    )
-    monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)  # (no object refs)
+    handle, actor = ray_replica(engines[2])
     plain = AsyncLLMEngine(LLMEngine(engine_config(tiny_model_dir)))
 
     async def main():
         for front in (replicas, handle):
-            assert front.list_loras() == []
+            assert await front.list_loras() == []
             assert await front.add_lora(a) is True and await front.add_lora(b) is True
-            assert front.list_loras() == [a, b]
+            assert await front.list_loras() == [a, b]
             with pytest.raises(ParamError, match="lora_path is not a directory") as e:
                 await front.add_lora(bad)
-            assert e.value.field == "lora" and front.list_loras() == [a, b]
-            assert await front.remove_lora(1) is True and front.list_loras() == [b]
+            assert e.value.field == "lora" and await front.list_loras() == [a, b]
+            assert await front.remove_lora(1) is True and await front.list_loras() == [b]
             assert await front.remove_lora(1) is False
-        assert single.list_loras() == [b] and list(engines[1].adapters.loaded()) == [b]
-        assert plain.list_loras() == []
+        assert await single.list_loras() == [b] and list(engines[1].adapters.loaded()) == [b]
+        assert await plain.list_loras() == []
         for call in (plain.add_lora(a), plain.remove_lora(1)):
             with pytest.raises(ValueError, match=r"start it with enable_lora=True"):
                 await call
         handle.config = plain.engine.config
+        handle.actor = None  # (refused before the actor is asked)
         with pytest.raises(ValueError, match=r"start it with enable_lora=True"):
             await handle.add_lora(a)
 

@@ -17,7 +17,7 @@ from test_scheduler import (
 
 from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.distributed.data_parallel import DataParallelEngine
-from jaxserve.front import EngineStateError, EngineUnavailableError
+from jaxserve.front import EngineState, EngineStateError, EngineUnavailableError
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.sampling_params import ParamError
 
@@ -228,28 +228,11 @@ def test_every_data_parallel_replica_pauses_and_resumes():
 def test_a_ray_replica_pauses_its_actors_engine_and_keeps_the_state():
     """The front's handle (`RayReplica`) and the actor (`ReplicaActor`), without Ray:
     each call crosses to the actor's engine; the handle answers `is_paused` and
-    `unavailable` from what it did, asking no actor."""
-    import collections
-    import types
-
-    from jaxserve.distributed.ray_actor import ReplicaActor
-    from jaxserve.distributed.ray_replicas import RayReplica
+    `unavailable` from the state the actor answered, asking no actor."""
+    from ray_fakes import ray_replica
 
     engine = make_engine(pause_wait_s=0)
-    actor = object.__new__(ReplicaActor)  # its __init__ needs a Ray worker
-    actor.engine = AsyncLLMEngine(engine)
-    actor._outbox, actor._tasks = None, {}
-    actor._early_aborts = collections.OrderedDict()
-    handle = object.__new__(RayReplica)  # the same
-    handle.index, handle.config = 0, engine.config
-    handle.is_paused = handle.is_sleeping = False
-    # A Ray actor handle's `method.remote(...)` is awaitable: the coroutine stands in.
-    handle.actor = types.SimpleNamespace(
-        **{
-            name: types.SimpleNamespace(remote=getattr(actor, name))
-            for name in ("pause_generation", "resume_generation", "sleep", "wake_up")
-        }
-    )
+    handle, actor = ray_replica(engine)
 
     async def main():
         await handle.pause_generation("keep")
@@ -268,6 +251,13 @@ def test_a_ray_replica_pauses_its_actors_engine_and_keeps_the_state():
         with pytest.raises(EngineStateError, match="busy"):  # the engine's refusal, through
             await handle.sleep(1)
         assert not handle.is_sleeping
+        # (The mock runner has no device memory to give back: the engine's flag alone.)
+        engine.sleep = lambda level, keep_host_copy: setattr(engine.life, "sleeping", level)
+        engine.wake_up = lambda: setattr(engine.life, "sleeping", 0)
+        await handle.sleep(1)
+        assert handle.is_sleeping and "replica 0 is sleeping" in str(handle.unavailable())
+        await handle.wake_up()
+        assert handle.state == EngineState.of(engine) == EngineState()
 
     try:
         asyncio.run(main())

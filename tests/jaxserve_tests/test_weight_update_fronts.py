@@ -6,7 +6,6 @@ updated to one version, a Ray replica takes a path only."""
 import asyncio
 import collections
 import time
-import types
 
 import pytest
 from engine_utils import engine_config
@@ -159,23 +158,13 @@ def test_every_data_parallel_replica_is_updated_to_one_version(
 
 
 def test_a_ray_replica_takes_a_path_not_params(tiny_model_dir, tiny_model_dir_new, want_w2):
-    """The front's handle (`RayReplica`) and the actor (`ReplicaActor`), without Ray (a
-    fake actor handle, as test_pause_fronts builds): a path crosses to the actor's
-    engine, and the handle keeps the version; params are refused by name."""
-    from jaxserve.distributed.ray_actor import ReplicaActor
-    from jaxserve.distributed.ray_replicas import RayReplica
+    """The front's handle (`RayReplica`) and the actor (`ReplicaActor`), without Ray
+    (`ray_fakes`): a path crosses to the actor's engine, and the handle keeps the
+    version; params are refused by name."""
+    from ray_fakes import ray_replica
 
     engine = engine_of(tiny_model_dir)
-    actor = object.__new__(ReplicaActor)  # its __init__ needs a Ray worker
-    actor.engine = AsyncLLMEngine(engine)
-    handle = object.__new__(RayReplica)  # the same
-    handle.index, handle.weight_version = 0, 0
-    handle.actor = types.SimpleNamespace(
-        **{
-            name: types.SimpleNamespace(remote=getattr(actor, name))
-            for name in ("update_weights", "reset_prefix_cache")
-        }
-    )
+    handle, actor = ray_replica(engine)
 
     async def main():
         with pytest.raises(ParamError, match="takes new weights from path=") as e:

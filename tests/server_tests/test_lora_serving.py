@@ -161,7 +161,7 @@ def test_grpc_lora_name_selects_the_adapter(stub, offline, served):
         ("sql", paths[0], 1),
         ("chat", paths[1], 2),
     ]
-    engine_view = served.server.state.engine.list_loras()  # (by id, in host memory)
+    engine_view = served.call(served.server.state.engine.list_loras())  # (by id, in memory)
     assert sorted((a.lora_int_id, a.lora_name) for a in engine_view) == [(1, "sql"), (2, "chat")]
 
 
