@@ -220,7 +220,8 @@ class JaxServeServer:
         engine = self.state.engine
         if engine is None:
             return None
-        return engine.is_paused, engine.is_sleeping, engine.weight_version
+        s = engine.state
+        return s.is_paused, s.is_sleeping, s.weight_version
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):

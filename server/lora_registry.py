@@ -162,7 +162,7 @@ class LoRARegistry:
         self._next_id += 1  # (never again, even if this load fails)
         self._loading.add(name)
         try:
-            await front.add_lora(lora)
+            await front.control("add_lora", request=lora)
         except ParamError as e:  # the adapter: its files, its shapes, its config
             notes = getattr(e, "__notes__", [])  # (which data-parallel replica)
             raise ParamError("lora_path", " ".join([str(e), *notes])) from None
@@ -183,7 +183,7 @@ class LoRARegistry:
         if lora is None:
             raise ParamError("lora_name", f"The lora adapter '{name}' cannot be found.")
         try:
-            await front.remove_lora(lora.lora_int_id)
+            await front.control("remove_lora", lora_int_id=lora.lora_int_id)
         except BaseException as e:
             self._by_name.setdefault(name, lora)  # (unless a load took the name meanwhile)
             if isinstance(e, ValueError):

@@ -13,7 +13,10 @@ Scopes:
   `PushKV`): `--peer_api_key`, when given, checked before any of a stream is read.
 
 `server.edge` enforces the table for both servers, before a handler runs or a body is
-read; the table is the one place a new operation's scope and limits are declared.
+read; the table is the one place a new operation's scope and limits are declared. An
+operation that runs an engine control (`control`: a name in `jaxserve.controls`) is
+served from the table alone: its HTTP route and gRPC method take the control's
+arguments and answer the engine's state after it (`server.serving.control`).
 """
 
 from __future__ import annotations
@@ -34,14 +37,20 @@ class Operation:
     # The request's bytes, at most: None for the server's `max_message_bytes` (its
     # gRPC message bound, the HTTP body bound too); a stream's bound is its handler's.
     max_body_bytes: int | None = None
+    control: str | None = None  # the engine control its route and method run
 
     def __post_init__(self):
         if self.scope not in SCOPES:
             raise ValueError(f"{self.name}: scope must be one of {SCOPES}, got {self.scope!r}")
 
 
-def _admin(name: str, http: tuple[tuple[str, str], ...], grpc: tuple[str, ...]) -> Operation:
-    return Operation(name, "admin", http, grpc, ADMIN_BODY_BYTES)
+def _admin(
+    name: str,
+    http: tuple[tuple[str, str], ...],
+    grpc: tuple[str, ...],
+    control: str | None = None,
+) -> Operation:
+    return Operation(name, "admin", http, grpc, ADMIN_BODY_BYTES, control)
 
 
 OPERATIONS: tuple[Operation, ...] = (
@@ -57,15 +66,20 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("detokenize", "user", (("POST", "/detokenize"),), ("Detokenize",)),
     # Served with --enable_tokenizer_info_endpoint; without it, 404 (as vLLM's).
     Operation("tokenizer_info", "user", (("GET", "/tokenizer_info"),)),
-    _admin("pause", (("POST", "/pause"),), ("PauseGeneration",)),
-    _admin("resume", (("POST", "/resume"),), ("ResumeGeneration",)),
+    _admin("pause", (("POST", "/pause"),), ("PauseGeneration",), "pause_generation"),
+    _admin("resume", (("POST", "/resume"),), ("ResumeGeneration",), "resume_generation"),
     _admin("is_paused", (("GET", "/is_paused"),), ("IsPaused",)),
-    _admin("sleep", (("POST", "/sleep"),), ("Sleep",)),
-    _admin("wake_up", (("POST", "/wake_up"),), ("WakeUp",)),
+    _admin("sleep", (("POST", "/sleep"),), ("Sleep",), "sleep"),
+    _admin("wake_up", (("POST", "/wake_up"),), ("WakeUp",), "wake_up"),
     _admin("is_sleeping", (("GET", "/is_sleeping"),), ("IsSleeping",)),
-    _admin("update_weights", (("POST", "/update_weights"),), ("UpdateWeights",)),
+    _admin("update_weights", (("POST", "/update_weights"),), ("UpdateWeights",), "update_weights"),
     _admin("weight_version", (("GET", "/weight_version"),), ()),
-    _admin("reset_prefix_cache", (("POST", "/reset_prefix_cache"),), ("ResetPrefixCache",)),
+    _admin(
+        "reset_prefix_cache",
+        (("POST", "/reset_prefix_cache"),),
+        ("ResetPrefixCache",),
+        "reset_prefix_cache",
+    ),
     _admin("load_lora_adapter", (("POST", "/v1/load_lora_adapter"),), ("LoadLoRAAdapter",)),
     _admin("unload_lora_adapter", (("POST", "/v1/unload_lora_adapter"),), ("UnloadLoRAAdapter",)),
     Operation("prefill", "peer", (), ("Prefill",)),

@@ -1,15 +1,21 @@
-"""The gRPC RPCs of pause, sleep and weight updates (`PauseGeneration`,
-`ResumeGeneration`, `IsPaused`, `Sleep`, `WakeUp`, `IsSleeping`, `UpdateWeights`,
-`ResetPrefixCache`), a base of `JaxServeServicer`: each runs the front's call through
-`serving.lifecycle`, as the HTTP routes do, and answers the engine's state after it."""
+"""The gRPC methods of engine controls (`PauseGeneration`, `ResumeGeneration`, `Sleep`,
+`WakeUp`, `UpdateWeights`, `ResetPrefixCache`: every method of an operation that
+names a control in `server.operations`) and the state reads (`IsPaused`,
+`IsSleeping`), a base of `JaxServeServicer`. A control's method is bound here from the
+table: it takes the control's arguments from the request message's fields of the same
+names, runs it through `serving.control`, as the HTTP routes do, and answers the
+engine's state after it."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import dataclasses
+from collections.abc import Callable
 
+from jaxserve import controls
 from jaxserve.front import EngineFront
 from server import jaxserve_pb2 as pb
 from server import serving
+from server.operations import OPERATIONS
 from server.prometheus import ServerMetrics
 from server.serving import Refused, ServingState
 
@@ -19,9 +25,14 @@ class LifecycleRPCs:
     metrics: ServerMetrics
     _abort: Callable  # (JaxServeServicer's: Refused -> the status code)
 
-    async def _run(self, context, call: Callable[[EngineFront], Awaitable[object]]):
+    async def _control(self, name: str, request, context) -> pb.EngineState:
+        args = {
+            a.name: getattr(request, a.name)
+            for a in controls.get(name).args
+            if _given(request, a.name)
+        }
         try:
-            engine = await serving.lifecycle(self.state, self.metrics, call)
+            engine = await serving.control(self.state, self.metrics, name, args)
         except Refused as e:
             await self._abort(context, e)
         return _state(engine)
@@ -32,38 +43,36 @@ class LifecycleRPCs:
         except Refused as e:
             await self._abort(context, e)
 
-    async def PauseGeneration(self, request, context):
-        mode = request.mode or "abort"
-        return await self._run(context, lambda e: e.pause_generation(mode))
-
-    async def ResumeGeneration(self, request, context):
-        return await self._run(context, lambda e: e.resume_generation())
-
     async def IsPaused(self, request, context):
         return await self._read(context)
-
-    async def Sleep(self, request, context):
-        level = request.level if request.HasField("level") else 1
-        keep = request.keep_host_copy if request.HasField("keep_host_copy") else True
-        return await self._run(context, lambda e: e.sleep(level, keep))
-
-    async def WakeUp(self, request, context):
-        return await self._run(context, lambda e: e.wake_up())
 
     async def IsSleeping(self, request, context):
         return await self._read(context)
 
-    async def UpdateWeights(self, request, context):
-        version = request.weight_version if request.HasField("weight_version") else None
-        return await self._run(context, serving.update_weights(self.state, request.path, version))
 
-    async def ResetPrefixCache(self, request, context):
-        return await self._run(context, lambda e: e.reset_prefix_cache())
+def _given(message, name: str) -> bool:
+    """Whether `message` sets its field `name` (one it has not: never; a field without
+    presence: when it is not its default, "" or 0)."""
+    field = message.DESCRIPTOR.fields_by_name.get(name)
+    if field is None:
+        return False
+    if field.has_presence:
+        return message.HasField(name)
+    return getattr(message, name) != field.default_value
+
+
+def _control_rpc(name: str):
+    async def rpc(self: LifecycleRPCs, request, context) -> pb.EngineState:
+        return await self._control(name, request, context)
+
+    return rpc
+
+
+for _op in OPERATIONS:
+    if _op.control is not None:
+        for _method in _op.grpc:
+            setattr(LifecycleRPCs, _method, _control_rpc(_op.control))
 
 
 def _state(engine: EngineFront) -> pb.EngineState:
-    return pb.EngineState(
-        is_paused=engine.is_paused,
-        is_sleeping=engine.is_sleeping,
-        weight_version=engine.weight_version,
-    )
+    return pb.EngineState(**dataclasses.asdict(engine.state))

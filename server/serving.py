@@ -16,7 +16,9 @@ import enum
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
+from jaxserve import controls
 from jaxserve.front import (
     EngineDeadError,
     EngineFront,
@@ -158,12 +160,11 @@ async def stream(
 async def lifecycle(
     state: ServingState, metrics: ServerMetrics, call: Callable[[EngineFront], Awaitable[object]]
 ) -> EngineFront:
-    """Runs `call(engine)`, a pause, resume, sleep, wake-up, weight update, prefix-cache
-    reset or LoRA adapter load or unload (`server.lora_registry`) of the ready engine,
-    for either protocol; returns the engine. Raises Refused: INVALID for a bad mode,
-    level, path or adapter (naming it), CONFLICT where the engine's state
-    forbids it (sleep with requests running), UNAVAILABLE if the engine is not ready or
-    dies meanwhile."""
+    """Runs `call(engine)`, an engine control (`control`) or a LoRA adapter load or
+    unload (`server.lora_registry`) of the ready engine, for either protocol; returns
+    the engine. Raises Refused: INVALID for a bad mode, level, path or adapter (naming
+    it), CONFLICT where the engine's state forbids it (sleep with requests running),
+    UNAVAILABLE if the engine is not ready or dies meanwhile."""
     engine = ready(state)
     try:
         await call(engine)
@@ -193,28 +194,33 @@ def local_path(state: ServingState, field: str, path: str) -> str:
     )
 
 
-def update_weights(
-    state: ServingState, path: str, weight_version: int | None
-) -> Callable[[EngineFront], Awaitable[int]]:
-    """A weight update from the model directory `path`, for `lifecycle`: a server takes a
-    path only (a trainer writes a checkpoint the server can read), under its
-    `allowed_local_paths`, and the engine's refusal (a bad directory, a checkpoint of
-    another model) names `path`."""
+async def control(
+    state: ServingState, metrics: ServerMetrics, name: str, args: dict[str, Any]
+) -> EngineFront:
+    """Runs the engine control `name` (`jaxserve.controls`) with the arguments a request
+    gave (the others take the table's defaults), through `lifecycle`; returns the
+    engine. A path argument (`Arg.local_path`: a trainer's checkpoint) is required and
+    taken only under `allowed_local_paths`, and an engine refusal that names no field
+    names it (a bad directory, a checkpoint of another model)."""
+    paths = [a for a in controls.get(name).args if a.local_path]
 
-    async def call(engine: EngineFront) -> int:
-        if not path:
-            raise ParamError("path", "path is required: a model directory of the served model")
-        local = local_path(state, "path", path)
+    async def call(engine: EngineFront) -> object:
+        given = dict(args)
+        for a in paths:
+            if not given.get(a.name):
+                raise ParamError(a.name, f"{a.name} is required: {a.doc}")
+            given[a.name] = local_path(state, a.name, given[a.name])
         try:
-            return await engine.update_weights(path=local, weight_version=weight_version)
+            return await engine.control(name, **given)
         except ValueError as e:
-            if getattr(e, "field", None) is not None:
+            if getattr(e, "field", None) is not None or not paths:
                 raise
-            message = str(e) if str(e).startswith("path") else f"path {path!r}: {e}"
+            field, value = paths[0].name, args[paths[0].name]
+            message = str(e) if str(e).startswith(field) else f"{field} {value!r}: {e}"
             notes = getattr(e, "__notes__", [])  # (which data-parallel replica)
-            raise ParamError("path", " ".join([message, *notes])) from None
+            raise ParamError(field, " ".join([message, *notes])) from None
 
-    return call
+    return await lifecycle(state, metrics, call)
 
 
 def load_lora(state: ServingState, name: str, path: str) -> Callable[[EngineFront], Awaitable]:

@@ -1,5 +1,5 @@
 """Pause, sleep and weight updates over HTTP, with vLLM's routes (RL rollouts beside a
-trainer), behind the API key like every route but /health and /metrics:
+trainer), behind the admin key:
 
 - `POST /pause` (`mode`: "abort", the default, "wait" or "keep"; in the query or a
   JSON body), `POST /resume`, `GET /is_paused`;
@@ -9,105 +9,94 @@ trainer), behind the API key like every route but /health and /metrics:
   int, default the one served + 1), `GET /weight_version` (SGLang's
   `get_weight_version`), `POST /reset_prefix_cache`.
 
-Each POST answers `{"is_paused": ..., "is_sleeping": ..., "weight_version": ...}`, the
-engine's state after it (`jaxserve.engine.lifecycle` and `weight_sync` say what each
-does). A bad mode, level or path (a checkpoint of another model too) is 400 naming it,
-the engine serving on as before; a sleep the engine's state forbids (requests running
-unpaused) 409; an engine not ready 503. `POST /pause?mode=wait` answers once the
-requests in flight have finished; `POST /update_weights` once the new weights are in
-place (requests running go on, their KV recomputed with them).
+Each POST runs an engine control (`jaxserve.controls`, bound here from
+`server.operations`) and answers `{"is_paused": ..., "is_sleeping": ...,
+"weight_version": ...}`, the engine's state after it (`jaxserve.engine.lifecycle` and
+`weight_sync` say what each does). A bad mode, level or path (a checkpoint of another
+model too) is 400 naming it, the engine serving on as before; a sleep the engine's
+state forbids (requests running unpaused) 409; an engine not ready 503. `POST
+/pause?mode=wait` answers once the requests in flight have finished; `POST
+/update_weights` once the new weights are in place (requests running go on, their KV
+recomputed with them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from fastapi import APIRouter, Request
 
+from jaxserve import controls
 from jaxserve.front import EngineFront
 from server import serving
+from server.operations import OPERATIONS
 from server.prometheus import ServerMetrics
 from server.serving import ServingState
 
 
 def lifecycle_router(state: ServingState, metrics: ServerMetrics) -> APIRouter:
-    """The routes, for the caller to include under its API-key dependency."""
+    """The routes, for the caller to include under its API-key dependency: one per
+    operation that runs an engine control (`server.operations`), and the state reads."""
     router = APIRouter()
-
-    async def args(
-        request: Request, defaults: dict[str, Any], kinds: dict[str, type] | None = None
-    ) -> dict[str, Any]:
-        """`defaults`' names, from the query (as text) or a JSON object body, of their
-        default's type (or `kinds`' where the default is None: given or None)."""
-        body: Any = {}
-        raw = await request.body()
-        if raw.strip():
-            try:
-                body = json.loads(raw)
-            except ValueError as e:
-                raise serving.invalid(metrics, f"the body is not JSON: {e}") from None
-            if not isinstance(body, dict):
-                raise serving.invalid(metrics, "the body must be a JSON object")
-        out = dict(defaults)
-        for name, default in defaults.items():
-            value = request.query_params.get(name, body.get(name, default))
-            kind = type(default) if default is not None else (kinds or {})[name]
-            out[name] = None if value is None else _parse(value, kind, name, metrics)
-        return out
-
-    async def run(call) -> dict[str, Any]:
-        engine = await serving.lifecycle(state, metrics, call)
-        return _state(engine)
-
-    @router.post("/pause")
-    async def pause(request: Request):
-        mode = (await args(request, {"mode": "abort"}))["mode"]
-        return await run(lambda e: e.pause_generation(mode))
-
-    @router.post("/resume")
-    async def resume():
-        return await run(lambda e: e.resume_generation())
+    for op in OPERATIONS:
+        if op.control is not None:
+            for method, path in op.http:
+                endpoint = _control_route(state, metrics, op.control)
+                router.add_api_route(path, endpoint, methods=[method], name=op.name)
 
     @router.get("/is_paused")
     async def is_paused():
-        return {"is_paused": serving.ready(state).is_paused}
-
-    @router.post("/sleep")
-    async def sleep(request: Request):
-        a = await args(request, {"level": 1, "keep_host_copy": True})
-        return await run(lambda e: e.sleep(a["level"], a["keep_host_copy"]))
-
-    @router.post("/wake_up")
-    async def wake_up():
-        return await run(lambda e: e.wake_up())
+        return {"is_paused": serving.ready(state).state.is_paused}
 
     @router.get("/is_sleeping")
     async def is_sleeping():
-        return {"is_sleeping": serving.ready(state).is_sleeping}
-
-    @router.post("/update_weights")
-    async def update_weights(request: Request):
-        a = await args(request, {"path": "", "weight_version": None}, {"weight_version": int})
-        return await run(serving.update_weights(state, a["path"], a["weight_version"]))
+        return {"is_sleeping": serving.ready(state).state.is_sleeping}
 
     @router.get("/weight_version")
     async def weight_version():
-        return {"weight_version": serving.ready(state).weight_version}
-
-    @router.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        return await run(lambda e: e.reset_prefix_cache())
+        return {"weight_version": serving.ready(state).state.weight_version}
 
     return router
 
 
+def _control_route(state: ServingState, metrics: ServerMetrics, name: str):
+    """The route of control `name`: its arguments (those a server takes) from the query
+    or a JSON object body, the engine's state after it as the answer."""
+    wire = [a for a in controls.get(name).args if a.in_process is None]
+
+    async def endpoint(request: Request) -> dict[str, Any]:
+        args = await _args(request, wire, metrics) if wire else {}
+        return _state(await serving.control(state, metrics, name, args))
+
+    return endpoint
+
+
+async def _args(
+    request: Request, wire: list[controls.Arg], metrics: ServerMetrics
+) -> dict[str, Any]:
+    """The arguments given in the query (as text) or a JSON object body, each of its
+    declared kind (400 naming it if not; a JSON null passes as None)."""
+    body: Any = {}
+    raw = await request.body()
+    if raw.strip():
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise serving.invalid(metrics, f"the body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise serving.invalid(metrics, "the body must be a JSON object")
+    args = {}
+    for a in wire:
+        if a.name in request.query_params or a.name in body:
+            value = request.query_params.get(a.name, body.get(a.name))
+            args[a.name] = None if value is None else _parse(value, a.kind, a.name, metrics)
+    return args
+
+
 def _state(engine: EngineFront) -> dict[str, Any]:
-    return {
-        "is_paused": engine.is_paused,
-        "is_sleeping": engine.is_sleeping,
-        "weight_version": engine.weight_version,
-    }
+    return dataclasses.asdict(engine.state)
 
 
 def _parse(value: Any, kind: type, name: str, metrics: ServerMetrics) -> Any:

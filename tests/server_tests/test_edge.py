@@ -138,3 +138,20 @@ def test_every_operation_is_declared_once_with_a_known_scope():
     assert len(names) == len(set(names))
     routes = [r for op in OPERATIONS for r in op.http]
     assert len(routes) == len(set(routes)) == len(BY_ROUTE)
+
+
+def test_an_operation_s_control_exists_and_its_method_takes_its_arguments():
+    """An operation that names an engine control is served from the tables alone: the
+    control exists, and its gRPC request message has a field for each argument a server
+    takes (`server.servicer_lifecycle` reads them by name)."""
+    from jaxserve import controls
+    from server import jaxserve_pb2 as pb
+
+    service = pb.DESCRIPTOR.services_by_name["JaxServe"]
+    bound = [op for op in OPERATIONS if op.control is not None]
+    assert {op.name for op in bound} >= {"pause", "sleep", "update_weights"}
+    for op in bound:
+        wire = {a.name for a in controls.get(op.control).args if a.in_process is None}
+        for method in op.grpc:
+            fields = set(service.methods_by_name[method].input_type.fields_by_name)
+            assert wire <= fields, (method, sorted(wire - fields))
