@@ -1,5 +1,5 @@
 """Control operations: what an engine front does besides generating (pause, sleep,
-weight updates, prefix-cache resets, LoRA adapters), each declared once in
+weight updates, prefix-cache resets, LoRA adapters, profiles), each declared once in
 `CONTROLS`: its arguments and their check, how the engine runs it, and how a
 data-parallel front combines its replicas' results.
 
@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from jaxserve.engine import profiling
 from jaxserve.engine.adapters import lora_disabled
 from jaxserve.engine.lifecycle import check_pause_mode, check_sleep_level
 from jaxserve.front import EngineState
@@ -61,6 +62,11 @@ class Arg:
 def first(results: list) -> Any:
     """The replicas' results agree (a version they share; None): the first."""
     return results[0]
+
+
+def each_once(results: list[list]) -> list:
+    """The replicas' lists as one, in order, each item once."""
+    return list(dict.fromkeys(item for result in results for item in result))
 
 
 def each_adapter_once(results: list[list[LoRARequest]]) -> list[LoRARequest]:
@@ -213,6 +219,13 @@ CONTROLS: dict[str, Control] = {
             thread="any",
             combine=each_adapter_once,
         ),
+        Control(
+            "start_profile",
+            lambda e, output_dir: profiling.start(output_dir),
+            (Arg("output_dir", str, local_path=True, doc="a directory to write the trace under"),),
+            combine=each_once,
+        ),
+        Control("stop_profile", lambda e: profiling.stop(), combine=each_once),
     )
 }
 
@@ -313,3 +326,14 @@ class NamedControls:
         """The adapters in host memory (added, or read for a request, and not dropped
         since; data-parallel: on any replica, each id once). Empty without `enable_lora`."""
         return await self.control("list_loras")
+
+    async def start_profile(self, output_dir: str) -> list[str]:
+        """Traces the device work with JAX's profiler (every replica's process) until
+        `stop_profile`; returns the directories under `output_dir` the traces go to
+        (`jaxserve.engine.profiling`)."""
+        return await self.control("start_profile", output_dir=output_dir)
+
+    async def stop_profile(self) -> list[str]:
+        """Stops the traces and writes them; returns their directories (none if no
+        trace ran)."""
+        return await self.control("stop_profile")

@@ -419,6 +419,12 @@ class UpdateWeightsRequest(_message.Message):
     weight_version: int
     def __init__(self, path: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
+class StartProfileRequest(_message.Message):
+    __slots__ = ("output_dir",)
+    OUTPUT_DIR_FIELD_NUMBER: _ClassVar[int]
+    output_dir: str
+    def __init__(self, output_dir: _Optional[str] = ...) -> None: ...
+
 class EngineState(_message.Message):
     __slots__ = ("is_paused", "is_sleeping", "weight_version")
     IS_PAUSED_FIELD_NUMBER: _ClassVar[int]

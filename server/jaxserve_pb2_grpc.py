@@ -109,6 +109,16 @@ class JaxServeStub:
                 request_serializer=server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
                 response_deserializer=server_dot_jaxserve__pb2.EngineState.FromString,
                 _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/StartProfile',
+                request_serializer=server_dot_jaxserve__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=server_dot_jaxserve__pb2.EngineState.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/StopProfile',
+                request_serializer=server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
+                response_deserializer=server_dot_jaxserve__pb2.EngineState.FromString,
+                _registered_method=True)
         self.LoadLoRAAdapter = channel.unary_unary(
                 '/jaxserve.v1.JaxServe/LoadLoRAAdapter',
                 request_serializer=server_dot_jaxserve__pb2.LoadLoRAAdapterRequest.SerializeToString,
@@ -235,6 +245,21 @@ class JaxServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartProfile(self, request, context):
+        """Traces the device work with JAX's profiler (every replica's process) into
+        output_dir, under --allowed_local_paths (else INVALID_ARGUMENT naming it), until
+        StopProfile writes the trace (XProf or TensorBoard's profile plugin reads it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LoadLoRAAdapter(self, request, context):
         """LoRA adapters at run time (a server started with --enable_lora; vLLM's
         /v1/load_lora_adapter and /v1/unload_lora_adapter): a PEFT adapter directory read,
@@ -329,6 +354,16 @@ def add_JaxServeServicer_to_server(servicer, server):
             ),
             'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
                     servicer.ResetPrefixCache,
+                    request_deserializer=server_dot_jaxserve__pb2.EngineStateRequest.FromString,
+                    response_serializer=server_dot_jaxserve__pb2.EngineState.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=server_dot_jaxserve__pb2.StartProfileRequest.FromString,
+                    response_serializer=server_dot_jaxserve__pb2.EngineState.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
                     request_deserializer=server_dot_jaxserve__pb2.EngineStateRequest.FromString,
                     response_serializer=server_dot_jaxserve__pb2.EngineState.SerializeToString,
             ),
@@ -746,6 +781,60 @@ class JaxServe:
             request,
             target,
             '/jaxserve.v1.JaxServe/ResetPrefixCache',
+            server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
+            server_dot_jaxserve__pb2.EngineState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/StartProfile',
+            server_dot_jaxserve__pb2.StartProfileRequest.SerializeToString,
+            server_dot_jaxserve__pb2.EngineState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/StopProfile',
             server_dot_jaxserve__pb2.EngineStateRequest.SerializeToString,
             server_dot_jaxserve__pb2.EngineState.FromString,
             options,

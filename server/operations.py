@@ -6,9 +6,9 @@ Scopes:
   checks and reflection, which are other services);
 - "user": inference and what serves it (`--api_key`, when given);
 - "admin": what changes the engine for everybody (pause, sleep, weights, adapters,
-  caches). These exist only on a server started with `--admin_api_key`, and take only
-  that key; elsewhere they are 404 / UNIMPLEMENTED, as vLLM serves its development
-  endpoints only in development mode;
+  caches, profiles). These exist only on a server started with `--admin_api_key`, and
+  take only that key; elsewhere they are 404 / UNIMPLEMENTED, as vLLM serves its
+  development endpoints only in development mode;
 - "peer": another jaxserve instance's traffic (disaggregated serving's `Prefill` and
   `PushKV`): `--peer_api_key`, when given, checked before any of a stream is read.
 
@@ -80,6 +80,9 @@ OPERATIONS: tuple[Operation, ...] = (
         ("ResetPrefixCache",),
         "reset_prefix_cache",
     ),
+    # Traces of the device work with JAX's profiler (vLLM's and SGLang's routes).
+    _admin("start_profile", (("POST", "/start_profile"),), ("StartProfile",), "start_profile"),
+    _admin("stop_profile", (("POST", "/stop_profile"),), ("StopProfile",), "stop_profile"),
     _admin("load_lora_adapter", (("POST", "/v1/load_lora_adapter"),), ("LoadLoRAAdapter",)),
     _admin("unload_lora_adapter", (("POST", "/v1/unload_lora_adapter"),), ("UnloadLoRAAdapter",)),
     Operation("prefill", "peer", (), ("Prefill",)),

@@ -111,9 +111,9 @@ flags.DEFINE_string(
     "admin_api_key",
     None,
     "Serve the admin operations (pause/resume, sleep/wake_up, update_weights, LoRA "
-    "load/unload, reset_prefix_cache and their state queries) behind this key only "
-    "(default: $JAXSERVE_ADMIN_API_KEY; unset: they are not served: HTTP 404, gRPC "
-    "UNIMPLEMENTED).",
+    "load/unload, reset_prefix_cache, start/stop_profile and their state queries) behind "
+    "this key only (default: $JAXSERVE_ADMIN_API_KEY; unset: they are not served: HTTP "
+    "404, gRPC UNIMPLEMENTED).",
 )
 flags.DEFINE_string(
     "peer_api_key",
@@ -126,7 +126,7 @@ flags.DEFINE_list(
     "allowed_local_paths",
     [],
     "Roots under which an admin call may name a file of this machine (update_weights' "
-    "path, a LoRA adapter's lora_path); none: no call may.",
+    "path, a LoRA adapter's lora_path, a profile's output_dir); none: no call may.",
 )
 flags.DEFINE_string("tls_cert", None, "PEM certificate chain (with --tls_key) to serve TLS.")
 flags.DEFINE_string("tls_key", None, "PEM private key.")

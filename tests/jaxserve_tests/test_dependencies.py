@@ -38,6 +38,7 @@ DEVICE_SIDE = {
     "jaxserve.distributed.data_parallel",
     "jaxserve.engine.core",  # LLMEngine builds the model runner
     "jaxserve.engine.lifecycle",  # sleep and wake-up free and allocate device buffers
+    "jaxserve.engine.profiling",  # JAX's profiler
     "jaxserve.engine.startup",  # sets JAX's compilation cache; warms up
     "jaxserve.llm",
     "jaxserve.distributed.multihost",

@@ -415,3 +415,50 @@ def test_grpc_update_weights_and_reset_prefix_cache(
     assert state == pb.EngineState(weight_version=7) and served.engine.pool.num_cached == 0
     state = stub.UpdateWeights(pb.UpdateWeightsRequest(path=tiny_model_dir_new), metadata=GRPC_AUTH)
     assert state.weight_version == 8
+
+
+# ------------------------------------------------------------------ profiles
+
+
+def test_profiles_start_and_stop_with_the_admin_key_only(served, http, stub, tmp_path):
+    """`/start_profile` and `/stop_profile` (gRPC `StartProfile`, `StopProfile`), served
+    from the tables alone: admin scope, `output_dir` under --allowed_local_paths, the
+    engine's state as the answer, the trace written where it said."""
+    import glob
+    import os
+
+    def traces(directory) -> list[str]:
+        return glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+
+    user = {"authorization": f"Bearer {KEY}"}
+    for headers in ({}, user, {"x-api-key": "wrong"}):
+        r = httpx.post(
+            served.http_url + "/start_profile", json={"output_dir": str(tmp_path)}, headers=headers
+        )
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(grpc.RpcError) as e:
+        stub.StartProfile(
+            pb.StartProfileRequest(output_dir=str(tmp_path)), metadata=list(user.items())
+        )
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    for body, message in [({}, "output_dir is required"), ({"output_dir": "/etc"}, "not under")]:
+        r = http.post("/start_profile", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "output_dir", r.text
+        assert message in r.json()["error"]["message"]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.StartProfile(pb.StartProfileRequest(output_dir="/etc"), metadata=GRPC_AUTH)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (FIELD_METADATA, "output_dir") in tuple(e.value.trailing_metadata())
+    assert os.listdir(tmp_path) == []  # (nothing started)
+
+    state = {"is_paused": False, "is_sleeping": False, "weight_version": 0}
+    assert http.post("/start_profile", json={"output_dir": str(tmp_path / "http")}).json() == state
+    assert http.post("/v1/completions", json=COMPLETION).status_code == 200
+    assert not traces(tmp_path / "http")
+    assert http.post("/stop_profile").json() == state
+    assert traces(tmp_path / "http")
+
+    request = pb.StartProfileRequest(output_dir=str(tmp_path / "grpc"))
+    assert stub.StartProfile(request, metadata=GRPC_AUTH) == pb.EngineState()
+    assert stub.StopProfile(pb.EngineStateRequest(), metadata=GRPC_AUTH) == pb.EngineState()
+    assert traces(tmp_path / "grpc")
