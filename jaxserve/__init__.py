@@ -11,8 +11,8 @@ from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 __all__ = [
     "LLM",
     "CompletionOutput",
-    "Logprob",
     "LoRARequest",
+    "Logprob",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
