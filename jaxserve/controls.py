@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from jaxserve.engine import profiling
 from jaxserve.engine.adapters import lora_disabled
 from jaxserve.engine.lifecycle import check_pause_mode, check_sleep_level
+from jaxserve.engine.weight_sync import check_update
 from jaxserve.front import EngineState
 from jaxserve.lora import LoRARequest
 from jaxserve.sampling_params import ParamError
@@ -179,9 +180,7 @@ CONTROLS: dict[str, Control] = {
         Control("wake_up", lambda e: e.wake_up()),
         Control(
             "update_weights",
-            lambda e, params, path, weight_version: e.update_weights(
-                params, path=path, weight_version=weight_version
-            ),
+            lambda e, new, params, path, weight_version: e.install_weights(new, weight_version),
             (
                 Arg(
                     "params",
@@ -194,6 +193,11 @@ CONTROLS: dict[str, Control] = {
                     "path", str, None, local_path=True, doc="a model directory of the served model"
                 ),
                 Arg("weight_version", int, None),
+            ),
+            check=lambda config, a: check_update(a["params"], a["path"], a["weight_version"]),
+            # A checkpoint read, converted and placed on a worker thread, the steps going on.
+            read=lambda e, params, path, weight_version: e.prepare_weights(
+                params, path=path, weight_version=weight_version
             ),
             agree=_one_version,
         ),

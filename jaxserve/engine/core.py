@@ -292,8 +292,24 @@ class LLMEngine(EngineLifecycle, KVTransfer):  # pause and sleep; KV pages that 
         Asleep (either level), the weights are placed now and kept at the wake-up; a
         "keep" pause's requests are preempted the same. Call it between steps, on the
         thread that steps the engine."""
+        new = self.prepare_weights(params, path=path, weight_version=weight_version)
+        return self.install_weights(new, weight_version)
+
+    def prepare_weights(
+        self, params=None, *, path: str | None = None, weight_version: int | None = None
+    ) -> list:
+        """`update_weights`' first half: the new weights read, converted, checked and
+        placed, not yet served (raises as `update_weights` does, nothing changed). It
+        may run on any thread while the engine steps: an engine front reads a
+        checkpoint on a worker thread this way, the steps going on."""
         self._check_open()
-        version = self._weights.update(params, path, weight_version)
+        return self._weights.prepare(params, path, weight_version)
+
+    def install_weights(self, new: list, weight_version: int | None = None) -> int:
+        """`update_weights`' second half: serves `prepare_weights`' weights from the
+        next step on; returns their version. Between steps, on the stepping thread."""
+        self._check_open()
+        version = self._weights.install(new, weight_version)
         self.weights_loaded()  # (woken without weights: serving again)
         return version
 

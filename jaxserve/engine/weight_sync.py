@@ -3,7 +3,9 @@
 `LLMEngine.update_weights` (RL rollouts: train and serve in one process):
   1. the new weights are converted and checked against the model
      (`ModelRunner.prepare_weights`): an error names the first mismatch, and
-     nothing has changed;
+     nothing has changed. This step (`prepare`, reading a checkpoint from disk) may
+     run on any thread while the engine steps: an engine front runs it on a worker
+     thread, then the rest (`install`) on the engine's between two steps;
   2. the step in flight (asynchronous scheduling) is applied: its tokens were
      sampled with the old weights, and say so (`RequestOutput.weight_version`);
      the next `step()` returns its outputs;
@@ -59,17 +61,17 @@ class WeightSync:
 
     def update(self, params, path: str | os.PathLike | None, weight_version: int | None) -> int:
         """The steps of the module docstring; returns the new version."""
-        if (params is None) == (path is None):
-            raise ValueError(
-                "update_weights takes exactly one of params and path, got "
-                + ("both" if params is not None else "neither")
-            )
-        if weight_version is not None and (
-            not isinstance(weight_version, int) or isinstance(weight_version, bool)
-        ):
-            raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
-        path = None if path is None else os.fspath(path)
-        new = self.runner.prepare_weights(params, path=path)  # raises: nothing changed
+        return self.install(self.prepare(params, path, weight_version), weight_version)
+
+    def prepare(self, params, path: str | os.PathLike | None, weight_version: int | None) -> list:
+        """Step 1: the new weights, converted, checked and placed, not served; raises
+        ValueError naming the first mismatch. Any thread."""
+        check_update(params, path, weight_version)
+        return self.runner.prepare_weights(params, path=None if path is None else os.fspath(path))
+
+    def install(self, new: list, weight_version: int | None) -> int:
+        """Steps 2-5 for `prepare`'s weights; returns their version. Between steps, on
+        the thread that steps the engine."""
         pipeline = self.pipeline
         pipeline.drain()
         self.runner.swap_weights(new)
@@ -90,4 +92,18 @@ class WeightSync:
             self.tier.clear(layout)
 
 
-__all__ = ["WeightSync"]
+def check_update(params, path, weight_version) -> None:
+    """Raises ValueError unless exactly one of `params` and `path` is given, and
+    `weight_version` is None or an integer."""
+    if (params is None) == (path is None):
+        raise ValueError(
+            "update_weights takes exactly one of params and path, got "
+            + ("both" if params is not None else "neither")
+        )
+    if weight_version is not None and (
+        not isinstance(weight_version, int) or isinstance(weight_version, bool)
+    ):
+        raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
+
+
+__all__ = ["WeightSync", "check_update"]

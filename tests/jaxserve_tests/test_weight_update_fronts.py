@@ -121,6 +121,42 @@ def test_an_async_front_resets_the_prefix_cache_and_refuses_a_bad_update(tiny_mo
         front.shutdown()
 
 
+def test_a_checkpoint_is_read_off_the_engine_thread(tiny_model_dir, tiny_model_dir_new):
+    """`update_weights(path=)` reads, converts and places the checkpoint on a worker
+    thread, the steps going on (a large checkpoint held every request up while it was
+    read on the engine thread); only the swap runs on the engine's, between steps."""
+    import threading
+
+    engine = engine_of(tiny_model_dir)
+    front = AsyncLLMEngine(engine)
+    started, release, readers = threading.Event(), threading.Event(), []
+    prepare = engine.runner.prepare_weights
+
+    def slow_prepare(*args, **kwargs):
+        readers.append(threading.current_thread().name)
+        started.set()
+        release.wait(timeout=60)
+        return prepare(*args, **kwargs)
+
+    engine.runner.prepare_weights = slow_prepare
+
+    async def main():
+        update = asyncio.create_task(front.update_weights(path=tiny_model_dir_new))
+        assert await asyncio.to_thread(started.wait, 60)
+        seen: dict[str, list] = collections.defaultdict(list)
+        out = await asyncio.wait_for(stream(front, "a", IDS[0], seen), 60)  # not held up
+        assert out.finished and out.weight_version == 0 and not update.done()
+        release.set()
+        assert await update == 1 and front.weight_version == 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        front.shutdown()
+    assert len(readers) == 1 and readers[0] != "jaxserve-engine"
+
+
 def test_every_data_parallel_replica_is_updated_to_one_version(
     tiny_model_dir, tiny_model_dir_new, want_w2
 ):
