@@ -208,6 +208,7 @@ class MockRunner:
         out = types.SimpleNamespace(
             token_ids=token_ids,
             logprobs=np.zeros(len(token_ids)),
+            ranks=np.ones(len(token_ids), np.int32),
             top_ids=top_ids,
             top_logprobs=top_logprobs,
             accepted=accepted,
