@@ -74,8 +74,11 @@ class RequestState:
                 if detok is not None:
                     detok.add(token, check_stop=False)  # the other instance checked them
                 if self.params.logprobs is not None:
-                    tokenizer = self.tokenizer(seq)  # (the rank did not come over)
-                    entry = {t: Logprob.of(v, None, tokenizer, t) for t, v in r.logprobs[j].items()}
+                    tokenizer = self.tokenizer(seq)
+                    entry = {
+                        t: Logprob.of(v, getattr(v, "rank", None), tokenizer, t)
+                        for t, v in r.logprobs[j].items()
+                    }
                     self.logprobs[seq.index].append(entry)
                     self.cumulative_logprob[seq.index] += r.logprobs[j][token]
             self.resumed[seq.index] = list(r.token_ids)

@@ -25,7 +25,7 @@ import grpc
 
 from jaxserve.front import EngineFront, cannot_transfer_kv
 from jaxserve.generate_request import ResumedSample
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
@@ -100,10 +100,14 @@ def resume_from_proto(msg: pb.Resume) -> list[ResumedSample]:
         ResumedSample(
             s.index,
             list(s.token_ids),
-            [{e.token_id: e.logprob for e in lp.entries} for lp in s.logprobs] or None,
+            [{e.token_id: _logprob(e) for e in lp.entries} for lp in s.logprobs] or None,
         )
         for s in msg.samples
     ]
+
+
+def _logprob(entry: pb.Logprob) -> Logprob:
+    return Logprob(entry.logprob, entry.rank if entry.HasField("rank") else None)
 
 
 def chunks(pages: list[bytes], max_bytes: int):

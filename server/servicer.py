@@ -109,10 +109,15 @@ def _structured_outputs(msg: pb.StructuredOutputs) -> StructuredOutputsParams:
 def _logprobs_proto(entries: list[dict[int, float]], chosen: list[int]) -> list[pb.TokenLogprobs]:
     out = []
     for entry, token in zip(entries, chosen, strict=True):
-        first = [pb.Logprob(token_id=token, logprob=entry[token])]
-        rest = [pb.Logprob(token_id=t, logprob=v) for t, v in entry.items() if t != token]
+        first = [_logprob_proto(token, entry[token])]
+        rest = [_logprob_proto(t, v) for t, v in entry.items() if t != token]
         out.append(pb.TokenLogprobs(entries=first + rest))
     return out
+
+
+def _logprob_proto(token: int, value: float) -> pb.Logprob:
+    """A `Logprob`'s message, its rank where known."""
+    return pb.Logprob(token_id=token, logprob=value, rank=getattr(value, "rank", None))
 
 
 def _prompt_logprobs_proto(out: RequestOutput) -> list[pb.TokenLogprobs]:

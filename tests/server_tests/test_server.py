@@ -88,6 +88,10 @@ def test_stream_equals_unary_equals_offline(served, tiny_model_dir):
         assert streamed[c.index] == (list(c.token_ids), c.text) == (o.token_ids, o.text)
         assert finish[c.index] == c.finish_reason == "length"
         assert c.logprobs[0].entries[0].token_id == c.token_ids[0]
+        # Each entry's rank, as the offline API's Logprob has it (the top k: 1..k).
+        for lp, want, token in zip(c.logprobs, o.logprobs, o.token_ids, strict=True):
+            assert {e.token_id: e.rank for e in lp.entries} == {t: v.rank for t, v in want.items()}
+            assert lp.entries[0].rank == want[token].rank >= 1
         assert c.cumulative_logprob == pytest.approx(o.cumulative_logprob, abs=1e-4)
     assert (usage.prompt_tokens, usage.completion_tokens) == (
         unary.usage.prompt_tokens,
