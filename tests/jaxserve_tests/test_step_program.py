@@ -78,3 +78,41 @@ def test_runners_of_the_same_model_share_the_compiled_steps(runner):
     again.execute(batch)
     again.compiles.close()
     assert runner.compiles.count == before  # (a counter counts every compile in the process)
+
+
+def test_the_warm_up_bar_counts_compile_work_by_program_size(monkeypatch):
+    """The compile bar's units are the programs' sizes (their StableHLO text), which
+    compile time follows: counted by programs, its estimate read 2 s at half way with
+    13 s to go (small programs compiled first). It still names the program count."""
+    from jaxserve.runner import warmup
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, desc, **kw):
+            self.total, self.desc, self.n, self.postfix = total, desc, 0, ""
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def set_postfix_str(self, text, refresh=True):
+            self.postfix = text
+
+        def close(self):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.close()
+
+    monkeypatch.setattr(warmup, "tqdm", Bar)
+    config = engine_config(EMBEDDED_MODELS["demo-model-tiny"], max_num_batched_tokens=32)
+    runner = ModelRunner(config)
+    programs = runner.warmup()
+    compiling = bars[-1]
+    assert compiling.desc == f"warm-up: compiling {len(programs)} programs"
+    assert compiling.postfix == f"{len(programs)}/{len(programs)}"
+    assert compiling.n == compiling.total > 10 * len(programs)  # characters, not programs
