@@ -47,6 +47,8 @@ def run(argv: list[str] | None = None) -> None:
         print(f"jaxserve: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         sys.exit(2)
     _local_platform(os.environ)
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+        _import_jax_quietly()
     module = importlib.import_module(COMMANDS[command][0])
     if any(a in _HELP for a in argv[2:]):
         print(command_help(command))
@@ -68,6 +70,34 @@ def _local_platform(environ) -> None:
     if any(map(os.path.exists, _ACCELERATOR_NODES)) or any(n != "vfio" for n in vfio):
         return
     environ["JAX_PLATFORMS"] = "cpu"
+
+
+# What CUDA's libraries log natively (absl, to fd 2) as JAX's GPU modules load and
+# find no GPU: on a machine JAX asks for the CPU alone, nothing worth reading.
+_PROBE_NOISE = ("cudart_stub.cc", "All log messages before absl::InitializeLog()")
+
+
+def _import_jax_quietly() -> None:
+    """Imports JAX with fd 2 going to a file, then writes back all of it but the lines
+    of `_PROBE_NOISE` (6 of the 8 lines "Could not find cuda drivers" a CPU command
+    printed; the CUDA plugin's own, when JAX starts its backends, remains)."""
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            import jax  # noqa: F401
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            for line in captured.read().decode(errors="replace").splitlines(keepends=True):
+                if not any(noise in line for noise in _PROBE_NOISE):
+                    sys.stderr.write(line)
+            sys.stderr.flush()
 
 
 def normalize_flag_names(args: list[str], known) -> list[str]:
