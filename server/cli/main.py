@@ -78,9 +78,9 @@ _PROBE_NOISE = ("cudart_stub.cc", "All log messages before absl::InitializeLog()
 
 
 def _import_jax_quietly() -> None:
-    """Imports JAX with fd 2 going to a file, then writes back all of it but the lines
-    of `_PROBE_NOISE` (6 of the 8 lines "Could not find cuda drivers" a CPU command
-    printed; the CUDA plugin's own, when JAX starts its backends, remains)."""
+    """Imports JAX, and has it find its plugins (not start its backends: a multi-host
+    start initializes `jax.distributed` first), with fd 2 going to a file; then writes
+    back all of it but the lines of `_PROBE_NOISE` (a CPU command printed 8)."""
     import tempfile
 
     sys.stderr.flush()
@@ -88,7 +88,10 @@ def _import_jax_quietly() -> None:
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 2)
         try:
-            import jax  # noqa: F401
+            from jax._src import xla_bridge
+
+            # (JAX's own step before its first backend; private, so only where it is.)
+            getattr(xla_bridge, "_discover_and_register_pjrt_plugins", lambda: None)()
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
