@@ -150,6 +150,17 @@ class AsyncLLMEngine(NamedControls):
         request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        adapters = self.engine.adapters
+        if (
+            request.lora is not None
+            and adapters is not None
+            and request.lora not in adapters.loaded()
+        ):
+            # An adapter the engine does not hold (first named, or dropped from host
+            # memory since) is read on a worker thread, the steps going on; the engine
+            # thread keeps it. (Dropped again before the request is queued, it is read
+            # there, bounded and checked all the same.)
+            await self.control("add_lora", request=request.lora)
         stream = OutputStream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._send(("add", request, stream))

@@ -346,6 +346,52 @@ def test_the_engine_steps_while_an_added_adapter_is_read(tiny_model_dir, tmp_pat
     assert front.engine.adapters.cache.num_reads == 1
 
 
+def test_a_request_naming_an_adapter_not_held_reads_it_off_the_engine_thread(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """An adapter first named by a request (never added, or dropped from host memory)
+    is read on a worker thread before the request is queued: another request streams
+    to its end while the read is held up (it was read on the engine thread, between
+    two steps, holding every request up)."""
+    import jaxserve.engine.adapters as engine_adapters
+    from jaxserve.async_engine import AsyncLLMEngine
+    from jaxserve.engine import LLMEngine
+
+    started, release, readers = threading.Event(), threading.Event(), []
+    load = engine_adapters.load_adapter
+
+    def slow_load(*args):
+        readers.append(threading.current_thread().name)
+        started.set()
+        release.wait(timeout=60)
+        return load(*args)
+
+    monkeypatch.setattr(engine_adapters, "load_adapter", slow_load)
+    front = AsyncLLMEngine(LLMEngine(engine_config(tiny_model_dir, **LORA)))
+    modules = front.engine.adapters.layout.modules
+    a = LoRARequest("a", 1, write_adapter(tmp_path / "a", modules, seed=1))
+    ids = prompts(1)[0]["prompt_token_ids"]
+
+    async def main():
+        named = asyncio.create_task(
+            _collect(front.generate(GenerateRequest("a", ids, GREEDY, lora=a)))
+        )
+        assert await asyncio.to_thread(started.wait, 60)
+        plain = front.generate(GenerateRequest("plain", ids, GREEDY))
+        outputs = await asyncio.wait_for(_collect(plain), 60)  # (not held up by the read)
+        assert outputs[-1].finished and not named.done()
+        release.set()
+        done = await asyncio.wait_for(named, 60)
+        assert done[-1].finished and len(done[-1].outputs[0].token_ids) == 6
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        front.shutdown()
+    assert readers == [readers[0]] and readers[0] != "jaxserve-engine"  # one read, off it
+
+
 async def _collect(stream) -> list:
     return [out async for out in stream]
 
