@@ -182,10 +182,7 @@ def _read_trusted(directory: str, name: str) -> bytes:
     try:
         fd = trust.open_checked(os.path.join(directory, name), private=False)
     except trust.UnsafeCacheError as e:
-        raise ValueError(
-            f"compiled bundle {directory}: refused, {e}: a bundle is code (pickles and "
-            "native programs), loaded only where no other user could have written it"
-        ) from None
+        raise _untrusted(directory, e) from None
     with os.fdopen(fd, "rb") as f:
         return f.read()
 
@@ -196,10 +193,14 @@ def check_directory(directory: str) -> None:
     try:
         trust.check_dir(os.path.abspath(directory), private=False)
     except trust.UnsafeCacheError as e:
-        raise ValueError(
-            f"compiled bundle {directory}: refused, {e}: a bundle is code (pickles and "
-            "native programs), loaded only where no other user could have written it"
-        ) from None
+        raise _untrusted(directory, e) from None
+
+
+def _untrusted(directory: str, why: trust.UnsafeCacheError) -> ValueError:
+    return ValueError(
+        f"compiled bundle {directory}: refused, {why}: a bundle is code (pickles and "
+        "native programs), loaded only where no other user could have written it"
+    )
 
 
 def read_manifest(directory: str) -> dict:
