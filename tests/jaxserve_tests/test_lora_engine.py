@@ -304,10 +304,9 @@ def test_stats_count_slots_loads_and_requests_per_adapter(tiny_model_dir, tmp_pa
     assert (s.lora_slots_in_use, s.lora_loads, s.lora_evictions) == (2, 3, 1)
 
 
-def test_the_engine_steps_while_an_added_adapter_is_read(tiny_model_dir, tmp_path, monkeypatch):
-    """`add_lora` reads and checks the files on a worker thread: a request without the
-    adapter streams to its end while the read is held up (a large adapter, a slow disk),
-    and the engine thread only keeps what was read."""
+def held_reads(tiny_model_dir, tmp_path, monkeypatch):
+    """An async front whose adapter reads wait for `release` (`started` once one has
+    begun; `readers`: the threads that read), and an adapter `a` for it to read."""
     import jaxserve.engine.adapters as engine_adapters
     from jaxserve.async_engine import AsyncLLMEngine
     from jaxserve.engine import LLMEngine
@@ -325,6 +324,14 @@ def test_the_engine_steps_while_an_added_adapter_is_read(tiny_model_dir, tmp_pat
     front = AsyncLLMEngine(LLMEngine(engine_config(tiny_model_dir, **LORA)))
     modules = front.engine.adapters.layout.modules
     a = LoRARequest("a", 1, write_adapter(tmp_path / "a", modules, seed=1))
+    return front, a, started, release, readers
+
+
+def test_the_engine_steps_while_an_added_adapter_is_read(tiny_model_dir, tmp_path, monkeypatch):
+    """`add_lora` reads and checks the files on a worker thread: a request without the
+    adapter streams to its end while the read is held up (a large adapter, a slow disk),
+    and the engine thread only keeps what was read."""
+    front, a, started, release, readers = held_reads(tiny_model_dir, tmp_path, monkeypatch)
 
     async def main():
         add = asyncio.create_task(front.add_lora(a))
@@ -353,23 +360,7 @@ def test_a_request_naming_an_adapter_not_held_reads_it_off_the_engine_thread(
     is read on a worker thread before the request is queued: another request streams
     to its end while the read is held up (it was read on the engine thread, between
     two steps, holding every request up)."""
-    import jaxserve.engine.adapters as engine_adapters
-    from jaxserve.async_engine import AsyncLLMEngine
-    from jaxserve.engine import LLMEngine
-
-    started, release, readers = threading.Event(), threading.Event(), []
-    load = engine_adapters.load_adapter
-
-    def slow_load(*args):
-        readers.append(threading.current_thread().name)
-        started.set()
-        release.wait(timeout=60)
-        return load(*args)
-
-    monkeypatch.setattr(engine_adapters, "load_adapter", slow_load)
-    front = AsyncLLMEngine(LLMEngine(engine_config(tiny_model_dir, **LORA)))
-    modules = front.engine.adapters.layout.modules
-    a = LoRARequest("a", 1, write_adapter(tmp_path / "a", modules, seed=1))
+    front, a, started, release, readers = held_reads(tiny_model_dir, tmp_path, monkeypatch)
     ids = prompts(1)[0]["prompt_token_ids"]
 
     async def main():
