@@ -29,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from jaxserve import controls
@@ -44,7 +44,6 @@ from jaxserve.front import (
     RequestFailedError,
 )
 from jaxserve.generate_request import GenerateRequest
-from jaxserve.lora import LoRARequest
 from jaxserve.outputs import ModelInfo, RequestOutput
 
 T = TypeVar("T")
@@ -92,8 +91,6 @@ def _settle(future: asyncio.Future, result, error) -> None:
 class AsyncLLMEngine(NamedControls):
     """One engine behind the `EngineFront` interface; it exports and imports KV pages
     (disaggregated prefill and decode)."""
-
-    can_transfer_kv = True
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -191,14 +188,6 @@ class AsyncLLMEngine(NamedControls):
         self._send(("call", fn, future))
         return await future
 
-    async def export_prefix(
-        self, token_ids: Sequence[int], salt: str | None, lora: LoRARequest | None = None
-    ) -> list[bytes]:
-        return await self.call(lambda e: e.export_prefix(list(token_ids), salt, lora))
-
-    async def import_pages(self, pages: list[bytes]) -> int:
-        return await asyncio.to_thread(self.engine.import_pages, pages)  # any thread
-
     # ----------------------------------------------------------------- controls
 
     @property
@@ -214,12 +203,14 @@ class AsyncLLMEngine(NamedControls):
     async def control(self, name: str, **args: Any) -> Any:
         """Runs the control `name` as `jaxserve.controls` declares it: its arguments
         checked here, its `read` on a worker thread, its `run` on the engine thread
-        between two steps (or here, for a read of what the engine publishes); returns
-        once its `until` holds."""
+        between two steps (or here, for a read of what the engine publishes; or on a
+        worker thread); returns once its `until` holds."""
         op = controls.get(name)
-        args = op.bind(self.engine.config, args)
+        args = op.bind(self, self.engine.config, args)
         if op.thread == "any":
             return op.run(self.engine, **args)
+        if op.thread == "worker":
+            return await asyncio.to_thread(op.run, self.engine, **args)
         if op.read is None:
             result = await self.call(lambda e: op.run(e, **args))
         else:
@@ -249,10 +240,6 @@ class AsyncLLMEngine(NamedControls):
             )
             return
         self.engine.close()  # (done already by the thread, as it stopped)
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """`close` (the servers' name for it)."""
-        self.close(timeout)
 
     def __enter__(self) -> AsyncLLMEngine:
         return self

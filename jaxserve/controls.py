@@ -24,7 +24,7 @@ from jaxserve.engine import profiling
 from jaxserve.engine.adapters import lora_disabled
 from jaxserve.engine.lifecycle import check_pause_mode, check_sleep_level
 from jaxserve.engine.weight_sync import check_update
-from jaxserve.front import EngineState
+from jaxserve.front import EngineFront, EngineState, cannot_transfer_kv
 from jaxserve.lora import LoRARequest
 from jaxserve.sampling_params import ParamError
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
     from jaxserve.engine import LLMEngine
 
-THREADS = ("engine", "any")
+THREADS = ("engine", "any", "worker")
 
 
 class _Required:
@@ -84,8 +84,10 @@ class Control:
     """One control operation (the module docstring says where each piece is used).
 
     The engine runs `run(engine, **args)` on its own thread between two steps
-    (`thread` "engine"), or at once on the caller's (`thread` "any": a read of what the
-    engine publishes for other threads). With `read`, `read(engine, **args)` runs
+    (`thread` "engine"), at once on the caller's (`thread` "any": a read of what the
+    engine publishes for other threads), or on a worker thread, the steps going on
+    (`thread` "worker": work that is safe on any thread and too long for an event
+    loop). With `read`, `read(engine, **args)` runs
     first on a worker thread, the steps going on meanwhile (a large file, a slow disk),
     and `run(engine, what read returned, **args)` keeps its result. With `until`, the
     call returns once `until(engine, **args)` holds, checked between steps.
@@ -94,7 +96,8 @@ class Control:
     is sent: every front checks, a data-parallel one before its replicas. A
     data-parallel front runs it on every replica with the same arguments (`agree`:
     those made from the replicas' states, that they must share) and answers
-    `combine(the replicas' results)`."""
+    `combine(the replicas' results)`. A control that moves KV pages (`kv_pages`) is
+    refused by a front that cannot (`ModelInfo.can_transfer_kv`)."""
 
     name: str
     run: Callable[..., Any]
@@ -105,16 +108,21 @@ class Control:
     until: Callable[..., bool] | None = None
     combine: Callable[[list], Any] = first
     agree: Callable[[Sequence[EngineState], dict[str, Any]], dict[str, Any]] | None = None
+    kv_pages: bool = False
 
     def __post_init__(self):
         if self.thread not in THREADS:
             raise ValueError(f"{self.name}: thread must be one of {THREADS}, got {self.thread!r}")
-        if self.thread == "any" and (self.read or self.until):
-            raise ValueError(f"{self.name}: thread 'any' runs at once: no read, no until")
+        if self.thread != "engine" and (self.read or self.until):
+            raise ValueError(f"{self.name}: thread {self.thread!r} runs at once: no read, no until")
 
-    def bind(self, config: EngineConfig, args: dict[str, Any]) -> dict[str, Any]:
+    def bind(
+        self, front: EngineFront, config: EngineConfig, args: dict[str, Any]
+    ) -> dict[str, Any]:
         """`args` with the defaults filled in, checked; ParamError naming an unknown,
-        missing or bad argument."""
+        missing or bad argument, NotImplementedError if `front` cannot run it."""
+        if self.kv_pages and not front.model_info.can_transfer_kv:
+            raise NotImplementedError(cannot_transfer_kv(front))
         names = [a.name for a in self.args]
         for name in args:
             if name not in names:
@@ -230,6 +238,22 @@ CONTROLS: dict[str, Control] = {
             combine=each_once,
         ),
         Control("stop_profile", lambda e: profiling.stop(), combine=each_once),
+        # Disaggregated serving's KV pages (`server.disagg`): a prefill instance's
+        # engine exports the prompt's pages (under the request's adapter), a decode
+        # instance's checks and keeps the pages pushed to it.
+        Control(
+            "export_prefix",
+            lambda e, token_ids, salt, lora: e.export_prefix(list(token_ids), salt, lora),
+            (Arg("token_ids", list), Arg("salt", str, None), Arg("lora", LoRARequest, None)),
+            kv_pages=True,
+        ),
+        Control(
+            "import_pages",
+            lambda e, pages: e.import_pages(pages),
+            (Arg("pages", list),),
+            thread="worker",
+            kv_pages=True,
+        ),
     )
 }
 
@@ -341,3 +365,18 @@ class NamedControls:
         """Stops the traces and writes them; returns their directories (none if no
         trace ran)."""
         return await self.control("stop_profile")
+
+    async def export_prefix(
+        self, token_ids: Sequence[int], salt: str | None = None, lora: LoRARequest | None = None
+    ) -> list[bytes]:
+        """The encoded KV pages the engine holds of the prompt's full pages, in order up
+        to the first it lacks (a prefill instance pushes them to a decode instance);
+        `lora`: the request's adapter, under which they were computed. A front that
+        cannot transfer KV pages (`model_info.can_transfer_kv` False) raises
+        NotImplementedError."""
+        return await self.control("export_prefix", token_ids=list(token_ids), salt=salt, lora=lora)
+
+    async def import_pages(self, pages: list[bytes]) -> int:
+        """Checks pushed KV pages and keeps them where admission finds them; returns
+        how many. Raises ValueError (none kept) for a bad page or no tier."""
+        return await self.control("import_pages", pages=pages)

@@ -4,12 +4,14 @@ code. `AsyncLLMEngine` (one engine on its own thread), `DataParallelEngine`
 it; a data-parallel front's replicas are fronts themselves.
 
 The servers use nothing else: no reaching into the engine behind a front. An
-operation a front cannot do, it says so in advance (`can_transfer_kv`), so that a
-server refuses at start-up a role it could not serve (`server.disagg.check_role`).
+operation a front cannot do, it says so in advance (`ModelInfo.can_transfer_kv`), so
+that a server refuses at start-up a role it could not serve
+(`server.disagg.check_role`).
 
 Besides generating, a front runs control operations by name (`control`): pause and
 resume, sleep and wake-up beside a trainer (RL rollouts), weight updates, prefix-cache
-resets, LoRA adapters. `jaxserve.controls` declares each once (its
+resets, LoRA adapters, profiles, and the KV pages disaggregated serving moves
+(`export_prefix`, `import_pages`). `jaxserve.controls` declares each once (its
 arguments, how the engine runs it, how replicas' results combine), so a front knows
 none of them; its `NamedControls` gives Python users vLLM's named methods
 (`pause_generation()`, `sleep()`, `update_weights()`, `add_lora()`, ...). A request
@@ -23,11 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from jaxserve.engine_stats import StatsSnapshot
 from jaxserve.generate_request import GenerateRequest
-from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import ModelInfo, RequestOutput
 
 
@@ -108,12 +109,6 @@ class EngineFront(Protocol):
         """Requests accepted and not yet finished."""
         ...
 
-    @property
-    def can_transfer_kv(self) -> bool:
-        """Whether `export_prefix` and `import_pages` work: the disaggregated prefill
-        and decode roles need them."""
-        ...
-
     def stats(self) -> StatsSnapshot:
         """The engine's counters (summed over replicas)."""
         ...
@@ -136,19 +131,6 @@ class EngineFront(Protocol):
 
     def abort(self, request_id: str) -> None:
         """Stops a running request and frees its pages (unknown ids are ignored)."""
-        ...
-
-    async def export_prefix(
-        self, token_ids: Sequence[int], salt: str | None, lora: LoRARequest | None = None
-    ) -> list[bytes]:
-        """The encoded KV pages the engine holds of the prompt's full pages, in order up
-        to the first it lacks (a prefill instance pushes them to a decode instance);
-        `lora`: the request's adapter, under which they were computed."""
-        ...
-
-    async def import_pages(self, pages: list[bytes]) -> int:
-        """Checks pushed KV pages and keeps them where admission finds them; returns
-        how many. Raises ValueError (none kept) for a bad page or no tier."""
         ...
 
     @property
@@ -177,22 +159,10 @@ class EngineFront(Protocol):
         buffers, Ray actors (a disk KV tier is saved first). Idempotent."""
         ...
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """The same as `close` (the servers' name for it): one way to stop."""
-        ...
-
-    def __enter__(self) -> Self:
-        """The front itself (`with front:` closes it at the end)."""
-        ...
-
-    def __exit__(self, *exc: object) -> None:
-        """`close()`."""
-        ...
-
 
 def cannot_transfer_kv(front: EngineFront) -> str:
     """What a front that cannot export or import KV pages says when asked to."""
     return (
         f"this engine front ({type(front).__name__}) does not transfer KV pages "
-        "(export_prefix, import_pages)"
+        "(the export_prefix and import_pages controls)"
     )

@@ -119,6 +119,11 @@ class ModelInfo:
     kv_cache_bytes_per_device: int = 0
     # The host KV tier's bytes (kv_offload_bytes): what pushed pages may fill; 0: none.
     kv_tier_bytes: int = 0
+    # Whether the front exports and imports KV pages (the `export_prefix` and
+    # `import_pages` controls), as disaggregated serving's prefill and decode roles
+    # need: one engine's front can; a data-parallel or Ray replica's cannot (which
+    # replica holds a prefix is the router's choice).
+    can_transfer_kv: bool = True
 
 
 @dataclasses.dataclass

@@ -316,7 +316,7 @@ class JaxServeServer:
             disagg.check_role(front, self.options.role)
             await self.state.loras.load_modules(front, self.options.lora_modules)
         except ValueError:
-            await asyncio.to_thread(front.shutdown)
+            await asyncio.to_thread(front.close)
             raise
         self.state.tokenizer = tokenizer
         self.state.engine = front
@@ -348,7 +348,7 @@ class JaxServeServer:
                 await self._watch
         # Off the event loop (joins threads, saves the KV tier, calls Ray replicas).
         if self.state.engine is not None:
-            await asyncio.to_thread(self.state.engine.shutdown)
+            await asyncio.to_thread(self.state.engine.close)
         if self._metrics_http is not None:
             await asyncio.to_thread(self._metrics_http.shutdown)
 

@@ -44,7 +44,7 @@ def check_role(front: EngineFront, role: str) -> None:
     """Raises ValueError naming the role and the front if the front cannot serve it:
     at start-up, not at every call."""
     needs = ROLES[role]
-    if needs is not None and not front.can_transfer_kv:
+    if needs is not None and not front.model_info.can_transfer_kv:
         raise ValueError(
             f"role {role!r} needs an engine front that can {needs}; "
             f"{cannot_transfer_kv(front)}: serve the {role} role with data_parallel_size=1 "

@@ -394,7 +394,7 @@ class JaxServeServicer(LifecycleRPCs, LoRARPCs, pb_grpc.JaxServeServicer):  # pa
         cannot is refused the prefill and decode roles at start-up; these RPCs of a
         `both` server over it are FAILED_PRECONDITION)."""
         engine = await self._ready(context)
-        if not engine.can_transfer_kv:
+        if not engine.model_info.can_transfer_kv:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"{cannot_transfer_kv(engine)}: disaggregated serving needs an instance "
@@ -444,7 +444,9 @@ class JaxServeServicer(LifecycleRPCs, LoRARPCs, pb_grpc.JaxServeServicer):  # pa
             if c.logprobs is not None:
                 sample.logprobs.extend(_logprobs_proto(c.logprobs, c.token_ids))
             reply.resume.samples.append(sample)
-        pages = await engine.export_prefix(gen.prompt_token_ids, gen.cache_salt, gen.lora)
+        pages = await engine.control(
+            "export_prefix", token_ids=gen.prompt_token_ids, salt=gen.cache_salt, lora=gen.lora
+        )
         try:
             reply.pages_pushed = await disagg.push(
                 request.decode_target,
@@ -480,7 +482,7 @@ class JaxServeServicer(LifecycleRPCs, LoRARPCs, pb_grpc.JaxServeServicer):  # pa
                 )
             pages.extend(msg.pages)
         try:
-            kept = await engine.import_pages(pages)
+            kept = await engine.control("import_pages", pages=pages)
         except ValueError as e:  # a bad page (none kept), or no tier to keep them in
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return pb.PushKVResponse(pages=kept)

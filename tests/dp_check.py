@@ -98,7 +98,7 @@ def main(model_dir: str, dp: str, tp: str) -> None:
     assert asyncio.run(inside_a_running_loop()) == want
     print("LLM.generate inside a running event loop: equal to one engine")
     for r in front.replicas:
-        r.shutdown()
+        r.close()
     assert not front.healthy and "was shut down" in str(front.error), front.error
 
 

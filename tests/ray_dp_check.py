@@ -187,7 +187,7 @@ def main(model_dir: str, tp: str) -> None:
     finally:
         if front is not None:
             for r in front.replicas:
-                r.shutdown(timeout=2)
+                r.close(timeout=2)
         ray.shutdown()
         cluster.shutdown()
 

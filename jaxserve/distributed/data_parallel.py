@@ -46,11 +46,9 @@ from jaxserve.front import (
     EngineState,
     EngineUnavailableError,
     RequestFailedError,
-    cannot_transfer_kv,
 )
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.kv.page_pool import ROOT_UID
-from jaxserve.lora import LoRARequest
 from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.tokenizer import Tokenizer
 
@@ -149,11 +147,9 @@ class DataParallelEngine(NamedControls):
     """M replicas behind one `EngineFront`. A replica is an `EngineFront` itself: an
     `AsyncLLMEngine` (local) or a `jaxserve.distributed.ray_replicas.RayReplica`.
 
-    It does not transfer KV pages (`can_transfer_kv` is False): which replica holds a
-    prefix, or should receive pushed pages, is not routed yet, so a server refuses the
-    disaggregated prefill and decode roles over it at start-up."""
-
-    can_transfer_kv = False
+    It does not transfer KV pages (`model_info.can_transfer_kv` is False): which
+    replica holds a prefix, or should receive pushed pages, is not routed yet, so a
+    server refuses the disaggregated prefill and decode roles over it at start-up."""
 
     def __init__(self, replicas: list[EngineFront], config: EngineConfig):
         if not replicas:
@@ -177,6 +173,7 @@ class DataParallelEngine(NamedControls):
             kv_cache_tokens=sum(r.model_info.kv_cache_tokens for r in self.replicas),
             data_parallel_size=len(replicas),
             num_devices=sum(r.model_info.num_devices for r in self.replicas),
+            can_transfer_kv=False,
         )
 
     @property
@@ -257,14 +254,6 @@ class DataParallelEngine(NamedControls):
         if i is not None:
             self.replicas[i].abort(request_id)
 
-    async def export_prefix(
-        self, token_ids: Sequence[int], salt: str | None, lora: LoRARequest | None = None
-    ) -> list[bytes]:
-        raise NotImplementedError(cannot_transfer_kv(self))
-
-    async def import_pages(self, pages: list[bytes]) -> int:
-        raise NotImplementedError(cannot_transfer_kv(self))
-
     # ----------------------------------------------------------------- controls
 
     @property
@@ -280,7 +269,7 @@ class DataParallelEngine(NamedControls):
         version), the replicas' results combined. A replica that failed keeps its
         old state and its error is raised, naming it; the others have done it."""
         op = controls.get(name)
-        args = op.bind(self.config, args)
+        args = op.bind(self, self.config, args)
         if op.agree is not None:
             args = op.agree([r.state for r in self.replicas], args)
         return op.combine(await self._on_every_replica(lambda r: r.control(name, **args)))
@@ -307,10 +296,6 @@ class DataParallelEngine(NamedControls):
         if loop is not None:
             loop.close()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """`close` (the servers' name for it)."""
-        self.close(timeout)
-
     def __enter__(self) -> DataParallelEngine:
         return self
 
@@ -320,7 +305,7 @@ class DataParallelEngine(NamedControls):
     def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs `coro` to its end on this front's own event loop thread, for synchronous
         callers, which may be inside a running event loop themselves (Jupyter), where
-        `asyncio.run` fails. The one loop serves every call until `shutdown`. If the
+        `asyncio.run` fails. The one loop serves every call until `close`. If the
         caller is interrupted, the coroutine is cancelled (its requests aborted)."""
         if not self.healthy:  # (shut down: no loop is started again)
             coro.close()

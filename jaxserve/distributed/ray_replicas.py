@@ -38,7 +38,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 from jaxserve import controls
@@ -54,10 +54,8 @@ from jaxserve.front import (
     EngineState,
     EngineUnavailableError,
     RequestFailedError,
-    cannot_transfer_kv,
 )
 from jaxserve.generate_request import GenerateRequest
-from jaxserve.lora import LoRARequest
 from jaxserve.outputs import ModelInfo, RequestOutput
 from jaxserve.sampling_params import ParamError
 
@@ -75,15 +73,14 @@ class RayReplica(NamedControls):
     actor's output batches and hands each output to its request's stream; another
     checks the replica's health."""
 
-    can_transfer_kv = False
-
     def __init__(self, actor, config: EngineConfig, has_tokenizer: bool, index: int, described):
         import ray
 
         self.actor, self.config, self.index = actor, config, index
         self.has_tokenizer = has_tokenizer
         info, self.pool_capacity, self.where, self.node_id = described
-        self.model_info: ModelInfo = info
+        # (it holds one engine, but which replica holds a prefix is the router's choice)
+        self.model_info: ModelInfo = dataclasses.replace(info, can_transfer_kv=False)
         self.error: BaseException | None = None
         self._lock = threading.Lock()
         self._keys = itertools.count()
@@ -173,14 +170,6 @@ class RayReplica(NamedControls):
         if key is not None:
             self.actor.abort.remote(key)
 
-    async def export_prefix(
-        self, token_ids: Sequence[int], salt: str | None, lora: LoRARequest | None = None
-    ) -> list[bytes]:
-        raise NotImplementedError(cannot_transfer_kv(self))
-
-    async def import_pages(self, pages: list[bytes]) -> int:
-        raise NotImplementedError(cannot_transfer_kv(self))
-
     # ----------------------------------------------------------------- controls
 
     def unavailable(self) -> EngineUnavailableError | None:
@@ -214,7 +203,7 @@ class RayReplica(NamedControls):
         An argument that is an object of this process (`Arg.in_process`: arrays) is
         refused by name: the actor runs in another process, on another machine maybe."""
         op = controls.get(name)
-        args = op.bind(self.config, args)
+        args = op.bind(self, self.config, args)
         for a in op.args:
             if a.in_process is not None and args[a.name] is not None:
                 raise ParamError(
@@ -247,10 +236,6 @@ class RayReplica(NamedControls):
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout)
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """`close` (the servers' name for it)."""
-        self.close(timeout)
 
     def __enter__(self) -> RayReplica:
         return self
@@ -385,7 +370,7 @@ def ray_replicas(config: EngineConfig, tokenizer_dir: str | None) -> list[RayRep
             replicas.append(RayReplica(actor, one, tokenizer_dir is not None, i, ray.get(ref)))
     except BaseException:
         for r in replicas:
-            r.shutdown(timeout=1)
+            r.close(timeout=1)
         for a in actors:
             ray.kill(a)
         raise

@@ -67,7 +67,7 @@ def test_many_concurrent_streams_get_exactly_their_tokens():
             assert outs[-1].finished and sum(o.finished for o in outs) == 1
         await wait_idle(aengine)
         assert_idle(aengine.engine)
-        aengine.shutdown()
+        aengine.close()
 
     asyncio.run(main())
 
@@ -85,7 +85,7 @@ def test_closing_a_stream_aborts_its_request_and_frees_its_pages():
         # The engine still serves.
         outs = await collect(aengine, "d", [4, 5], 3)
         assert outs[-1].outputs[0].token_ids == expected_tokens([4, 5], 3, VOCAB)
-        aengine.shutdown()
+        aengine.close()
 
     asyncio.run(main())
 
@@ -107,7 +107,7 @@ def test_cancelling_the_task_aborts_too():
         await wait_idle(aengine)
         assert_idle(aengine.engine)
         aengine.abort("x")  # after the fact: harmless
-        aengine.shutdown()
+        aengine.close()
 
     asyncio.run(main())
 
@@ -118,7 +118,7 @@ def test_invalid_request_raises_before_queueing():
         with pytest.raises(ValueError, match="outside the vocabulary"):
             await collect(aengine, "bad", [VOCAB + 1], 3)
         assert aengine.num_requests == 0
-        aengine.shutdown()
+        aengine.close()
 
     asyncio.run(main())
 
@@ -171,7 +171,7 @@ def test_a_request_refused_on_the_engine_thread_after_its_client_left():
         assert aengine.healthy, aengine.error
         outs = await collect(aengine, "after", [4, 5], 3)
         assert outs[-1].outputs[0].token_ids == expected_tokens([4, 5], 3, VOCAB)
-        aengine.shutdown()
+        aengine.close()
 
     asyncio.run(main())
 
@@ -224,7 +224,7 @@ def test_cancelling_while_adding_under_load_loses_nothing():
         await wait_idle(aengine)
         assert aengine.healthy, aengine.error
         assert_idle(engine)
-        aengine.shutdown()
+        aengine.close()
 
     asyncio.run(main())
 
@@ -246,7 +246,7 @@ def test_a_reused_id_never_gets_the_aborted_requests_outputs():
             assert outs[-1].outputs[0].token_ids == expected_tokens([7, 8], 4, VOCAB)
         await wait_idle(aengine)
         assert_idle(engine)
-        aengine.shutdown()
+        aengine.close()
 
     asyncio.run(main())
 
@@ -256,7 +256,7 @@ def test_shutdown_ends_the_streams_still_waiting():
         aengine = AsyncLLMEngine(slow_engine())
         stream = aengine.generate(GenerateRequest("w", [1, 2, 3], params(200)))
         await stream.__anext__()
-        await asyncio.to_thread(aengine.shutdown)
+        await asyncio.to_thread(aengine.close)
 
         async def drain():
             async for _ in stream:

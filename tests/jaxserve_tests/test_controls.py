@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import inspect
 import threading
+from types import SimpleNamespace
 
 import pytest
 from ray_fakes import ray_replica
@@ -70,8 +71,8 @@ def test_every_front_forwards_a_control_it_was_never_written_for(monkeypatch):
     try:
         asyncio.run(main())
     finally:
-        front.replicas[0].shutdown()
-        actor.engine.shutdown()
+        front.replicas[0].close()
+        actor.engine.close()
 
 
 def test_a_control_s_until_holds_its_caller_until_the_engine_thread_sees_it():
@@ -96,7 +97,7 @@ def test_a_control_s_until_holds_its_caller_until_the_engine_thread_sees_it():
     try:
         asyncio.run(main())
     finally:
-        front.shutdown()
+        front.close()
 
 
 def test_the_named_methods_are_the_table_s_controls_with_its_defaults():
@@ -117,10 +118,14 @@ def test_the_named_methods_are_the_table_s_controls_with_its_defaults():
 
 def test_a_table_entry_is_checked_when_declared():
     with pytest.raises(ValueError, match="thread must be one of"):
-        Control("x", lambda e: None, thread="worker")
+        Control("x", lambda e: None, thread="pool")
     with pytest.raises(ValueError, match="thread 'any' runs at once"):
         Control("x", lambda e: None, thread="any", until=lambda e: True)
-    assert controls.get("sleep").bind(make_engine().config, {}) == {
+    with pytest.raises(ValueError, match="thread 'worker' runs at once"):
+        Control("x", lambda e: None, thread="worker", read=lambda e: None)
+    engine = make_engine()
+    front = SimpleNamespace(model_info=engine.model_info())
+    assert controls.get("sleep").bind(front, engine.config, {}) == {
         "level": 1,
         "keep_host_copy": True,
     }

@@ -109,7 +109,7 @@ def test_stream_all_works_inside_a_running_event_loop():
     assert all(e.stats().requests_finished > 0 for e in engines)  # both replicas served
     loops = [t for t in threading.enumerate() if t.name == "jaxserve-data-parallel-loop"]
     assert len(loops) == 1
-    front.shutdown()
+    front.close()
     loops[0].join(5)
     assert not loops[0].is_alive()
     with pytest.raises(EngineDeadError, match="shut down"):
@@ -146,7 +146,7 @@ def test_stream_all_returns_a_request_the_engine_failed_with_the_others(monkeypa
             want = expected_tokens(r.prompt_token_ids, r.params.max_tokens, VOCAB)
             assert finals[i].outputs[0].token_ids == want and finals[i].error is None
     assert front.healthy
-    front.shutdown()
+    front.close()
 
 
 def test_closing_the_loop_ends_a_synchronous_call_still_running_on_it():

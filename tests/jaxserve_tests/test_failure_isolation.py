@@ -182,7 +182,7 @@ def test_a_request_that_raises_while_being_added_fails_alone_behind_the_async_en
         assert aengine.healthy, aengine.error
         await wait_idle(aengine)
         assert_idle(engine)
-        aengine.shutdown()
+        aengine.close()
 
     asyncio.run(main())
 
@@ -208,7 +208,7 @@ def test_concurrent_streams_survive_one_request_failing_behind_the_async_engine(
         assert engine.stats().kv_cache_usage == 0
         outs = await collect(aengine, "after", [4, 5], 3)
         assert outs[-1].outputs[0].token_ids == expected_tokens([4, 5], 3, VOCAB)
-        aengine.shutdown()
+        aengine.close()
 
     asyncio.run(main())
 
@@ -250,7 +250,7 @@ def test_a_client_loop_that_closes_mid_stream_leaves_the_engine_serving():
     outs = asyncio.run(after())
     assert outs[-1].outputs[0].token_ids == expected_tokens([4, 5], 3, VOCAB)
     assert_idle(engine)
-    aengine.shutdown()
+    aengine.close()
     del stream  # (its finalizer finds its loop closed: nothing to do)
 
 
@@ -280,7 +280,7 @@ def test_a_call_whose_loop_closed_does_not_end_the_engine():
         return await collect(aengine, "after", [4, 5], 3)
 
     assert asyncio.run(after())[-1].finished
-    aengine.shutdown()
+    aengine.close()
 
 
 def test_request_failed_error_keeps_its_output_when_pickled():

@@ -62,7 +62,7 @@ def test_a_request_reaches_add_request_unchanged(replicas):
     try:
         outs = asyncio.run(drain(front.generate(REQUEST)))
     finally:
-        front.shutdown()
+        front.close()
     received = [r for _, got in engines for r in got]
     assert len(received) == 1 and received[0] is REQUEST  # priority, salt, resume, adapter
     final = outs[-1]
@@ -92,7 +92,7 @@ def test_a_ray_replica_actor_passes_the_request_on_under_its_own_id():
     try:
         asyncio.run(main())
     finally:
-        actor.engine.shutdown()
+        actor.engine.close()
     assert received == [dataclasses.replace(REQUEST, request_id="r#7")]
 
 
@@ -123,7 +123,7 @@ def test_the_engine_names_a_bad_field_of_the_request():
             with pytest.raises(ValueError, match=match):  # a front checks the same, up front
                 front.validate(request)
     finally:
-        front.shutdown()
+        front.close()
     assert not engine.requests
 
 
@@ -134,11 +134,15 @@ def test_the_fronts_are_engine_fronts_and_say_what_they_cannot_do():
     try:
         assert isinstance(single, EngineFront) and isinstance(replicas, EngineFront)
         assert not isinstance(engine, EngineFront)  # the server wraps an LLMEngine
-        assert single.can_transfer_kv and not replicas.can_transfer_kv
+        assert single.model_info.can_transfer_kv and not replicas.model_info.can_transfer_kv
         assert single.replica_stats() == [] and len(replicas.replica_stats()) == 1
         with pytest.raises(NotImplementedError, match="DataParallelEngine"):
-            asyncio.run(replicas.export_prefix((1, 2, 3), None))
+            replicas.run_sync(replicas.control("export_prefix", token_ids=[1, 2, 3]))
         with pytest.raises(NotImplementedError, match="DataParallelEngine"):
-            asyncio.run(replicas.import_pages([]))
+            replicas.run_sync(replicas.control("import_pages", pages=[]))
+        # One engine's front runs both (its engine holds no tier: nothing to import into).
+        assert asyncio.run(single.control("export_prefix", token_ids=[1, 2, 3])) == []
+        with pytest.raises(ValueError, match="tier"):
+            asyncio.run(single.control("import_pages", pages=[b"x"]))
     finally:
-        replicas.shutdown()
+        replicas.close()

@@ -348,7 +348,7 @@ def test_the_engine_steps_while_an_added_adapter_is_read(tiny_model_dir, tmp_pat
         asyncio.run(main())
     finally:
         release.set()
-        front.shutdown()
+        front.close()
     assert readers == [readers[0]] and readers[0] != "jaxserve-engine"  # one read, off it
     assert front.engine.adapters.cache.num_reads == 1
 
@@ -379,7 +379,7 @@ def test_a_request_naming_an_adapter_not_held_reads_it_off_the_engine_thread(
         asyncio.run(main())
     finally:
         release.set()
-        front.shutdown()
+        front.close()
     assert readers == [readers[0]] and readers[0] != "jaxserve-engine"  # one read, off it
 
 
@@ -478,4 +478,4 @@ def test_every_front_adds_removes_and_lists_adapters(tiny_model_dir, tmp_path):
         replicas.run_sync(main())
     finally:
         for front in (replicas, actor.engine, plain):
-            front.shutdown()
+            front.close()

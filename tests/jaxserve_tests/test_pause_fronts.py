@@ -93,7 +93,7 @@ def test_abort_ends_the_streams_in_flight_and_a_new_request_waits_for_the_resume
             await idle(front, [front.engine])
             assert_idle(front.engine)
         finally:
-            front.shutdown()
+            front.close()
 
     asyncio.run(main())
 
@@ -115,7 +115,7 @@ def test_wait_returns_once_the_streams_in_flight_have_finished():
             await front.resume_generation()
             assert tokens(await asyncio.wait_for(waiting, 60)) == expected_tokens([4], 3, VOCAB)
         finally:
-            front.shutdown()
+            front.close()
 
     asyncio.run(main())
 
@@ -142,7 +142,7 @@ def test_keep_freezes_the_streams_without_spinning_and_they_go_on_after_resume()
                 assert tokens(outs) == expected_tokens(PROMPTS[rid], LONG, VOCAB)
             assert engine.scheduler.num_preemptions == 0
         finally:
-            front.shutdown()
+            front.close()
 
     asyncio.run(main())
 
@@ -161,7 +161,7 @@ def test_a_request_paused_for_longer_than_pause_wait_s_is_refused():
                 [1, 2], 4, VOCAB
             )
         finally:
-            front.shutdown()
+            front.close()
 
     asyncio.run(main())
 
@@ -176,7 +176,7 @@ def test_pause_wait_s_0_refuses_a_request_at_once():
                 await collect(front, "r", [1, 2], 4)
             assert not front.engine.requests
         finally:
-            front.shutdown()
+            front.close()
 
     asyncio.run(main())
 
@@ -193,7 +193,7 @@ def test_a_front_refuses_a_bad_mode_or_level_before_it_reaches_the_engine():
             assert e.value.field == "level"
             assert not front.is_paused and not front.is_sleeping
         finally:
-            front.shutdown()
+            front.close()
 
     asyncio.run(main())
 
@@ -220,7 +220,7 @@ def test_every_data_parallel_replica_pauses_and_resumes():
             await front.resume_generation()
             assert not front.is_paused and not any(e.is_paused for e in engines)
         finally:
-            front.shutdown()
+            front.close()
 
     asyncio.run(main())
 
@@ -262,7 +262,7 @@ def test_a_ray_replica_pauses_its_actors_engine_and_keeps_the_state():
     try:
         asyncio.run(main())
     finally:
-        actor.engine.shutdown()
+        actor.engine.close()
 
 
 def test_a_request_that_started_is_not_given_up_on_at_the_next_pause():
@@ -286,6 +286,6 @@ def test_a_request_that_started_is_not_given_up_on_at_the_next_pause():
             outs = await asyncio.wait_for(task, 60)
             assert tokens(outs) == expected_tokens([1, 2], 4, VOCAB)
         finally:
-            front.shutdown()
+            front.close()
 
     asyncio.run(main())

@@ -36,7 +36,7 @@ def test_a_front_traces_into_the_directory_given_until_stopped(tmp_path):
     try:
         asyncio.run(main())
     finally:
-        front.shutdown()
+        front.close()
 
 
 def test_data_parallel_replicas_in_one_process_share_one_trace(tmp_path):
@@ -53,4 +53,4 @@ def test_data_parallel_replicas_in_one_process_share_one_trace(tmp_path):
         asyncio.run(main())
     finally:
         for r in front.replicas:
-            r.shutdown()
+            r.close()

@@ -251,7 +251,7 @@ def test_a_front_refuses_requests_while_its_engine_sleeps(engine):
             again = [o async for o in front.generate(request)][-1].outputs[0].token_ids
             assert again == want
         finally:
-            front.shutdown()
+            front.close()
 
     asyncio.run(main())
 

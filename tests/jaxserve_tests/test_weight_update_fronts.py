@@ -92,7 +92,7 @@ def test_an_async_front_updates_while_streams_run(
     try:
         finals = asyncio.run(main())
     finally:
-        front.shutdown()
+        front.close()
     old = make(tiny_model_dir, enable_prefix_caching=False)
     assert_switched(seen, finals, IDS, old, fresh_w2)
 
@@ -118,7 +118,7 @@ def test_an_async_front_resets_the_prefix_cache_and_refuses_a_bad_update(tiny_mo
     try:
         asyncio.run(main())
     finally:
-        front.shutdown()
+        front.close()
 
 
 def test_a_checkpoint_is_read_off_the_engine_thread(tiny_model_dir, tiny_model_dir_new):
@@ -153,7 +153,7 @@ def test_a_checkpoint_is_read_off_the_engine_thread(tiny_model_dir, tiny_model_d
         asyncio.run(main())
     finally:
         release.set()
-        front.shutdown()
+        front.close()
     assert len(readers) == 1 and readers[0] != "jaxserve-engine"
 
 
@@ -190,7 +190,7 @@ def test_every_data_parallel_replica_is_updated_to_one_version(
         assert [e.weight_version for e in engines] == [6, 6]
 
     finally:
-        front.shutdown()
+        front.close()
 
 
 def test_a_ray_replica_takes_a_path_not_params(tiny_model_dir, tiny_model_dir_new, want_w2):
@@ -215,7 +215,7 @@ def test_a_ray_replica_takes_a_path_not_params(tiny_model_dir, tiny_model_dir_ne
         llm_tokens = [o.outputs[0].token_ids for o in _generate(actor.engine, PROMPTS, GREEDY)]
         assert llm_tokens == want_w2
     finally:
-        actor.engine.shutdown()
+        actor.engine.close()
 
 
 def _generate(front, prompts, params):

@@ -46,7 +46,7 @@ def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(
         front = server.server.state.engine
         assert isinstance(front, DataParallelEngine) and len(front.replicas) == 2
         assert isinstance(front, EngineFront) and all(
-            isinstance(r, EngineFront) and not r.can_transfer_kv for r in front.replicas
+            isinstance(r, EngineFront) and not r.model_info.can_transfer_kv for r in front.replicas
         )
         for prompt, tokens in zip(PROMPTS, want, strict=True):
             got = []

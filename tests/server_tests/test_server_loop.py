@@ -91,7 +91,7 @@ def test_shutdown_runs_off_the_event_loop():
     shutdown = Stall()
     server = JaxServeServer(lambda: None, ServerOptions(grpc_port=0), model_name="m")
     server.state.engine = types.SimpleNamespace(
-        healthy=True, error=None, num_requests=0, shutdown=shutdown
+        healthy=True, error=None, num_requests=0, close=shutdown
     )
 
     async def main():
@@ -143,7 +143,7 @@ def test_a_request_the_engine_failed_is_a_500_naming_the_cause(monkeypatch):
         assert front.healthy
 
     asyncio.run(main())
-    front.shutdown()
+    front.close()
 
 
 def test_a_request_the_engine_failed_is_internal_over_grpc(monkeypatch):
