@@ -1,6 +1,7 @@
 """The server: the OpenAI-compatible HTTP API (`server.openai_api`, on `http_port`)
-and gRPC (servicer, health, reflection, auth, TLS, on `grpc_port`), either or both, in
-one process, on one event loop, over one engine; metrics and draining for both.
+and gRPC (servicer, health, reflection, auth, TLS, on `grpc_port`, and for other
+instances on `peer_grpc_port`: `server.peer_tls`), either or both, in one process, on one
+event loop, over one engine; metrics and draining for both.
 
 The ports open first, reporting NOT_SERVING (HTTP /health: 503) while the model
 loads and warms up (and the `lora_modules` adapters are read), then SERVING; they go
@@ -28,7 +29,7 @@ from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.engine import LLMEngine
 from jaxserve.front import EngineFront
 from jaxserve.tokenizer import Tokenizer
-from server import disagg, operations, reflection
+from server import disagg, operations, peer_tls, reflection
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
 from server.edge import GrpcEdge, Keys
@@ -43,8 +44,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
 
 
 class ListenError(OSError):
-    """A server's port cannot be opened: `server` is "gRPC", "HTTP" or "metrics";
-    `errno` is EADDRINUSE when the port is taken."""
+    """A server's port cannot be opened: `server` is "gRPC", "peer gRPC", "HTTP" or
+    "metrics"; `errno` is EADDRINUSE when the port is taken."""
 
     def __init__(self, server: str, host: str, port: int, cause: OSError | RuntimeError):
         code = cause.errno if isinstance(cause, OSError) else None
@@ -72,7 +73,7 @@ class ServerOptions:
     # Keys by scope (`server.operations`), each checked from "authorization: Bearer
     # KEY" or "x-api-key": inference (None: open); the admin operations (pause, sleep,
     # weights, adapters, caches; None: not served at all); disaggregated serving's
-    # Prefill and PushKV (None: `api_key`'s).
+    # Prefill and PushKV (None: `api_key`'s, unless peers have a port of their own).
     api_key: str | None = None
     admin_api_key: str | None = None
     peer_api_key: str | None = None
@@ -81,6 +82,17 @@ class ServerOptions:
     allowed_local_paths: tuple[str, ...] = ()
     tls_cert: str | None = None  # PEM files; both or neither
     tls_key: str | None = None
+    # Mutual TLS between instances (`server.peer_tls`), PEM files. `peer_grpc_port`: a
+    # second port of the gRPC server (0: any free one) for the router and the other
+    # instances, TLS with `tls_cert` that requires a client certificate signed by
+    # `peer_tls_ca`; such a certificate grants the peer scope (as `peer_api_key` does,
+    # and without one it alone). The same CA verifies the peers this server calls, which
+    # are shown `peer_tls_cert` (with `peer_tls_key`). The router takes only the CA and
+    # its certificate: it serves no peer operations.
+    peer_grpc_port: int | None = None
+    peer_tls_ca: str | None = None
+    peer_tls_cert: str | None = None
+    peer_tls_key: str | None = None
     drain_grace_s: float = 30.0
     # Disaggregated serving: "prefill" and "decode" need a front that transfers KV
     # pages (refused at start-up otherwise); "both" serves everything it can.
@@ -112,15 +124,55 @@ class ServerOptions:
             raise ValueError("grpc_port and http_port are both None: no server to start")
         if self.grpc_port and self.grpc_port == self.http_port:
             raise ValueError(f"grpc_port and http_port are both {self.grpc_port}")
+        self._check_peer_tls()
+
+    def _check_peer_tls(self) -> None:
+        """Refuses a combination of the peer TLS options that cannot work, by flag name."""
+        if (self.peer_tls_cert is None) != (self.peer_tls_key is None):
+            raise ValueError(
+                "--peer_tls_cert and --peer_tls_key (this instance's client certificate "
+                "for its peers) must be given together"
+            )
+        if self.peer_tls_cert is not None and self.peer_tls_ca is None:
+            raise ValueError(
+                "--peer_tls_cert needs --peer_tls_ca, the CA that verifies the peers it is shown to"
+            )
+        port = self.peer_grpc_port
+        if port is None:
+            return
+        if self.peer_tls_ca is None:
+            raise ValueError(
+                "--peer_grpc_port requires client certificates signed by --peer_tls_ca: give it"
+            )
+        if self.tls_cert is None:
+            raise ValueError(
+                "--peer_tls_ca (with --peer_grpc_port) needs --tls_cert and --tls_key: "
+                "the peer port serves TLS with this server's certificate"
+            )
+        if self.grpc_port is None:
+            raise ValueError("--peer_grpc_port is a second port of the gRPC server: no grpc_port")
+        if port and port in (self.grpc_port, self.http_port):
+            raise ValueError(f"--peer_grpc_port {port} is also the gRPC or the HTTP port")
 
     def keys(self) -> Keys:
-        """What `server.edge` checks: the keys by scope, the body bound."""
+        """What `server.edge` checks: the keys by scope, whether a peer's certificate
+        grants the peer scope (a peer port), the body bound."""
+        peer = self.peer_api_key
+        if peer is None and self.peer_grpc_port is None:  # no peer credential: the user key
+            peer = self.api_key
         return Keys(
             user=self.api_key,
             admin=self.admin_api_key,
-            peer=self.peer_api_key if self.peer_api_key is not None else self.api_key,
+            peer=peer,
+            peer_certificates=self.peer_grpc_port is not None,
             max_body_bytes=self.max_message_bytes,
         )
+
+    def peer_tls(self) -> peer_tls.PeerTLS | None:
+        """The peer TLS files, read and checked (ValueError naming the flag); None: none."""
+        if self.peer_tls_ca is None:
+            return None
+        return peer_tls.read(self.peer_tls_ca, self.peer_tls_cert, self.peer_tls_key)
 
     def chat_parsers(self):
         from server.openai_api.chat_output import ChatParsers
@@ -179,7 +231,13 @@ class JaxServeServer:
         *,
         model_name: str = "",
     ):
+        if options.peer_tls_ca is not None and options.peer_grpc_port is None:
+            raise ValueError(
+                "--peer_tls_ca: an instance takes its peers' client certificates on a port "
+                "of their own; give --peer_grpc_port (0: any free port)"
+            )
         self.options = options
+        self._peer_tls = options.peer_tls()  # (read now: a bad file stops the start-up)
         self._make_engine = make_engine
         self.state = ServingState(
             model_name=model_name,
@@ -196,6 +254,7 @@ class JaxServeServer:
         )
         self.health = health.aio.HealthServicer()
         self.grpc_port: int | None = None
+        self.peer_grpc_port: int | None = None
         self.metrics_port: int | None = None
         self.http_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -262,8 +321,14 @@ class JaxServeServer:
                 check_port("gRPC", o.host, o.grpc_port)
             self._server = self._grpc_server()
             self.grpc_port = add_grpc_port(self._server, o)
+            if o.peer_grpc_port is not None:
+                if o.peer_grpc_port:
+                    check_port("peer gRPC", o.host, o.peer_grpc_port)
+                self.peer_grpc_port = add_peer_grpc_port(self._server, o, self._peer_tls)
             await self._server.start()
             logger.info("gRPC on %s:%d", o.host, self.grpc_port)
+            if self.peer_grpc_port is not None:
+                logger.info("gRPC for peers (mutual TLS) on %s:%d", o.host, self.peer_grpc_port)
         if self._http is not None:
             self.http_port = await self._http.start()
             logger.info("HTTP (OpenAI API) on %s:%d", o.host, self.http_port)
@@ -276,7 +341,7 @@ class JaxServeServer:
         logger.info("NOT_SERVING while the model loads")
 
     def _grpc_server(self) -> grpc.aio.Server:
-        o = self.options
+        o, tls = self.options, self._peer_tls
         service = pb.DESCRIPTOR.services_by_name["JaxServe"]
         operations.check_table(grpc_methods={m.name for m in service.methods})
         interceptors = [GrpcEdge(SERVICE_NAME, o.keys()), _MalformedRequestInterceptor()]
@@ -288,6 +353,7 @@ class JaxServeServer:
                 max_message_bytes=o.max_message_bytes,
                 parsers=o.chat_parsers(),
                 peer_api_key=o.peer_api_key,
+                peer_credentials=None if tls is None else tls.channel_credentials(),
             ),
             server,
         )
@@ -397,8 +463,7 @@ def check_port(server: str, host: str, port: int) -> None:
 def add_grpc_port(server: grpc.aio.Server, o: ServerOptions, *, tls: bool = True) -> int:
     """Binds `o.grpc_port` (TLS with `o.tls_cert` unless not `tls`); ListenError if
     it cannot be (`check_port` first says why)."""
-    host = f"[{o.host.strip('[]')}]" if ":" in o.host else o.host
-    address = f"{host}:{o.grpc_port}"
+    address = _address(o.host, o.grpc_port)
     try:
         if tls and o.tls_cert:
             with open(o.tls_cert, "rb") as c, open(o.tls_key, "rb") as k:
@@ -407,3 +472,18 @@ def add_grpc_port(server: grpc.aio.Server, o: ServerOptions, *, tls: bool = True
         return server.add_insecure_port(address)
     except RuntimeError as e:  # taken since the check
         raise ListenError("gRPC", o.host, o.grpc_port, e) from None
+
+
+def add_peer_grpc_port(server: grpc.aio.Server, o: ServerOptions, tls: peer_tls.PeerTLS) -> int:
+    """Binds `o.peer_grpc_port`: TLS with `o.tls_cert` that requires a client certificate
+    signed by `tls.ca` (`server.peer_tls`); ListenError if it cannot be."""
+    with open(o.tls_cert, "rb") as c, open(o.tls_key, "rb") as k:
+        creds = tls.server_credentials(c.read(), k.read())
+    try:
+        return server.add_secure_port(_address(o.host, o.peer_grpc_port), creds)
+    except RuntimeError as e:  # taken since the check
+        raise ListenError("peer gRPC", o.host, o.peer_grpc_port, e) from None
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"

@@ -137,14 +137,30 @@ def check_decode_target(target: str) -> str | None:
     return None
 
 
-async def push(target: str, pages: list[bytes], *, max_message_bytes: int, metadata=()) -> int:
-    """Streams `pages` to `target`'s PushKV; the pages it kept. Raises grpc.RpcError."""
+def channel(target: str, credentials: grpc.ChannelCredentials | None, options=()):
+    """A channel to another instance: TLS with `credentials` (`server.peer_tls`: the
+    deployment CA, this instance's client certificate), else plaintext."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    return grpc.aio.secure_channel(target, credentials, options=options)
+
+
+async def push(
+    target: str,
+    pages: list[bytes],
+    *,
+    max_message_bytes: int,
+    metadata=(),
+    credentials: grpc.ChannelCredentials | None = None,
+) -> int:
+    """Streams `pages` to `target`'s PushKV (over TLS with `credentials`); the pages it
+    kept. Raises grpc.RpcError."""
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
-    async with grpc.aio.insecure_channel(target, options=options) as channel:
-        stub = pb_grpc.JaxServeStub(channel)
+    async with channel(target, credentials, options) as peer:
+        stub = pb_grpc.JaxServeStub(peer)
         reply = await stub.PushKV(
             chunks(pages, max_message_bytes // 2), metadata=metadata, timeout=PUSH_TIMEOUT_S
         )

@@ -4,7 +4,11 @@ any handler runs or any body is read.
 
 - An admin operation on a server without `admin_api_key` does not exist: HTTP 404,
   gRPC UNIMPLEMENTED. With it, only that key opens it (401 / UNAUTHENTICATED).
-- A user operation takes `api_key` when one is set; a peer operation `peer_api_key`.
+- A user operation takes `api_key` when one is set; a peer operation `peer_api_key`,
+  or, with `peer_certificates` (a gRPC peer port, `server.peer_tls`), a client
+  certificate gRPC verified against the peer CA: that call's handler checks its auth
+  context before it reads any of the request stream. Either credential will do; with
+  no peer key, only a certificate.
 - An HTTP body is bounded by its operation's limit before it is read: a declared
   `content-length` over it is 413 at once; a chunked body is read up to the limit and
   no further. The key is checked first, so an unauthenticated client is never read.
@@ -20,7 +24,7 @@ import json
 
 import grpc
 
-from server import auth, operations
+from server import auth, operations, peer_tls
 from server.operations import BY_METHOD, Operation
 
 
@@ -31,6 +35,9 @@ class Keys:
     user: str | None = None
     admin: str | None = None
     peer: str | None = None
+    # A client certificate verified against the peer CA grants the peer scope too (and,
+    # with no `peer` key, it alone does: the scope is not open).
+    peer_certificates: bool = False
     max_body_bytes: int = 4 << 20  # an operation's default limit (`max_message_bytes`)
 
     def __post_init__(self):
@@ -46,6 +53,10 @@ class Keys:
             return None
         raw = auth.key_bytes(key)
         return {"authorization": b"Bearer " + raw, "x-api-key": raw}
+
+    def by_certificate(self, scope: str) -> bool:
+        """Whether a verified client certificate grants `scope` (gRPC only)."""
+        return scope == "peer" and self.peer_certificates
 
     def limit(self, op: Operation) -> int:
         return self.max_body_bytes if op.max_body_bytes is None else op.max_body_bytes
@@ -76,9 +87,9 @@ class HttpEdge:
             return await _answer(send, 404, "Not Found", "not_found_error")
         headers = dict(scope["headers"])  # (raw bytes: compared as they arrived)
         expected = self.keys.expected(op.scope)
-        if expected is not None:
-            presented = {name: headers.get(name.encode()) for name in expected}
-            if not _authorized(expected, presented):
+        if expected is not None or self.keys.by_certificate(op.scope):  # (no certificates here)
+            presented = {name: headers.get(name.encode()) for name in expected or {}}
+            if not _authorized(expected or {}, presented):
                 return await _answer(
                     send,
                     401,
@@ -175,15 +186,45 @@ class GrpcEdge(grpc.aio.ServerInterceptor):
                 f"{details.method}: admin operations are served only with --admin_api_key",
             )
         expected = self.keys.expected(op.scope)
-        if expected is None:
+        by_certificate = self.keys.by_certificate(op.scope)
+        if expected is None and not by_certificate:
             return handler
-        presented = {name: None for name in expected}
-        for name, value in details.invocation_metadata or ():
-            if name in presented:
-                presented[name] = auth.presented(value)
-        if _authorized(expected, presented):
-            return handler
+        if expected is not None:
+            presented = {name: None for name in expected}
+            for name, value in details.invocation_metadata or ():
+                if name in presented:
+                    presented[name] = auth.presented(value)
+            if _authorized(expected, presented):
+                return handler
+        if by_certificate:  # (the auth context is the call's, not in `details`)
+            return _if_certified(handler)
         return _deny(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
+
+
+PEER_REFUSED = "a peer operation: no peer key, and no client certificate of the peer CA"
+
+
+def _if_certified(handler):
+    """`handler`, run only for a call whose client certificate gRPC verified against the
+    peer CA (`peer_tls.certified`); any other is refused before its stream is read."""
+    run = (
+        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    )
+
+    async def check(context):
+        if not peer_tls.certified(context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, PEER_REFUSED)
+
+    async def unary(request, context):
+        await check(context)
+        return await run(request, context)
+
+    async def stream(request, context):
+        await check(context)
+        async for message in run(request, context):
+            yield message
+
+    return _same_kind(handler, unary, stream)
 
 
 def _deny(handler, code: grpc.StatusCode, message: str):
@@ -197,11 +238,17 @@ def _deny(handler, code: grpc.StatusCode, message: str):
         await deny(request, context)
         yield  # pragma: no cover - makes this an async generator
 
+    return _same_kind(handler, deny, deny_stream)
+
+
+def _same_kind(handler, unary, stream):
+    """A handler of `handler`'s kind and (de)serializers that runs `unary` (one answer)
+    or `stream` (an async generator of answers)."""
     factory, behaviour = {
-        (False, False): (grpc.unary_unary_rpc_method_handler, deny),
-        (False, True): (grpc.unary_stream_rpc_method_handler, deny_stream),
-        (True, False): (grpc.stream_unary_rpc_method_handler, deny),
-        (True, True): (grpc.stream_stream_rpc_method_handler, deny_stream),
+        (False, False): (grpc.unary_unary_rpc_method_handler, unary),
+        (False, True): (grpc.unary_stream_rpc_method_handler, stream),
+        (True, False): (grpc.stream_unary_rpc_method_handler, unary),
+        (True, True): (grpc.stream_stream_rpc_method_handler, stream),
     }[handler.request_streaming, handler.response_streaming]
     return factory(
         behaviour,

@@ -10,7 +10,9 @@ Scopes:
   take only that key; elsewhere they are 404 / UNIMPLEMENTED, as vLLM serves its
   development endpoints only in development mode;
 - "peer": another jaxserve instance's traffic (disaggregated serving's `Prefill` and
-  `PushKV`): `--peer_api_key`, when given, checked before any of a stream is read.
+  `PushKV`): `--peer_api_key`, when given, or a client certificate verified against
+  `--peer_tls_ca` (on `--peer_grpc_port`: `server.peer_tls`), checked before any of a
+  stream is read.
 
 `server.edge` enforces the table for both servers, before a handler runs or a body is
 read; the table is the one place a new operation's scope and limits are declared. An

@@ -8,8 +8,10 @@ tokens and push the pages to the decode instance (`Prefill`, server/disagg.py),
 then streams the decode instance's `Generate` of the resumed samples to the
 client, patched into one ordinary stream: the samples that finished at the
 first token, prompt logprobs on the first message, usage over all samples on
-the last. Nothing reaches the client before the decode instance has answered,
-so a failure up to then is retried:
+the last. With mutual TLS (`server.peer_tls`) the targets are the instances'
+peer ports, reached over TLS with the router's client certificate. Nothing
+reaches the client before the decode instance has answered, so a failure up to
+then is retried:
 
   - a decode instance that is down or refuses the pages (Prefill: ABORTED), or
     that fails before its first message: the next decode instance; after all
@@ -61,8 +63,12 @@ class RouterServicer(pb_grpc.JaxServeServicer):
         max_message_bytes: int,
         *,
         peer_api_key: str | None = None,
+        peer_credentials: grpc.ChannelCredentials | None = None,
     ):
         self.peer_api_key = peer_api_key  # sent with Prefill (None: the caller's key)
+        # TLS to every instance (`server.peer_tls`; None: plaintext): the instances'
+        # peer ports, which take this certificate as the peer scope's credential.
+        self.peer_credentials = peer_credentials
         if not prefill_targets or not decode_targets:
             raise ValueError(
                 f"the router needs prefill_targets and decode_targets, got {prefill_targets} "
@@ -79,7 +85,7 @@ class RouterServicer(pb_grpc.JaxServeServicer):
 
     def _stub(self, target: str) -> pb_grpc.JaxServeStub:
         if target not in self._stubs:
-            channel = grpc.aio.insecure_channel(target, options=self._options)
+            channel = disagg.channel(target, self.peer_credentials, self._options)
             self._stubs[target] = pb_grpc.JaxServeStub(channel)
         return self._stubs[target]
 

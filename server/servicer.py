@@ -144,9 +144,11 @@ class JaxServeServicer(LifecycleRPCs, LoRARPCs, pb_grpc.JaxServeServicer):  # pa
         max_message_bytes: int = 4 << 20,
         parsers: ChatParsers | None = None,
         peer_api_key: str | None = None,
+        peer_credentials: grpc.ChannelCredentials | None = None,
     ):
         self.state = state
         self.peer_api_key = peer_api_key  # sent with PushKV (None: the caller's key)
+        self.peer_credentials = peer_credentials  # PushKV's TLS (None: plaintext)
         self.metrics = metrics
         self.parsers = parsers or ChatParsers()
         self.max_message_bytes = max_message_bytes
@@ -453,6 +455,7 @@ class JaxServeServicer(LifecycleRPCs, LoRARPCs, pb_grpc.JaxServeServicer):  # pa
                 pages,
                 max_message_bytes=self.max_message_bytes,
                 metadata=disagg.peer_metadata(self.peer_api_key, disagg.auth_metadata(context)),
+                credentials=self.peer_credentials,
             )
         except grpc.RpcError as e:
             await context.abort(

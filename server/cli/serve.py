@@ -19,6 +19,19 @@ gRPC, and the router serves gRPC only:
   jaxserve serve --role=router --grpc_port=50051 \\
       --prefill_targets=127.0.0.1:50061 --decode_targets=127.0.0.1:50071,...
 
+Between the instances, mutual TLS instead of (or beside) --peer_api_key: one CA signs
+every instance's server and client certificate; each instance serves its peers on a port
+of their own that requires a client certificate signed by it, and the router's targets
+name those ports (server/peer_tls.py):
+
+  jaxserve serve --role=decode --grpc_port=50071 --peer_grpc_port=50072 \\
+      --tls_cert=decode.pem --tls_key=decode.key --peer_tls_ca=ca.pem
+  jaxserve serve --role=prefill --grpc_port=50061 --peer_grpc_port=50062 \\
+      --tls_cert=prefill.pem --tls_key=prefill.key --peer_tls_ca=ca.pem \\
+      --peer_tls_cert=client.pem --peer_tls_key=client.key
+  jaxserve serve --role=router --prefill_targets=host:50062 --decode_targets=host:50072 \\
+      --peer_tls_ca=ca.pem --peer_tls_cert=client.pem --peer_tls_key=client.key
+
 Every role but the router serves the whole API over one engine (`both`, the
 default, and `prefill` are the same server; `decode` needs a host KV tier to
 receive pages in, 1 GiB unless --kv_offload_bytes says otherwise); the router
@@ -130,6 +143,32 @@ flags.DEFINE_list(
 )
 flags.DEFINE_string("tls_cert", None, "PEM certificate chain (with --tls_key) to serve TLS.")
 flags.DEFINE_string("tls_key", None, "PEM private key.")
+flags.DEFINE_integer(
+    "peer_grpc_port",
+    None,
+    "Mutual TLS between disaggregated instances: a second gRPC port (0: any free one) "
+    "for the router and the other instances, TLS with --tls_cert that requires a client "
+    "certificate signed by --peer_tls_ca, which grants Prefill and PushKV (as "
+    "--peer_api_key does; without that key, only the certificate does). The router's "
+    "targets name these ports. Unset: none.",
+    lower_bound=0,
+    upper_bound=65535,
+)
+flags.DEFINE_string(
+    "peer_tls_ca",
+    None,
+    "PEM certificate of the CA that signs every instance's certificates (one deployment "
+    "CA): it verifies the client certificates on --peer_grpc_port and, when this "
+    "instance or the router calls a peer, that peer's server certificate.",
+)
+flags.DEFINE_string(
+    "peer_tls_cert",
+    None,
+    "PEM client certificate (with --peer_tls_key), signed by --peer_tls_ca, that this "
+    "instance or the router shows the peers it calls (the router's Prefill, a prefill "
+    "instance's PushKV).",
+)
+flags.DEFINE_string("peer_tls_key", None, "PEM private key of --peer_tls_cert.")
 flags.DEFINE_float("drain_grace_s", 30.0, "Seconds in-flight requests may finish on SIGTERM.")
 flags.DEFINE_enum(
     "role",
@@ -204,7 +243,12 @@ def main(argv) -> None:
         raise SystemExit(f"jaxserve serve: {e}") from None
 
 
-PORT_FLAGS = {"HTTP": "--port", "gRPC": "--grpc_port", "metrics": "--metrics_port"}
+PORT_FLAGS = {
+    "HTTP": "--port",
+    "gRPC": "--grpc_port",
+    "peer gRPC": "--peer_grpc_port",
+    "metrics": "--metrics_port",
+}
 
 
 def _cannot_listen(e: ListenError) -> str:
@@ -293,6 +337,10 @@ def _options(role: str = "both", lora_modules: tuple[LoRAModule, ...] = ()):
         allowed_local_paths=tuple(FLAGS.allowed_local_paths),
         tls_cert=FLAGS.tls_cert,
         tls_key=FLAGS.tls_key,
+        peer_grpc_port=FLAGS.peer_grpc_port,
+        peer_tls_ca=FLAGS.peer_tls_ca,
+        peer_tls_cert=FLAGS.peer_tls_cert,
+        peer_tls_key=FLAGS.peer_tls_key,
         drain_grace_s=FLAGS.drain_grace_s,
         tool_call_parser=FLAGS.tool_call_parser,
         tool_call_constrained=FLAGS.tool_call_constrained,
@@ -313,12 +361,19 @@ async def _until_signal() -> None:
 async def _route() -> None:
     from server.router import RouterServer, RouterServicer
 
+    if FLAGS.peer_grpc_port is not None:
+        raise ValueError(
+            "--peer_grpc_port is for the instances: the router serves no peer operations "
+            "(--peer_tls_ca, --peer_tls_cert and --peer_tls_key are what it calls them with)"
+        )
     options = _options()
+    tls = options.peer_tls()
     servicer = RouterServicer(
         FLAGS.prefill_targets,
         FLAGS.decode_targets,
         options.max_message_bytes,
         peer_api_key=options.peer_api_key,
+        peer_credentials=None if tls is None else tls.channel_credentials(),
     )
     server = RouterServer(servicer, options)
     await server.start()
