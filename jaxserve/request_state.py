@@ -61,6 +61,8 @@ class RequestState:
     def finished(self) -> bool:
         if self.beam is not None:
             return self.beam.group.done or (bool(self.seqs) and all(s.finished for s in self.seqs))
+        if len(self.seqs) == 1:  # (read for every request every step: n = 1 at once)
+            return self.seqs[0].finished
         return all(s.finished for s in self.seqs)
 
     def resume(self, resume: tuple[ResumedSample, ...]) -> None:

@@ -87,8 +87,11 @@ class ScheduledSeq:
     def token_ids(self) -> list[int]:
         """The tokens to compute: known ones (0 standing in for a placeholder), then the
         drafts."""
+        ids, start = self.seq.token_ids, self.start
+        if self.num_tokens == 1 and not self.draft:  # (a decode's: most items of a step)
+            return [ids[start]] if start < len(ids) else [0]
         real = self.num_tokens - len(self.draft)
-        known = self.seq.token_ids[self.start : self.start + real]
+        known = ids[start : start + real]
         return known + [0] * (real - len(known)) + list(self.draft)
 
 

@@ -78,6 +78,10 @@ class StepPipeline:
         self.inflight: Step | None = None  # dispatched, its tokens not applied yet
         self.ready: list[RequestOutput] = []  # applied by `drain`, for the next step to return
         self.weight_version = 0  # of the weights the steps dispatched from now on run with
+        # The sampler rows of the last step's plain sequences (no draft, grammar, beam or
+        # min_tokens block), used again by the next: the same row but for the token in
+        # flight, its settings and its sequence's token list (grown in place) unchanged.
+        self._plain_rows: dict[SequenceState, SampleRow] = {}
 
     def drain(self) -> None:
         """Applies the step in flight now (before the weights change under the next);
@@ -145,7 +149,17 @@ class StepPipeline:
         names the cause) is returned with the rows, the request forgotten."""
         rows: list[list[SampleRow]] = []
         failed: dict[str, RequestOutput] = {}
+        last, self._plain_rows = self._plain_rows, {}
         for s in plan.scheduled:
+            row = None if s.draft else last.get(s.seq)
+            if row is not None and row.token_ids is s.seq.token_ids:
+                if s.seq.num_placeholders:  # the token in flight, read on the device
+                    row.more_ids = (-2 - (prev.rows[s.seq] if s.placeholder else -1),)
+                else:
+                    row.more_ids = ()
+                self._plain_rows[s.seq] = row
+                rows.append([row])
+                continue
             req = self.requests[s.seq.request_id]
             prev_row = prev.rows[s.seq] if s.placeholder else -1
             try:
@@ -263,7 +277,7 @@ class StepPipeline:
         # follows it apart: the drafts before row j, a token in flight (the penalties'
         # history reads that one on the device).
         more = (*draft[:j], -2 - prev_row) if ahead else tuple(draft[:j])
-        return SampleRow(
+        row = SampleRow(
             seq.params,
             seq.token_ids,
             seq.num_prompt_tokens,
@@ -274,6 +288,9 @@ class StepPipeline:
             beam=req.beam.temperature if req.beam is not None else 0.0,
             more_ids=more,
         )
+        if not draft and not blocked and grammar is None and req.beam is None:
+            self._plain_rows[seq] = row  # (`sample_rows` uses it again next step)
+        return row
 
 
 def prompt_targets(item: ScheduledSeq) -> list[int]:

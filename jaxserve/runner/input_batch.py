@@ -240,7 +240,7 @@ def build_batch(
     dec_t, dec_ids, dec_pos, dec_slots = [], [], [], []
     ends, cu, rows = [], [], []
     t = r = 0
-    last_slot = 0
+    last_slot = 0  # (nonzero once a sequence has an adapter)
     for b, w in enumerate(work):
         n = len(w.token_ids)
         start = w.start
@@ -313,7 +313,7 @@ def build_batch(
     cu_q_lens[len(work) + 1 :] = t
     if page_rows is not None:
         page_rows.end_step()
-    if not lora_slots.any():
+    if not last_slot:  # (slots never decrease: no sequence has an adapter)
         lora_slots = lora_slots[:0]
     if all_logits:
         logits_indices = np.arange(token_bucket, dtype=np.int32)
@@ -437,8 +437,9 @@ def build_sampling(
     the other rows runs, and the engine fails that row's request alone.
     """
     b = seq_bucket
+    special = [i for i, row in enumerate(rows) if row.params.logit_bias or needs_full(row)]
     if full is None:
-        full = any(needs_full(row) for row in rows)
+        full = any(needs_full(rows[i]) for i in special)
     temperature = np.zeros(b, np.float32)
     top_k = np.zeros(b, np.int32)
     top_p = np.ones(b, np.float32)
@@ -476,12 +477,11 @@ def build_sampling(
                 _pack_columns([row], [c[i : i + 1] for c in columns], vocab_size)
             except Exception as e:
                 fail(i, e)
-    for i, row in enumerate(rows):  # what only some rows have, row by row
-        if row.params.logit_bias or needs_full(row):
-            try:
-                _pack_row(i, row, columns, max_bias=max_bias, vocab_size=vocab_size)
-            except Exception as e:
-                fail(i, e)
+    for i in special:  # what only some rows have, row by row
+        try:
+            _pack_row(i, rows[i], columns, max_bias=max_bias, vocab_size=vocab_size)
+        except Exception as e:
+            fail(i, e)
     want_logprobs = any(row.params.logprobs is not None for row in rows)
     return SamplingMetadata(
         temperature=temperature,
