@@ -185,7 +185,7 @@ class StepPipeline:
         sampled token (a sequence verifying drafts waits for the verdict). `rows` are
         each item's sampler rows (`sample_rows`); `prev` is the step in flight, whose
         tokens the placeholders of this one read."""
-        work, flat, sampled, owners = [], [], [], []
+        work, flat, sampled = [], [], []
         for s, item_rows in zip(plan.scheduled, rows, strict=True):
             prev_row = prev.rows[s.seq] if s.placeholder else -1
             work.append(
@@ -203,7 +203,6 @@ class StepPipeline:
             if s.samples:
                 sampled.append((s, len(flat)))
             flat.extend(item_rows)
-            owners.extend([s.seq] * len(item_rows))
         runner = self.runner
         batch = runner.build(work, copies=plan.copies)
         # Built (grammar bitmasks filled) while the forward pass runs on the device. A
@@ -219,8 +218,11 @@ class StepPipeline:
         for item, _ in sampled:
             item.seq.num_placeholders += 1
         failed_rows: dict[SequenceState, Exception] = {}
-        for row, e in sorted(row_errors.items()):  # each sequence's first failed row
-            failed_rows.setdefault(owners[row], e)
+        if row_errors:  # (rare: the rows' owners listed only then)
+            scheduled = zip(plan.scheduled, rows, strict=True)
+            owners = [s.seq for s, item_rows in scheduled for _ in item_rows]
+            for row, e in sorted(row_errors.items()):  # each sequence's first failed row
+                failed_rows.setdefault(owners[row], e)
         return Step(plan, pending, sampled, failed_rows, self.weight_version)
 
     def apply(self, step: Step, t0: float) -> list[RequestOutput]:

@@ -387,6 +387,23 @@ class SampleRow:
     # Ids that follow `token_ids` (drafts before the row's, a token in flight): apart,
     # so that a row shares its sequence's list instead of copying it every step.
     more_ids: Sequence[int] = ()
+    # The row's fixed settings as `_pack_columns` writes them (made once: a sequence's
+    # row is used again from step to step while it stays plain).
+    settings: tuple = dataclasses.field(default=(), init=False)
+
+    def __post_init__(self):
+        p = self.params
+        self.settings = (
+            p.temperature,
+            min(p.top_k, _INT32_MAX),  # (past the vocabulary: all of it; clipped when packed)
+            p.top_p,
+            p.min_p,
+            p.presence_penalty,
+            p.frequency_penalty,
+            p.repetition_penalty,
+            self.seed & 0xFFFFFFFF,
+            self.beam,
+        )
 
     @property
     def length(self) -> int:
@@ -460,13 +477,12 @@ def build_sampling(
     columns = (temperature, top_k, top_p, min_p, presence, frequency, repetition, seed)
     columns += (position, bias_ids, bias_values, allowed, masked, history, num_prompt, draft)
     columns += (beam,)
-    neutral = [c[-1].copy() for c in columns] if b else []  # (every row starts neutral)
 
     def fail(i: int, e: Exception) -> None:
         if errors is None:
             raise e
         errors[i] = e
-        for c, value in zip(columns, neutral, strict=True):
+        for c, value in zip(columns, _NEUTRAL, strict=True):  # (what every row starts as)
             c[i] = value
 
     try:  # every row's plain settings, a column at a time
@@ -505,27 +521,28 @@ def build_sampling(
     )
 
 
+_INT32_MAX = 2**31 - 1
+
+# Each of `build_sampling`'s columns' value in a row that samples neutrally (its fill).
+_NEUTRAL = (0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0xFFFFFFFF, False, -1, 0, -1, 0)
+
+
 def _pack_columns(rows: Sequence[SampleRow], columns, vocab_size: int) -> None:
     """Writes the rows' plain settings (those every row has) into the first len(rows)
     entries of `columns` (`build_sampling`'s arrays, in its order)."""
     n = len(rows)
     if not n:
         return
-    ps = [row.params for row in rows]
     (temperature, top_k, top_p, min_p, presence, frequency, repetition, seed) = columns[:8]
     position, draft, beam = columns[8], columns[15], columns[16]
-    temperature[:n] = [p.temperature for p in ps]
-    # top_k past the vocabulary keeps all of it (and may not fit an int32)
-    top_k[:n] = [min(p.top_k, vocab_size) for p in ps]
-    top_p[:n] = [p.top_p for p in ps]
-    min_p[:n] = [p.min_p for p in ps]
-    presence[:n] = [p.presence_penalty for p in ps]
-    frequency[:n] = [p.frequency_penalty for p in ps]
-    repetition[:n] = [p.repetition_penalty for p in ps]
-    seed[:n] = [row.seed & 0xFFFFFFFF for row in rows]
-    position[:n] = [row.length - row.num_prompt for row in rows]
+    fixed = (temperature, top_k, top_p, min_p, presence, frequency, repetition, seed, beam)
+    for column, values in zip(
+        fixed, zip(*[row.settings for row in rows], strict=True), strict=True
+    ):
+        column[:n] = values
+    np.minimum(top_k[:n], vocab_size, out=top_k[:n])  # top_k past the vocabulary: all of it
+    position[:n] = [len(row.token_ids) + len(row.more_ids) - row.num_prompt for row in rows]
     draft[:n] = [row.draft for row in rows]
-    beam[:n] = [row.beam for row in rows]
 
 
 def _pack_row(i: int, row: SampleRow, columns, *, max_bias: int, vocab_size: int) -> None:

@@ -122,7 +122,9 @@ def test_a_request_whose_sampler_rows_raise_fails_before_its_step(monkeypatch):
         return original(self, seq, *args)
 
     monkeypatch.setattr(StepPipeline, "sample_row", sample_row)
-    done = run_all(engine, JOBS, [GenerateRequest("bad", [2, 4, 6], params(8))])
+    # (a row blocking ids under min_tokens is built every step; a plain row once, kept)
+    bad = GenerateRequest("bad", [2, 4, 6], params(8, min_tokens=8, stop_token_ids=[1]))
+    done = run_all(engine, JOBS, [bad])
     assert_others_exact(done)
     assert_failed(done["bad"], "building its sampler rows", "injected failure in sample_row")
     assert_idle(engine)

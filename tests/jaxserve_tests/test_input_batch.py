@@ -7,11 +7,14 @@ import pytest
 
 from jaxserve.runner.input_batch import (
     PageRows,
+    SampleRow,
     SeqWork,
     build_batch,
+    build_sampling,
     pick_bucket,
     pow2_buckets,
 )
+from jaxserve.sampling_params import SamplingParams
 
 
 def test_buckets():
@@ -106,3 +109,26 @@ def test_kept_page_rows_build_the_same_steps_as_rows_built_from_the_lists():
             want, got = getattr(built, field.name), getattr(kept, field.name)
             np.testing.assert_array_equal(got, want, err_msg=field.name)
     assert len(rows._rows) <= len(seqs)  # rows of sequences gone are dropped
+
+
+def test_a_row_that_cannot_be_packed_samples_as_padding_does():
+    """A row whose settings the arrays cannot hold is recorded in `errors` and left as
+    neutral as a padding row, every column of it (the failure's fill and the arrays'
+    fills cannot drift apart)."""
+    good = SampleRow(SamplingParams(temperature=0.7, top_k=5, seed=3), [1, 2, 3], 2, 9)
+    bad = SampleRow(
+        SamplingParams(temperature=0.5, presence_penalty=0.3, logit_bias={4: 1.0}),
+        [1, 2],
+        1,
+        2**40,  # (a seed is masked to 32 bits; a bias past the cap cannot be held)
+    )
+    errors: dict[int, Exception] = {}
+    meta = build_sampling(
+        [good, bad], seq_bucket=4, history_len=8, max_bias=0, vocab_size=64, errors=errors
+    )
+    assert list(errors) == [1] and "logit_bias" in str(errors[1])
+    for field in dataclasses.fields(meta):
+        column = getattr(meta, field.name)
+        if field.name != "want_logprobs":
+            np.testing.assert_array_equal(column[1], column[3], err_msg=field.name)
+    assert meta.temperature[0] == np.float32(0.7) and meta.top_k[0] == 5
