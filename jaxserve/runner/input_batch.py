@@ -390,9 +390,15 @@ class SampleRow:
     # The row's fixed settings as `_pack_columns` writes them (made once: a sequence's
     # row is used again from step to step while it stays plain).
     settings: tuple = dataclasses.field(default=(), init=False)
+    # Whether `_pack_row` writes it (a logit bias, a bitmask, a penalty history), and
+    # whether it asks for logprobs (made once too).
+    special: bool = dataclasses.field(default=False, init=False)
+    wants_logprobs: bool = dataclasses.field(default=False, init=False)
 
     def __post_init__(self):
         p = self.params
+        self.special = bool(p.logit_bias) or needs_full(self)
+        self.wants_logprobs = p.logprobs is not None
         self.settings = (
             p.temperature,
             min(p.top_k, _INT32_MAX),  # (past the vocabulary: all of it; clipped when packed)
@@ -454,7 +460,7 @@ def build_sampling(
     the other rows runs, and the engine fails that row's request alone.
     """
     b = seq_bucket
-    special = [i for i, row in enumerate(rows) if row.params.logit_bias or needs_full(row)]
+    special = [i for i, row in enumerate(rows) if row.special]
     if full is None:
         full = any(needs_full(rows[i]) for i in special)
     temperature = np.zeros(b, np.float32)
@@ -498,7 +504,7 @@ def build_sampling(
             _pack_row(i, rows[i], columns, max_bias=max_bias, vocab_size=vocab_size)
         except Exception as e:
             fail(i, e)
-    want_logprobs = any(row.params.logprobs is not None for row in rows)
+    want_logprobs = any([row.wants_logprobs for row in rows])
     return SamplingMetadata(
         temperature=temperature,
         top_k=top_k,
