@@ -187,17 +187,19 @@ class StepPipeline:
         tokens the placeholders of this one read."""
         work, flat, sampled = [], [], []
         for s, item_rows in zip(plan.scheduled, rows, strict=True):
-            prev_row = prev.rows[s.seq] if s.placeholder else -1
+            seq = s.seq
+            prev_row = prev.rows[seq] if prev is not None and s.placeholder else -1
+            targets = () if seq.params.prompt_logprobs is None else prompt_targets(s)
             work.append(
                 SeqWork(
                     s.token_ids,
                     s.start,
-                    s.seq.pages,
-                    prompt_targets(s),
+                    seq.pages,
+                    targets,
                     len(item_rows),
                     prev_row=prev_row,
-                    group_pages=s.seq.group_pages,
-                    lora_slot=s.seq.lora_slot,
+                    group_pages=seq.group_pages,
+                    lora_slot=seq.lora_slot,
                 )
             )
             if s.samples:

@@ -238,10 +238,48 @@ def build_batch(
     # A decode row's scalars (most rows of a step) are gathered in lists and written
     # once at the end: a numpy item write costs more than a list append.
     dec_t, dec_ids, dec_pos, dec_slots = [], [], [], []
+    prev_t, prev_r = [], []  # decode rows that read their token on the device
     ends, cu, rows = [], [], []
     t = r = 0
     last_slot = 0  # (nonzero once a sequence has an adapter)
+    max_rows = len(logits_indices)
+    row_of = page_rows.row if page_rows is not None else None
     for b, w in enumerate(work):
+        pages, start, slot = w.pages, w.start, w.lora_slot
+        held = len(pages)
+        if (  # a plain decode (most rows of a step): its checks at once, its writes listed
+            len(w.token_ids) == 1
+            and w.num_samples == 1
+            and start < held * page_size
+            and held <= pages_per_seq
+            and slot >= last_slot
+            and r < max_rows
+            and not extra
+            and not w.group_pages
+            and not len(w.prompt_targets)
+        ):
+            if row_of is not None:
+                page_indices[b] = row_of(pages, start // page_size)
+            else:
+                page_indices[b, :held] = pages
+            dec_t.append(t)
+            dec_pos.append(start)
+            dec_slots.append(pages[start // page_size] * page_size + start % page_size)
+            if w.prev_row >= 0:  # the step reads the token on the device
+                dec_ids.append(0)
+                prev_t.append(t)
+                prev_r.append(w.prev_row)
+            else:
+                dec_ids.append(w.token_ids[0])
+            if slot:
+                lora_slots[t:] = slot  # (the padding after the last sequence too)
+                last_slot = slot
+            t += 1
+            ends.append(start + 1)
+            cu.append(t)
+            rows.append(t - 1)
+            r += 1
+            continue
         n = len(w.token_ids)
         start = w.start
         end = start + n
@@ -307,6 +345,8 @@ def build_batch(
         input_ids[dec_t] = dec_ids
         positions[dec_t] = dec_pos
         slot_mapping[dec_t] = dec_slots
+    if prev_t:
+        prev_rows[prev_t] = prev_r
     kv_lens[: len(ends)] = ends
     cu_q_lens[1 : len(cu) + 1] = cu
     logits_indices[: len(rows)] = rows

@@ -132,3 +132,46 @@ def test_a_row_that_cannot_be_packed_samples_as_padding_does():
         if field.name != "want_logprobs":
             np.testing.assert_array_equal(column[1], column[3], err_msg=field.name)
     assert meta.temperature[0] == np.float32(0.7) and meta.top_k[0] == 5
+
+
+def test_decode_rows_among_chunks_are_packed_as_the_layout_says():
+    """Decode rows (one token: most rows of a step, packed on their own path) beside
+    prefill chunks, some reading their token on the device (`prev_row`) and some with
+    an adapter: every field is what the step's layout says, row by row."""
+    rng = np.random.default_rng(1)
+    page, width = 4, 8
+    kw = dict(page_size=page, pages_per_seq=width, token_bucket=64, seq_bucket=16, num_rows=16)
+    fresh = iter(range(1, 10_000))
+    for _ in range(50):
+        work, slot = [], 0
+        for _ in range(int(rng.integers(1, 12))):
+            n = 1 if rng.random() < 0.7 else int(rng.integers(2, 5))
+            start = int(rng.integers(0, width * page - n))
+            pages = [next(fresh) for _ in range(-(-(start + n) // page))]
+            slot += int(rng.random() < 0.2)
+            prev = int(rng.integers(0, 9)) if rng.random() < 0.4 else -1
+            ids = [int(x) for x in rng.integers(1, 99, n)]
+            work.append(SeqWork(ids, start, pages, (), 1, prev_row=prev, lora_slot=slot))
+        if sum(len(w.token_ids) for w in work) > 64:
+            continue
+        batch = build_batch(work, **kw)
+        t = 0
+        for b, w in enumerate(work):
+            n = len(w.token_ids)
+            for i in range(n):
+                pos = w.start + i
+                last = i == n - 1
+                want_id = 0 if last and w.prev_row >= 0 else w.token_ids[i]
+                assert batch.input_ids[t + i] == want_id
+                assert batch.positions[t + i] == pos
+                assert batch.slot_mapping[t + i] == w.pages[pos // page] * page + pos % page
+                assert batch.prev_rows[t + i] == (w.prev_row if last else -1)
+                if slot:
+                    assert batch.lora_slots[t + i] == w.lora_slot
+            assert list(batch.page_indices[b, : len(w.pages)]) == w.pages
+            assert (batch.page_indices[b, len(w.pages) :] == 0).all()
+            assert batch.kv_lens[b] == w.start + n
+            t += n
+            assert batch.cu_q_lens[b + 1] == t and batch.logits_indices[b] == t - 1
+        assert batch.num_seqs[0] == len(work)
+        assert len(batch.lora_slots) == (64 if slot else 0)
