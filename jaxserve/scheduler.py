@@ -377,7 +377,11 @@ class Scheduler:
         (Pages are shared with one layer group only: a hybrid KV cache never forks.)"""
         if len(self.kv.pools) > 1:
             return self.kv.grow(seq, num_tokens)
-        need = -(-num_tokens // self.page_size) - len(seq.pages)
+        pages = seq.pages
+        need = -(-num_tokens // self.page_size) - len(pages)
+        first = seq.num_computed // self.page_size
+        if need <= 0 and first == len(pages) + need - 1 and self.pool.ref_count(pages[first]) == 1:
+            return True  # (a decode's: it writes one page, its own)
         shared = sharing.shared_pages(
             self.pool, seq.pages, seq.num_computed, num_tokens, self.page_size
         )
