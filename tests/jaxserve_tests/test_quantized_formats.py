@@ -1,5 +1,5 @@
-"""Quantized checkpoint formats (jaxserve.checkpoint.quantized_formats and
-quantization_config): each format's storage against its own tools -- the
+"""Quantized checkpoint formats (jaxserve.quantized: formats and
+config): each format's storage against its own tools -- the
 compressed-tensors package (its compressors, and a small model it saved), transformers'
 fp8 ops, and AutoAWQ's and AutoGPTQ's packing and dequantization as they wrote them,
 typed out below in torch -- round trips for every group size, symmetry and desc_act,
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxserve.checkpoint.quantized_formats import (
+from jaxserve.quantized.formats import (
     AWQ_ORDER,
     FP8,
     QuantizedWeight,
@@ -786,7 +786,7 @@ for name, path in (("jaxserve", {root!r}), ("jaxserve.checkpoint", {root!r} + "/
     package = types.ModuleType(name)
     package.__path__ = [path]
     sys.modules[name] = package
-import jaxserve.checkpoint.quantized_formats
+import jaxserve.quantized.formats
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "torch", "flax"))
 assert not heavy, heavy
 """

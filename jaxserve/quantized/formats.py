@@ -1,6 +1,6 @@
 """Quantized checkpoints as users download them: AWQ, GPTQ, compressed-tensors, fp8.
 
-`read_quantization_config` (from `quantization_config`) reads a config.json's
+`read_quantization_config` (from `jaxserve.quantized.config`) reads a config.json's
 `quantization_config` into a `QuantFormat`. Per linear, `unpack` turns the tensors a
 format stores into one canonical `QuantizedWeight` -- codes [O, I] (a row per output
 channel, as a Hugging Face Linear stores its weight), scales and zero points [O, G] --
@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from jaxserve.checkpoint.quantization_config import QuantFormat, read_quantization_config
+from jaxserve.quantized.config import QuantFormat, read_quantization_config
 
 __all__ = [
     "QuantFormat",

@@ -4,7 +4,7 @@ compressed-tensors and fp8 checkpoints as users download them.
 `read_quantization_config` gives a `QuantFormat`: the method, the codes' width and
 groups, the tensors each quantized linear stores, and which linears are quantized. What
 the engine cannot serve is refused at start-up, naming the field and its value. The
-storage itself is `jaxserve.checkpoint.quantized_formats`'s.
+storage itself is `jaxserve.quantized.formats`'s.
 """
 
 from __future__ import annotations
