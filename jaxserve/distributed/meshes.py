@@ -270,10 +270,12 @@ def abstract_kv(
 
 def total_bytes(arrays, *, per_device: bool = False) -> int:
     """The bytes of `arrays` (concrete or abstract); `per_device`: what one device
-    holds, a shard of each (a replicated array is whole on every device)."""
-    total = 0
+    holds, a shard of each (a replicated array is whole on every device). Sub-byte
+    dtypes count their bits (int4: half a byte a value, as XLA packs them; numpy's
+    itemsize, and so `nbytes`, says one)."""
+    bits = 0
     for x in jax.tree.leaves(arrays):
         sharding = getattr(x, "sharding", None) if per_device else None
         shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
-        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
-    return total
+        bits += int(np.prod(shape, dtype=np.int64)) * jax.dtypes.itemsize_bits(x.dtype)
+    return (bits + 7) // 8
