@@ -148,8 +148,8 @@ class ModelConfig:
     # The rope of sliding-window layers where it differs from `rope` (Gemma 3).
     local_rope: RopeConfig | None = None
     moe: MoeConfig | None = None
-    # Weights stored quantized ("int8": an orbax directory `jaxserve convert
-    # --quantization=int8` wrote); None: stored in floating point.
+    # Weights stored quantized ("int8" / "int4": an orbax directory `jaxserve convert
+    # --quantization=...` wrote); None: stored in floating point.
     quantization: str | None = None
 
     @property
@@ -294,7 +294,7 @@ class ModelConfig:
 
 # `quantization_config.quant_method` of checkpoints whose weights jaxserve stored
 # quantized (`jaxserve convert --quantization`) -> the quantization they hold.
-STORED_QUANTIZATIONS = {"jaxserve_int8": "int8"}
+STORED_QUANTIZATIONS = {"jaxserve_int8": "int8", "jaxserve_int4": "int4"}
 
 
 def _stored_quantization(hf: dict[str, Any]) -> str | None:
@@ -308,7 +308,8 @@ def _stored_quantization(hf: dict[str, Any]) -> str | None:
         raise ValueError(
             f"config.json's quantization_config.quant_method {method!r} is not supported: "
             "jaxserve loads unquantized checkpoints and quantizes them itself "
-            "(quantization='int8'), or reads its own (jaxserve convert --quantization=int8)"
+            "(quantization='int8' or 'int4'), or reads its own (jaxserve convert "
+            "--quantization=int8 or int4)"
         )
     return STORED_QUANTIZATIONS[method]
 

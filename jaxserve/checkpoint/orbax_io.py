@@ -13,7 +13,11 @@ orbax_check.py` measures the bytes read).
 embedding, their scales) and marks config.json's `quantization_config` (quant_method
 "jaxserve_int8"), so `ModelConfig.quantization` knows the model is int8 before any
 weight is read; restoring builds the quantized model's layout and reads the int8
-arrays as they are (a quarter of a float32 checkpoint's bytes).
+arrays as they are (a quarter of a float32 checkpoint's bytes). `quantization="int4"`
+likewise ("jaxserve_int4", with its `group_size`): the projections' int4 codes (two a
+byte in the files too), their scales per group, the embedding and LM head int8. The
+group sizes are not read back: restoring quantizes the abstract model again, which
+gives each linear the same group, and refuses arrays of other shapes.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from jax.sharding import Mesh
 from jaxserve.checkpoint.hf import _path_of, abstract_model, load_hf_model
 from jaxserve.distributed import meshes
 from models.config import STORED_QUANTIZATIONS, ModelConfig, normalize_dtype
-from models.layers import quantize_weights
+from models.layers import INT4_GROUP_SIZE, quantize_weights
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +119,8 @@ def convert(
         with open(os.path.join(out_dir, "config.json")) as f:
             hf = json.load(f)
         hf["quantization_config"] = {"quant_method": QUANTIZED_METHODS[quantization]}
+        if quantization == "int4":  # (for readers: linears of other sizes take a divisor)
+            hf["quantization_config"]["group_size"] = INT4_GROUP_SIZE
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(hf, f, indent=2)
     save_args = {k: ocp.SaveArgs(chunk_byte_size=_chunk_bytes(x.nbytes)) for k, x in arrays.items()}
@@ -134,7 +140,7 @@ def convert(
         dtype=dtype,
         quantization=quantization,
         num_arrays=len(arrays),
-        bytes=sum(x.nbytes for x in arrays.values()),
+        bytes=meshes.total_bytes(arrays),  # (int4: half a byte a value, not `nbytes`)
     )
     with open(os.path.join(out_dir, MARKER), "w") as f:  # last: the directory is complete
         json.dump(marker, f, indent=2)
@@ -176,7 +182,8 @@ def restore(
             quantization=config.quantization,
         )
     )
-    # Each array in its own serving dtype (the compute dtype; int8 for quantized weights).
+    # Each array in its own serving dtype (the compute dtype; int8 / int4 for quantized
+    # weights).
     if mesh is None:
         targets = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
     else:

@@ -42,7 +42,7 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig = LoRAConfig()
-    quantization: str | None = None  # vLLM's `quantization`: "int8" weights, or None
+    quantization: str | None = None  # vLLM's `quantization`: "int8" / "int4" weights, or None
     attention_backend: str = "auto"  # pallas_tpu on TPU, pallas_gpu on GPU, else reference
     seed: int = 0
     min_token_bucket: int = 1  # 1: a lone decode computes one row, not a padded 16
@@ -139,6 +139,7 @@ class EngineConfig:
         self._check_compiled_dir()
         self._check_hybrid()
         self._check_lora()
+        self._check_int4_groups()
         draft = self.speculative.draft if self.speculative else None
         if draft is not None and draft.vocab_size != self.model.vocab_size:
             raise ValueError(
@@ -258,6 +259,46 @@ class EngineConfig:
                 f"enable_lora with num_processes={self.parallel.num_processes}: adapter "
                 "loads are not sent to the followers yet"
             )
+        if self.quantization == "int4":
+            raise ValueError(
+                "enable_lora with quantization='int4': adapters on 4-bit weights are not "
+                "supported yet; use quantization='int8' or none"
+            )
+
+    def _check_int4_groups(self) -> None:
+        """4-bit weights under tensor parallelism: a linear whose inputs split over the
+        devices (row-parallel: o_proj, down_proj) must split on whole groups, each
+        device holding the scales of its inputs; refused, naming the group size and
+        the TP degree, where it would not. Checked on the abstract quantized model
+        (`_int4_linears`), before any weight is read: a linear whose groups have no
+        divisor to take (`models.layers.int4_group_size`) is refused here too."""
+        if self.quantization != "int4":
+            return
+        from jaxserve.distributed.meshes import DEFAULT_RULES  # (JAX: imported when used)
+
+        draft = self.speculative.draft if self.speculative else None
+        linears = _int4_linears(self.model)
+        if draft is not None:
+            linears += tuple(("the draft's " + x[0], *x[1:]) for x in _int4_linears(draft))
+        tp = self.parallel.tensor_parallel_size
+        if tp == 1:
+            return
+        for name, (d_out, d_in), groups, axes in linears:
+            out_axis, in_axis = [DEFAULT_RULES.get(a) for a in axes]
+            # As `meshes.state_shardings` splits it: an axis the size divides, the
+            # outputs first (a column-parallel layer's inputs stay whole).
+            outputs_split = out_axis is not None and d_out % tp == 0
+            if in_axis is None or d_in % tp or (outputs_split and out_axis == in_axis):
+                continue
+            if groups % tp:
+                raise ValueError(
+                    f"quantization='int4' with tensor_parallel_size={tp}: {name} splits "
+                    f"its {d_in} inputs {tp} ways, {d_in // tp} a device, across its "
+                    f"groups of {d_in // groups} inputs ({groups} group"
+                    f"{'s' if groups > 1 else ''}); a split must "
+                    f"fall on whole groups: use a tensor_parallel_size that divides "
+                    f"{groups}, or quantization='int8'"
+                )
 
     @property
     def num_lookahead(self) -> int:
@@ -338,6 +379,31 @@ class EngineConfig:
                 f"less {in_use} in use (the weights),"
             )
         return self.cache.memory_bytes, f"kv_cache_memory_bytes={self.cache.memory_bytes}"
+
+
+@functools.lru_cache(maxsize=8)
+def _int4_linears(model: ModelConfig) -> tuple[tuple[str, tuple[int, int], int, tuple], ...]:
+    """`model`'s 4-bit linears under quantization='int4': (path, kernel shape [N, K],
+    groups, the kernel's logical axes), from the abstract model (shapes only; ~1 s
+    for an 8B model, so kept: a runner builds its config up to four times)."""
+    from flax import nnx  # (JAX: imported when used)
+
+    from jaxserve.checkpoint.hf import abstract_model
+    from models.layers import Int4Linear, _axes
+
+    abstract = abstract_model(
+        model, dtype="float32", attention_backend="reference", quantization="int4"
+    )
+    return tuple(
+        (
+            ".".join(map(str, path)),
+            layer.kernel.shape,
+            layer.scale.shape[1],
+            _axes(layer.kernel) or (None, None),
+        )
+        for path, layer in nnx.iter_modules(abstract)
+        if isinstance(layer, Int4Linear)
+    )
 
 
 # vLLM's flat engine-argument names -> (sub-config, field) of EngineConfig.
