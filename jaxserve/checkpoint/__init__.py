@@ -11,7 +11,7 @@ from jaxserve.checkpoint.hf import abstract_model, load_hf_model, save_weights
 from jaxserve.checkpoint.orbax_io import convert, is_orbax_dir, restore
 from jaxserve.distributed.meshes import abstract_state, state_shardings
 from models.config import ModelConfig
-from models.layers import quantize_weights
+from models.quantize import quantize_weights
 
 __all__ = ["abstract_model", "convert", "is_orbax_dir", "load_model", "save_weights"]
 

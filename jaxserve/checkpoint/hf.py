@@ -28,7 +28,7 @@ from safetensors.flax import save_file
 from jaxserve.distributed import meshes
 from models import get_model_class
 from models.config import ModelConfig
-from models.layers import quantize_weights
+from models.quantize import quantize_weights
 
 logger = logging.getLogger(__name__)
 

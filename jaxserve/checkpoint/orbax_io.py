@@ -36,7 +36,8 @@ from jax.sharding import Mesh
 from jaxserve.checkpoint.hf import _path_of, abstract_model, load_hf_model
 from jaxserve.distributed import meshes
 from models.config import STORED_QUANTIZATIONS, ModelConfig, normalize_dtype
-from models.layers import INT4_GROUP_SIZE, quantize_weights
+from models.int4 import INT4_GROUP_SIZE
+from models.quantize import quantize_weights
 
 logger = logging.getLogger(__name__)
 

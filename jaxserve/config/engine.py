@@ -271,7 +271,7 @@ class EngineConfig:
         device holding the scales of its inputs; refused, naming the group size and
         the TP degree, where it would not. Checked on the abstract quantized model
         (`_int4_linears`), before any weight is read: a linear whose groups have no
-        divisor to take (`models.layers.int4_group_size`) is refused here too."""
+        divisor to take (`models.int4.int4_group_size`) is refused here too."""
         if self.quantization != "int4":
             return
         from jaxserve.distributed.meshes import DEFAULT_RULES  # (JAX: imported when used)
@@ -389,7 +389,8 @@ def _int4_linears(model: ModelConfig) -> tuple[tuple[str, tuple[int, int], int, 
     from flax import nnx  # (JAX: imported when used)
 
     from jaxserve.checkpoint.hf import abstract_model
-    from models.layers import Int4Linear, _axes
+    from models.int4 import Int4Linear
+    from models.layers import _axes
 
     abstract = abstract_model(
         model, dtype="float32", attention_backend="reference", quantization="int4"

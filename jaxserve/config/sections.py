@@ -20,7 +20,7 @@ _KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
 KV_SCALE_BYTES = 4
 # Weight quantization at load time: "int8" a scale per output channel
 # (`models.layers.QuantizedLinear`), "int4" a scale per group of 128 inputs
-# (`models.layers.Int4Linear`; the embedding and LM head int8).
+# (`models.int4.Int4Linear`; the embedding and LM head int8).
 QUANTIZATION_METHODS = ("int8", "int4")
 
 

@@ -50,7 +50,8 @@ from jaxserve.runner import lora_io
 from jaxserve.runner.step import ModelDef
 from models import get_model_class
 from models.config import ModelConfig
-from models.layers import quantize_weights, store_rows, without_cpu_kernels
+from models.layers import store_rows, without_cpu_kernels
+from models.quantize import quantize_weights
 from pallas_kernels.cpu import features as cpu_features
 from pallas_kernels.cpu import library as cpu_library
 

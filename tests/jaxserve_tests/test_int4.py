@@ -1,4 +1,4 @@
-"""4-bit weights (`quantization="int4"`, `models.layers.Int4Linear`): the layer against
+"""4-bit weights (`quantization="int4"`, `models.int4.Int4Linear`): the layer against
 a float layer of its dequantized codes, the engine against a float engine serving the
 dequantized int4 weights, `jaxserve convert --quantization=int4` and back, the weight
 bytes, and the refusals (groups that do not divide a linear, a tensor-parallel split
@@ -23,17 +23,9 @@ from jaxserve.checkpoint import convert, load_model, save_weights
 from jaxserve.config import ModelConfig
 from jaxserve.distributed import meshes
 from jaxserve.runner.model_runner import ModelRunner
-from models.layers import (
-    Int4Linear,
-    QuantizedEmbed,
-    QuantizedLinear,
-    int4_dot_dequantized,
-    int4_dot_grouped,
-    int4_group_size,
-    linear,
-    lm_head_logits,
-    quantize_weights,
-)
+from models.int4 import Int4Linear, int4_dot_dequantized, int4_dot_grouped, int4_group_size
+from models.layers import QuantizedEmbed, QuantizedLinear, linear, lm_head_logits
+from models.quantize import quantize_weights
 
 DEMO = EMBEDDED_MODELS["demo-model"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.layers import linear, quantize_weights
+from models.layers import linear
 from models.lora import (
     LoRALinear,
     add_lora,
@@ -18,6 +18,7 @@ from models.lora import (
     lora_ragged,
     lora_reference,
 )
+from models.quantize import quantize_weights
 
 
 def case(rows: int, seed: int = 0, slots: int = 4):
