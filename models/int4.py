@@ -116,7 +116,9 @@ class Int4Linear(nnx.Module):
     groups splitting where the inputs do), or from a float layer (`from_linear`).
     Codes of a signed dtype are taken as they are ([-8, 7]); of an unsigned dtype
     ([0, 15], how the formats store them) less 8, and the zero points too, so that
-    unsigned codes without zero points are centred at 8.
+    unsigned codes without zero points are centred at 8. `perm` [K]: the inputs the
+    codes' columns hold (GPTQ desc_act, its groups made contiguous:
+    `jaxserve.quantized.formats.contiguous_groups`); the product gathers x by it.
     """
 
     def __init__(
@@ -127,8 +129,11 @@ class Int4Linear(nnx.Module):
         bias: jax.Array | nnx.Param | None = None,  # [N]
         *,
         axes: tuple[str | None, str | None] | None = None,
+        perm: jax.Array | None = None,  # [K] int32
     ):
         _check_int4(codes, scale, zero, bias)
+        if perm is not None and perm.shape != codes.shape[1:]:
+            raise ValueError(f"int4 input order {perm.shape} does not fit codes {codes.shape}")
         shift = 8 if jnp.issubdtype(codes.dtype, jnp.unsignedinteger) else 0
         self.kernel = _param((codes.astype(jnp.int8) - shift).astype(jnp.int4), axes)
         self.scale = _param(scale, axes)
@@ -136,6 +141,8 @@ class Int4Linear(nnx.Module):
         if bias is not None and not isinstance(bias, nnx.Param):
             bias = _param(bias, axes and axes[:1])
         self.bias = bias
+        # Replicated: a row-parallel layer's sharded inputs are gathered by it.
+        self.perm = None if perm is None else nnx.Param(perm.astype(jnp.int32))
 
     @classmethod
     def from_linear(cls, layer: nnx.Linear, group_size: int = INT4_GROUP_SIZE) -> Int4Linear:
@@ -155,6 +162,8 @@ class Int4Linear(nnx.Module):
         formulation, else the dequantized one (see `int4_dot_grouped`). The CPU
         takes the dequantized one: XLA:CPU fuses neither, and its batched matmuls of
         G-long rows are slower than one matmul."""
+        if self.perm is not None:
+            x = jnp.take(x, self.perm[...], axis=1)
         args = (self.kernel[...], self.scale[...], None if self.zero is None else self.zero[...])
         if x.shape[0] > INT4_GROUPED_MAX_ROWS:
             return int4_dot_dequantized(x, *args)

@@ -47,7 +47,9 @@ def load_model(
         return nnx.merge(graphdef, abstract_state(state, mesh, compile_only))
     load = restore if is_orbax_dir(model_dir) else load_hf_model
     model = load(model_dir, config, dtype=dtype, attention_backend=attention_backend, mesh=mesh)
-    if quantization and config.quantization is None:  # else stored quantized already
+    # (else stored quantized already; a 4-bit checkpoint's format names no quantizing:
+    # a float draft model of such a target loads as it is)
+    if quantization in ("int8", "int4") and config.quantization is None:
         model = quantize_weights(model, quantization)
         if mesh is not None:  # each int8 array and scale onto its own sharding
             graphdef, state = nnx.split(model)

@@ -25,9 +25,11 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.flax import save_file
 
+from jaxserve.checkpoint.quantized import Int4Reader, int4_layers, module_name, place
 from jaxserve.distributed import meshes
 from models import get_model_class
 from models.config import ModelConfig
+from models.int4 import Int4Linear
 from models.quantize import quantize_weights
 
 logger = logging.getLogger(__name__)
@@ -105,13 +107,16 @@ def abstract_model(
     config: ModelConfig, *, dtype: str, attention_backend: str, quantization: str | None = None
 ) -> nnx.Module:
     """The model with ShapeDtypeStructs for weights: nothing allocated (with
-    `quantization`, the quantized model's weights)."""
+    `quantization`, the quantized model's weights; a 4-bit checkpoint's model,
+    `config.quant_format`, has its layers whatever `quantization` says)."""
     cls = get_model_class(config.architecture)
 
     def build():
         model = cls(
             config, dtype=jnp.dtype(dtype), attention_backend=attention_backend, rngs=nnx.Rngs(0)
         )
+        if config.quant_format is not None:
+            return int4_layers(model, config.quant_format)
         return quantize_weights(model, quantization) if quantization else model
 
     return nnx.eval_shape(build)
@@ -131,9 +136,14 @@ def load_hf_model(
     (`_read_sharded`), so no device ever holds the whole model unsharded.
     """
     cls = get_model_class(config.architecture)
-    graphdef, abstract = nnx.split(
-        abstract_model(config, dtype=dtype, attention_backend=attention_backend)
-    )
+    model = abstract_model(config, dtype=dtype, attention_backend=attention_backend)
+    # A 4-bit checkpoint's linears: path -> (module name, kernel shape [N, K]).
+    int4 = {
+        path: (module_name(cls, path), layer.kernel.shape)
+        for path, layer in nnx.iter_modules(model)
+        if isinstance(layer, Int4Linear)
+    }
+    graphdef, abstract = nnx.split(model)
     shardings = meshes.state_shardings(abstract, mesh) if mesh is not None else None
     files = _tensor_files(model_dir)
     used: set[str] = set()
@@ -151,7 +161,18 @@ def load_hf_model(
                 handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
             return handles[file].get_slice(name)
 
+        reader = config.quant_format and Int4Reader(
+            config.quant_format, lambda name: open_slice(name)[:] if name in files else None
+        )
+
         def load(tree_path, leaf, sharding=None):
+            *module, attr = _path_of(tree_path)
+            if tuple(module) in int4 and attr != "bias":  # the rest as it was
+                name, shape = int4[tuple(module)]
+                try:
+                    return place(reader(name, shape, attr), leaf, sharding)
+                except ValueError as e:
+                    raise ValueError(f"{model_dir!r}: {name}.{attr}: {e}") from None
             parts, transpose, stacked = tensor_names(cls, tree_path, leaf.shape)
             name = parts[0]
             slices = [open_slice(part) for part in parts]

@@ -10,6 +10,7 @@ from typing import Any
 
 from jaxserve.config.kv_groups import KVGroup, layer_groups, peak_pages, split_pages
 from jaxserve.config.sections import (
+    CHECKPOINT_QUANTIZATIONS,
     QUANTIZATION_METHODS,
     CacheConfig,
     LoRAConfig,
@@ -89,19 +90,27 @@ class EngineConfig:
                 f"min_token_bucket must be in [1, max_num_batched_tokens], "
                 f"got {self.min_token_bucket}"
             )
-        if self.quantization not in (None, *QUANTIZATION_METHODS):
+        methods = (*QUANTIZATION_METHODS, *CHECKPOINT_QUANTIZATIONS)
+        if self.quantization not in (None, *methods):
             raise ValueError(
-                f"quantization must be one of {QUANTIZATION_METHODS} or None, "
-                f"got {self.quantization!r}"
+                f"quantization must be one of {methods} or None, got {self.quantization!r}"
             )
         stored = self.model.quantization
+        asked = CHECKPOINT_QUANTIZATIONS.get(self.quantization, self.quantization)
         if stored is not None:  # the checkpoint holds quantized weights: that is the model
-            if self.quantization not in (None, stored):
+            if asked not in (None, stored):
                 raise ValueError(
                     f"quantization={self.quantization!r}, but {self.model_dir!r} stores its "
                     f"weights quantized as {stored!r}"
                 )
             object.__setattr__(self, "quantization", stored)
+        elif self.quantization in CHECKPOINT_QUANTIZATIONS:
+            raise ValueError(
+                f"quantization={self.quantization!r} reads a checkpoint stored in that "
+                f"format, but {self.model_dir!r} stores floating-point weights (no "
+                "quantization_config in its config.json); quantization='int8' or 'int4' "
+                "quantizes them as they load"
+            )
         if not isinstance(self.native_cpu_kernels, bool):
             raise ValueError(f"native_cpu_kernels must be a bool, got {self.native_cpu_kernels!r}")
         if self.native_kernels_dir is not None and not (
@@ -259,10 +268,10 @@ class EngineConfig:
                 f"enable_lora with num_processes={self.parallel.num_processes}: adapter "
                 "loads are not sent to the followers yet"
             )
-        if self.quantization == "int4":
+        if self.four_bit:
             raise ValueError(
-                "enable_lora with quantization='int4': adapters on 4-bit weights are not "
-                "supported yet; use quantization='int8' or none"
+                f"enable_lora with quantization={self.quantization!r}: adapters on 4-bit "
+                "weights are not supported yet; use quantization='int8' or none"
             )
 
     def _check_int4_groups(self) -> None:
@@ -271,8 +280,9 @@ class EngineConfig:
         device holding the scales of its inputs; refused, naming the group size and
         the TP degree, where it would not. Checked on the abstract quantized model
         (`_int4_linears`), before any weight is read: a linear whose groups have no
-        divisor to take (`models.int4.int4_group_size`) is refused here too."""
-        if self.quantization != "int4":
+        divisor to take (`models.int4.int4_group_size`) is refused here too. A 4-bit
+        checkpoint's groups are its own (`ModelConfig.quant_format`)."""
+        if not self.four_bit:
             return
         from jaxserve.distributed.meshes import DEFAULT_RULES  # (JAX: imported when used)
 
@@ -292,13 +302,20 @@ class EngineConfig:
                 continue
             if groups % tp:
                 raise ValueError(
-                    f"quantization='int4' with tensor_parallel_size={tp}: {name} splits "
+                    f"quantization={self.quantization!r} with tensor_parallel_size={tp}: "
+                    f"{name} splits "
                     f"its {d_in} inputs {tp} ways, {d_in // tp} a device, across its "
                     f"groups of {d_in // groups} inputs ({groups} group"
                     f"{'s' if groups > 1 else ''}); a split must "
                     f"fall on whole groups: use a tensor_parallel_size that divides "
                     f"{groups}, or quantization='int8'"
                 )
+
+    @property
+    def four_bit(self) -> bool:
+        """Whether the model's linears are 4-bit: quantized on the fly ("int4") or a
+        4-bit checkpoint's (AWQ, GPTQ, compressed-tensors)."""
+        return self.quantization == "int4" or self.model.quant_format is not None
 
     @property
     def num_lookahead(self) -> int:
@@ -383,9 +400,10 @@ class EngineConfig:
 
 @functools.lru_cache(maxsize=8)
 def _int4_linears(model: ModelConfig) -> tuple[tuple[str, tuple[int, int], int, tuple], ...]:
-    """`model`'s 4-bit linears under quantization='int4': (path, kernel shape [N, K],
-    groups, the kernel's logical axes), from the abstract model (shapes only; ~1 s
-    for an 8B model, so kept: a runner builds its config up to four times)."""
+    """`model`'s 4-bit linears under quantization='int4', or a 4-bit checkpoint's
+    (`model.quant_format`, its groups): (path, kernel shape [N, K], groups, the
+    kernel's logical axes), from the abstract model (shapes only; ~1 s for an 8B
+    model, so kept: a runner builds its config up to four times)."""
     from flax import nnx  # (JAX: imported when used)
 
     from jaxserve.checkpoint.hf import abstract_model

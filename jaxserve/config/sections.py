@@ -22,6 +22,15 @@ KV_SCALE_BYTES = 4
 # (`models.layers.QuantizedLinear`), "int4" a scale per group of 128 inputs
 # (`models.int4.Int4Linear`; the embedding and LM head int8).
 QUANTIZATION_METHODS = ("int8", "int4")
+# vLLM's names of the 4-bit checkpoint formats -> the checkpoint's quant_method
+# (`ModelConfig.quantization`): accepted where they name the checkpoint's own format.
+CHECKPOINT_QUANTIZATIONS = {
+    "awq": "awq",
+    "awq_marlin": "awq",
+    "gptq": "gptq",
+    "gptq_marlin": "gptq",
+    "compressed-tensors": "compressed-tensors",
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -163,5 +163,10 @@ def test_stored_quantization_is_read_and_other_methods_are_refused():
     stored = dict(llama, quantization_config={"quant_method": "jaxserve_int8"})
     assert ModelConfig.from_hf(stored).quantization == "int8"
     gptq = dict(llama, quantization_config={"quant_method": "gptq", "bits": 4})
-    with pytest.raises(ValueError, match="quant_method 'gptq' is not supported"):
-        ModelConfig.from_hf(gptq)
+    c = ModelConfig.from_hf(gptq)
+    assert c.quantization == "gptq" and c.quant_format.bits == 4
+    with pytest.raises(ValueError, match=r"'gptq', gptq, 8-bit weights\): not served yet"):
+        ModelConfig.from_hf(dict(llama, quantization_config={"quant_method": "gptq", "bits": 8}))
+    bnb = dict(llama, quantization_config={"quant_method": "bitsandbytes"})
+    with pytest.raises(ValueError, match="quant_method: 'bitsandbytes' is not served"):
+        ModelConfig.from_hf(bnb)

@@ -1,0 +1,129 @@
+"""4-bit checkpoints as users download them (AWQ GEMM, GPTQ, compressed-tensors
+pack-quantized W4A16), read into `models.int4.Int4Linear`s: the codes stay 4-bit.
+
+`int4_layers` gives the model the checkpoint's layers (built abstractly, under
+`nnx.eval_shape`): each linear the format quantizes (`QuantFormat.is_quantized`, by
+its Hugging Face module name) an `Int4Linear` with the format's groups, zero points
+where it stores them, and an input order where GPTQ's desc_act scatters the groups.
+`Int4Reader` then reads one linear's packed tensors at a time, unpacks them
+(`jaxserve.quantized.formats.unpack`; desc_act: `contiguous_groups`, the layer
+gathering its inputs by the permutation) and hands out the layer's arrays: one
+linear's codes on the host at once, no float weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.quantized.config import QuantFormat
+from jaxserve.quantized.formats import contiguous_groups, unpack
+from models.int4 import Int4Linear
+from models.layers import _axes
+
+
+def module_name(cls, path: tuple) -> str:
+    """The Hugging Face module name of the linear at `path` ("model.layers.0.mlp.up_proj"),
+    from the model class's name for its kernel."""
+    name, _ = cls.checkpoint_key((*path, "kernel"))
+    return name.removesuffix(".weight")
+
+
+def int4_layers(model: nnx.Module, fmt: QuantFormat) -> nnx.Module:
+    """Replaces, in place, every `nnx.Linear` that `fmt` stores quantized by an
+    `Int4Linear` of its shapes (zeros: to be built under `nnx.eval_shape` and read by
+    `Int4Reader`); returns the model. The others (the embedding, an LM head the format
+    leaves in floating point) stay as they are."""
+    cls = type(model)
+    for path, module in list(nnx.iter_modules(model)):
+        for attr, child in list(vars(module).items()):
+            if type(child) is not nnx.Linear:
+                continue
+            name = module_name(cls, (*path, attr))
+            if not fmt.is_quantized(name):
+                continue
+            k, n = child.kernel.shape
+            group = fmt.group_size or k  # None: one group (channel-wise)
+            if k % group:
+                raise ValueError(
+                    f"{name}: {fmt.quant_method} groups of {group} inputs do not divide its "
+                    f"{k} inputs"
+                )
+            layer = Int4Linear(
+                jnp.zeros((n, k), jnp.uint8),
+                jnp.zeros((n, k // group), child.kernel.dtype),
+                None if fmt.symmetric else jnp.zeros((n, k // group), jnp.uint8),
+                child.bias,
+                axes=_axes(child.kernel, reverse=True),
+                perm=jnp.zeros((k,), jnp.int32) if fmt.desc_act else None,
+            )
+            setattr(module, attr, layer)
+    return model
+
+
+class Int4Reader:
+    """A checkpoint's `Int4Linear` arrays, one linear unpacked at a time.
+
+    `read(name)`: the checkpoint's tensor `name` as numpy, None where it has none.
+    `__call__(name, shape, attr)`: the array `attr` ("kernel", "scale", "zero", "perm")
+    of the layer `name` (its Hugging Face module name) of kernel `shape` [N, K], as the
+    layer stores it. A state's leaves of one layer come one after another, so only the
+    last layer's arrays are kept."""
+
+    def __init__(self, fmt: QuantFormat, read: Callable[[str], np.ndarray | None]):
+        self.fmt, self.read = fmt, read
+        self.name: str | None = None
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def __call__(self, name: str, shape: tuple[int, int], attr: str) -> np.ndarray:
+        if name != self.name:
+            self.name, self.arrays = None, {}  # (the last layer's, released first)
+            self.arrays = self._unpack(name, *shape)
+            self.name = name
+        if attr not in self.arrays:
+            raise ValueError(f"{name}: the {self.fmt.quant_method} layer has no {attr!r}")
+        return self.arrays[attr]
+
+    def _unpack(self, name: str, n: int, k: int) -> dict[str, np.ndarray]:
+        fmt = self.fmt
+        tensors = {}
+        for t in (*fmt.tensors, *fmt.optional_tensors):
+            x = self.read(f"{name}.{t}")
+            if x is None and t in fmt.tensors:
+                raise ValueError(
+                    f"{fmt.quant_method} checkpoint has no tensor {name}.{t} (the format "
+                    f"stores {', '.join(fmt.tensors)} for each quantized linear)"
+                )
+            if x is not None:
+                tensors[t] = x
+        qw = unpack(tensors, fmt, n, k)
+        qw, perm = contiguous_groups(qw)
+        if fmt.symmetric and qw.zeros is not None:
+            raise ValueError(
+                f"{name}: {fmt.quant_method} config says sym=true, but the zero points "
+                "stored are not the midpoint"
+            )
+        zeros = qw.zeros
+        if zeros is None and not fmt.symmetric:
+            zeros = np.full(qw.scales.shape, 1 << (qw.bits - 1), np.uint8)
+        arrays = {"kernel": qw.q.astype(np.int8) - 8, "scale": qw.scales}
+        if zeros is not None:
+            arrays["zero"] = zeros.astype(np.float32) - 8
+        if fmt.desc_act:
+            arrays["perm"] = np.arange(k, dtype=np.int32) if perm is None else perm
+        return arrays
+
+
+def place(array: np.ndarray, leaf, sharding) -> jax.Array:
+    """A host array as the abstract `leaf` (its shape, in its dtype) on `sharding`
+    (None: one device, uncommitted, as `hf._read_sharded`'s)."""
+    if array.shape != leaf.shape:
+        raise ValueError(f"{leaf.shape} expected, the checkpoint gives {array.shape}")
+    array = array.astype(np.dtype(leaf.dtype))
+    if sharding is None:
+        return jnp.asarray(array)
+    return jax.make_array_from_callback(leaf.shape, sharding, lambda index: array[index])

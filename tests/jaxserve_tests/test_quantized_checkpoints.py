@@ -1,0 +1,221 @@
+"""4-bit checkpoints as users download them (AWQ GEMM, GPTQ, compressed-tensors W4A16),
+served without a quantization argument: a tiny random Llama and Qwen2 whose linears are
+packed in each format's storage (`jaxserve.quantized.formats.pack`) give the greedy
+tokens, and first-step logprobs within 2e-2, of transformers running the dequantized
+weights; and the refusals (another quantization asked for, formats not served yet,
+LoRA, a tensor-parallel split inside a checkpoint's group)."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from engine_utils import SMALL_LLM, engine_config
+from flax import nnx
+from hf_models import BASE
+from safetensors.numpy import save_file
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.checkpoint import load_model
+from jaxserve.config import ModelConfig
+from jaxserve.quantized.formats import dequantize, pack, read_quantization_config, unpack
+from models.int4 import Int4Linear
+
+PROMPTS = [[5, 17, 99, 3, 42, 8], [11, 60, 7, 21, 30, 2, 64, 90, 13, 1, 77]]
+MAX_TOKENS = 8
+SHAPES = dict(BASE, hidden_size=128, intermediate_size=256, tie_word_embeddings=False)
+
+
+def awq(group):
+    return dict(quant_method="awq", bits=4, group_size=group, version="gemm", zero_point=True)
+
+
+def gptq(sym, desc_act, bits=4):
+    return dict(quant_method="gptq", bits=bits, group_size=32, sym=sym, desc_act=desc_act)
+
+
+def ct(strategy, sym):
+    weights = dict(num_bits=4, type="int", symmetric=sym, strategy=strategy, dynamic=False)
+    if strategy == "group":
+        weights["group_size"] = 64
+    return dict(
+        quant_method="compressed-tensors",
+        format="pack-quantized",
+        quantization_status="compressed",
+        config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
+        ignore=["lm_head"],
+    )
+
+
+# (case, architecture, quantization_config): the two models take turns.
+CASES = [
+    ("awq_g32", "LlamaForCausalLM", awq(32)),
+    ("awq_g64", "Qwen2ForCausalLM", awq(64)),
+    ("awq_g128", "LlamaForCausalLM", awq(128)),
+    ("gptq_sym", "Qwen2ForCausalLM", gptq(True, False)),
+    ("gptq_asym", "LlamaForCausalLM", gptq(False, False)),
+    ("gptq_sym_desc_act", "LlamaForCausalLM", gptq(True, True)),
+    ("gptq_asym_desc_act", "Qwen2ForCausalLM", gptq(False, True)),
+    ("ct_group_sym", "LlamaForCausalLM", ct("group", True)),
+    ("ct_group_asym", "Qwen2ForCausalLM", ct("group", False)),
+    ("ct_channel_sym", "Qwen2ForCausalLM", ct("channel", True)),
+    ("ct_channel_asym", "LlamaForCausalLM", ct("channel", False)),
+]
+
+
+@pytest.fixture(scope="module")
+def float_models():
+    """Architecture -> a tiny random transformers model (float32, untied LM head)."""
+    import transformers
+
+    models = {}
+    for seed, arch in enumerate(("LlamaForCausalLM", "Qwen2ForCausalLM")):
+        torch.manual_seed(seed)
+        config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**SHAPES)
+        models[arch] = getattr(transformers, arch)(config).float().eval()
+    return models
+
+
+def write_checkpoint(path, model, qc: dict, seed: int = 0) -> dict:
+    """`model` with its decoder linears in `qc`'s storage, written to `path`
+    (model.safetensors, config.json); returns the dequantized state dict (what
+    transformers runs for reference). desc_act: each linear's inputs in shuffled groups."""
+    fmt = read_quantization_config({"quantization_config": qc})
+    rs = np.random.RandomState(seed)
+    tensors, reference = {}, {}
+    for name, t in model.state_dict().items():
+        w = t.numpy()
+        module = name.removesuffix(".weight")
+        if name.startswith("model.layers.") and name.endswith("proj.weight"):
+            o, i = w.shape
+            g_idx = None
+            if fmt.desc_act:
+                g_idx = rs.permutation(np.arange(i) // fmt.group_size).astype(np.int32)
+            packed = pack(w, fmt, g_idx=g_idx)
+            tensors.update({f"{module}.{k}": np.ascontiguousarray(v) for k, v in packed.items()})
+            w = dequantize(unpack(packed, fmt, o, i))
+        else:
+            tensors[name] = np.ascontiguousarray(w)
+        reference[name] = torch.from_numpy(w)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = {**model.config.to_dict(), "architectures": [type(model).__name__]}
+    config["quantization_config"] = qc
+    (path / "config.json").write_text(json.dumps(config))
+    return reference
+
+
+def hf_greedy(model, reference: dict, prompt: list[int]) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy tokens with `reference` weights, and its first step's
+    log-probabilities [V]."""
+    model.load_state_dict(reference)
+    ids, first = list(prompt), None
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+            if first is None:
+                first = torch.log_softmax(logits, -1).numpy()
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt) :], first
+
+
+@pytest.fixture(scope="module")
+def checkpoints(float_models, tmp_path_factory):
+    """Case -> (directory, the transformers reference per prompt), written once."""
+    out = {}
+    for seed, (case, arch, qc) in enumerate(CASES):
+        model = float_models[arch]
+        path = tmp_path_factory.mktemp(case)
+        reference = write_checkpoint(path, model, qc, seed)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        out[case] = (str(path), [hf_greedy(model, reference, p) for p in PROMPTS])
+        model.load_state_dict(saved)
+    return out
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_served_like_dequantized_weights(case, checkpoints):
+    path, want = checkpoints[case]
+    llm = LLM(model=path, skip_tokenizer_init=True, **SMALL_LLM)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for out, (tokens, first) in zip(outs, want, strict=True):
+        got = out.outputs[0]
+        assert got.token_ids == tokens, (case, got.token_ids, tokens)
+        top = got.logprobs[0]
+        assert len(top) >= 5
+        for token, lp in top.items():
+            assert abs(lp.logprob - first[token]) < 2e-2, (case, token, lp.logprob, first[token])
+
+
+@pytest.mark.parametrize("case", ["awq_g64", "gptq_asym_desc_act", "ct_channel_asym"])
+def test_loaded_layers(case, checkpoints):
+    """Each decoder linear an `Int4Linear` of the checkpoint's groups (zero points where
+    the format has them, an input order for desc_act); embedding and LM head float."""
+    path, _ = checkpoints[case]
+    config = ModelConfig.from_pretrained(path)
+    model = load_model(path, config)
+    layers = [m for _, m in nnx.iter_modules(model) if isinstance(m, Int4Linear)]
+    assert len(layers) == 7 * SHAPES["num_hidden_layers"]
+    fmt = config.quant_format
+    for layer in layers:
+        assert layer.kernel.dtype == jnp.int4
+        assert layer.group_size == (fmt.group_size or layer.kernel.shape[1])
+        assert (layer.zero is None) == fmt.symmetric
+        assert (layer.perm is None) == (not fmt.desc_act)
+    assert isinstance(model.lm_head, nnx.Linear) and isinstance(model.model.embed_tokens, nnx.Embed)
+
+
+def test_checkpoint_config(checkpoints):
+    """The model's quantization is the checkpoint's; vLLM's names for it are accepted,
+    another is refused naming both; a format name on a float checkpoint is refused."""
+    awq_dir, _ = checkpoints["awq_g32"]
+    assert engine_config(awq_dir).quantization == "awq"
+    assert engine_config(awq_dir, quantization="awq").quantization == "awq"
+    assert engine_config(awq_dir, quantization="awq_marlin").quantization == "awq"
+    gptq_dir, _ = checkpoints["gptq_sym"]
+    assert engine_config(gptq_dir, quantization="gptq_marlin").quantization == "gptq"
+    ct_dir, _ = checkpoints["ct_group_sym"]
+    assert engine_config(ct_dir, quantization="compressed-tensors").model.quant_format.bits == 4
+    for asked in ("int8", "int4", "gptq"):
+        with pytest.raises(ValueError, match=f"quantization='{asked}', but .* as 'awq'"):
+            engine_config(awq_dir, quantization=asked)
+    with pytest.raises(ValueError, match="enable_lora with quantization='awq'"):
+        engine_config(awq_dir, enable_lora=True)
+
+
+def test_format_name_on_float_checkpoint(hf_model_dir):
+    path, _ = hf_model_dir("llama2_mha")
+    with pytest.raises(ValueError, match="quantization='awq' reads a checkpoint stored in"):
+        engine_config(path, quantization="awq")
+
+
+@pytest.mark.parametrize(
+    "qc, message",
+    [
+        (gptq(True, False, bits=8), r"'gptq', gptq, 8-bit weights\): not served yet"),
+        (
+            dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=[32, 32]),
+            r"'fp8', fp8-block, 8-bit weights\): not served yet",
+        ),
+    ],
+)
+def test_not_served_yet(qc, message, float_models, tmp_path):
+    config = {
+        **float_models["LlamaForCausalLM"].config.to_dict(),
+        "architectures": ["LlamaForCausalLM"],
+    }
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_pretrained(str(tmp_path))
+
+
+def test_tensor_parallel_split_inside_a_group(checkpoints):
+    """The TP check takes the checkpoint's groups: channel-wise scales (one group of
+    all inputs) cannot split a row-parallel linear; AWQ's groups of 32 can."""
+    ct_dir, _ = checkpoints["ct_channel_sym"]
+    with pytest.raises(ValueError, match=r"groups of \d+ inputs \(1 group\)"):
+        engine_config(ct_dir, tensor_parallel_size=2)
+    awq_dir, _ = checkpoints["awq_g32"]
+    assert engine_config(awq_dir, tensor_parallel_size=2).parallel.tensor_parallel_size == 2
