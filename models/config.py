@@ -2,9 +2,7 @@
 
 `ModelConfig` (with its `RopeConfig`) belongs to the models layer: model files
 import it from here, and the engine's `jaxserve.config` builds on it, so the
-dependency points from the engine down to the models and never back up (but to
-`jaxserve.quantized.config`, host logic that imports nothing of the engine's, which
-reads a checkpoint's `quantization_config`).
+dependency points from the engine down to the models and never back up.
 
 This module imports no JAX: the engine's host-side config imports it.
 """
@@ -15,8 +13,6 @@ import dataclasses
 import json
 import os
 from typing import Any
-
-from jaxserve.quantized.config import QuantFormat, read_quantization_config
 
 DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -154,9 +150,11 @@ class ModelConfig:
     moe: MoeConfig | None = None
     # Weights stored quantized ("int8" / "int4": an orbax directory `jaxserve convert
     # --quantization=...` wrote; "awq", "gptq", "compressed-tensors": a 4-bit checkpoint
-    # as users download it, its storage in `quant_format`); None: floating point.
+    # as users download it: its quant_method); None: floating point.
     quantization: str | None = None
-    quant_format: QuantFormat | None = None
+    # Another tool's checkpoint: config.json's quantization_config, as JSON (hashable);
+    # the engine reads it (`jaxserve.quantized.served.checkpoint_format`).
+    quantization_config: str | None = None
 
     @property
     def max_positions(self) -> int:
@@ -246,7 +244,6 @@ class ModelConfig:
             raise ValueError(f"config.json of {archs[0]!r} lacks {missing}")
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
-        moe = _moe(hf, num_layers)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope, local_rope = _ropes(hf)
@@ -277,8 +274,8 @@ class ModelConfig:
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
             attn_logit_softcap=hf.get("attn_logit_softcapping"),
             final_logit_softcap=hf.get("final_logit_softcapping"),
-            moe=moe,
-            **_stored_quantization(hf, moe=moe is not None),
+            moe=_moe(hf, num_layers),
+            **_stored_quantization(hf),
         )
 
     @classmethod
@@ -302,34 +299,21 @@ class ModelConfig:
 # `quantization_config.quant_method` of checkpoints whose weights jaxserve stored
 # quantized (`jaxserve convert --quantization`) -> the quantization they hold.
 STORED_QUANTIZATIONS = {"jaxserve_int8": "int8", "jaxserve_int4": "int4"}
-# `QuantFormat.method`s served: 4-bit codes read into `models.int4.Int4Linear`s.
-FOUR_BIT_FORMATS = ("awq", "gptq", "compressed-tensors-int")
 
 
-def _stored_quantization(hf: dict[str, Any], *, moe: bool) -> dict[str, Any]:
+def _stored_quantization(hf: dict[str, Any]) -> dict[str, Any]:
     """The quantization the checkpoint's weights are stored in, from config.json's
-    `quantization_config` ({quantization, quant_format} of `ModelConfig`): jaxserve's
-    own, or a 4-bit AWQ, GPTQ or compressed-tensors one (`read_quantization_config`,
-    which refuses what it cannot read, naming the field); the formats it reads but the
-    engine does not serve yet are refused here, naming them."""
-    qc = hf.get("quantization_config")
+    `quantization_config` (or compressed-tensors' older `compression_config`):
+    {quantization, quantization_config} of `ModelConfig`. Another tool's format is
+    kept as it is, for the engine to read or refuse."""
+    key = "quantization_config" if "quantization_config" in hf else "compression_config"
+    qc = hf.get(key)
+    if qc is None:
+        return dict(quantization=None)
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method in STORED_QUANTIZATIONS:
         return dict(quantization=STORED_QUANTIZATIONS[method])
-    fmt = read_quantization_config(hf)
-    if fmt is None:
-        return dict(quantization=None)
-    what = f"config.json's quantization_config ({fmt.quant_method!r}, {fmt.method}"
-    what += f", {fmt.bits}-bit weights)"
-    if fmt.method not in FOUR_BIT_FORMATS or fmt.bits != 4:
-        raise ValueError(
-            f"{what}: not served yet; 4-bit AWQ, GPTQ and compressed-tensors "
-            "(pack-quantized W4A16) checkpoints are, or a float checkpoint with "
-            "quantization='int8' or 'int4'"
-        )
-    if moe:
-        raise ValueError(f"{what}: quantized MoE experts are not served yet")
-    return dict(quantization=fmt.quant_method, quant_format=fmt)
+    return dict(quantization=str(method), quantization_config=json.dumps(qc, sort_keys=True))
 
 
 # HF config-class defaults that a config.json may omit, by architecture: Gemma 3's

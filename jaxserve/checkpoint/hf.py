@@ -27,6 +27,7 @@ from safetensors.flax import save_file
 
 from jaxserve.checkpoint.quantized import Int4Reader, int4_layers, module_name, place
 from jaxserve.distributed import meshes
+from jaxserve.quantized.served import checkpoint_format
 from models import get_model_class
 from models.config import ModelConfig
 from models.int4 import Int4Linear
@@ -107,16 +108,17 @@ def abstract_model(
     config: ModelConfig, *, dtype: str, attention_backend: str, quantization: str | None = None
 ) -> nnx.Module:
     """The model with ShapeDtypeStructs for weights: nothing allocated (with
-    `quantization`, the quantized model's weights; a 4-bit checkpoint's model,
-    `config.quant_format`, has its layers whatever `quantization` says)."""
+    `quantization`, the quantized model's weights; a 4-bit checkpoint's model
+    (`checkpoint_format`) has its layers whatever `quantization` says)."""
     cls = get_model_class(config.architecture)
 
     def build():
         model = cls(
             config, dtype=jnp.dtype(dtype), attention_backend=attention_backend, rngs=nnx.Rngs(0)
         )
-        if config.quant_format is not None:
-            return int4_layers(model, config.quant_format)
+        fmt = checkpoint_format(config)
+        if fmt is not None:
+            return int4_layers(model, fmt)
         return quantize_weights(model, quantization) if quantization else model
 
     return nnx.eval_shape(build)
@@ -161,8 +163,8 @@ def load_hf_model(
                 handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
             return handles[file].get_slice(name)
 
-        reader = config.quant_format and Int4Reader(
-            config.quant_format, lambda name: open_slice(name)[:] if name in files else None
+        reader = int4 and Int4Reader(
+            checkpoint_format(config), lambda name: open_slice(name)[:] if name in files else None
         )
 
         def load(tree_path, leaf, sharding=None):

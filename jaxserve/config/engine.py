@@ -18,6 +18,7 @@ from jaxserve.config.sections import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from jaxserve.quantized.served import checkpoint_format
 from models.config import ModelConfig, normalize_dtype
 
 # vLLM's `logprobs_mode`: what a request's `logprobs` and `prompt_logprobs` hold. "raw":
@@ -95,6 +96,7 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {methods} or None, got {self.quantization!r}"
             )
+        checkpoint_format(self.model)  # (what is not served is refused here)
         stored = self.model.quantization
         asked = CHECKPOINT_QUANTIZATIONS.get(self.quantization, self.quantization)
         if stored is not None:  # the checkpoint holds quantized weights: that is the model
@@ -281,7 +283,7 @@ class EngineConfig:
         the TP degree, where it would not. Checked on the abstract quantized model
         (`_int4_linears`), before any weight is read: a linear whose groups have no
         divisor to take (`models.int4.int4_group_size`) is refused here too. A 4-bit
-        checkpoint's groups are its own (`ModelConfig.quant_format`)."""
+        checkpoint's groups are its own (`checkpoint_format`)."""
         if not self.four_bit:
             return
         from jaxserve.distributed.meshes import DEFAULT_RULES  # (JAX: imported when used)
@@ -315,7 +317,7 @@ class EngineConfig:
     def four_bit(self) -> bool:
         """Whether the model's linears are 4-bit: quantized on the fly ("int4") or a
         4-bit checkpoint's (AWQ, GPTQ, compressed-tensors)."""
-        return self.quantization == "int4" or self.model.quant_format is not None
+        return self.quantization == "int4" or checkpoint_format(self.model) is not None
 
     @property
     def num_lookahead(self) -> int:
@@ -401,7 +403,7 @@ class EngineConfig:
 @functools.lru_cache(maxsize=8)
 def _int4_linears(model: ModelConfig) -> tuple[tuple[str, tuple[int, int], int, tuple], ...]:
     """`model`'s 4-bit linears under quantization='int4', or a 4-bit checkpoint's
-    (`model.quant_format`, its groups): (path, kernel shape [N, K], groups, the
+    (`checkpoint_format`, its groups): (path, kernel shape [N, K], groups, the
     kernel's logical axes), from the abstract model (shapes only; ~1 s for an 8B
     model, so kept: a runner builds its config up to four times)."""
     from flax import nnx  # (JAX: imported when used)

@@ -33,6 +33,7 @@ DEVICE_SIDE = {
     "jaxserve.checkpoint",
     "jaxserve.checkpoint.hf",
     "jaxserve.checkpoint.orbax_io",
+    "jaxserve.checkpoint.quantized",  # 4-bit checkpoints' Int4Linears
     "jaxserve.compile_records",  # compiles for compile-only devices
     "jaxserve.controls",  # the engine's side of each control (pause and sleep checks)
     "jaxserve.distributed.data_parallel",

@@ -20,6 +20,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.checkpoint import load_model
 from jaxserve.config import ModelConfig
 from jaxserve.quantized.formats import dequantize, pack, read_quantization_config, unpack
+from jaxserve.quantized.served import checkpoint_format
 from models.int4 import Int4Linear
 
 PROMPTS = [[5, 17, 99, 3, 42, 8], [11, 60, 7, 21, 30, 2, 64, 90, 13, 1, 77]]
@@ -158,7 +159,7 @@ def test_loaded_layers(case, checkpoints):
     model = load_model(path, config)
     layers = [m for _, m in nnx.iter_modules(model) if isinstance(m, Int4Linear)]
     assert len(layers) == 7 * SHAPES["num_hidden_layers"]
-    fmt = config.quant_format
+    fmt = checkpoint_format(config)
     for layer in layers:
         assert layer.kernel.dtype == jnp.int4
         assert layer.group_size == (fmt.group_size or layer.kernel.shape[1])
@@ -177,7 +178,8 @@ def test_checkpoint_config(checkpoints):
     gptq_dir, _ = checkpoints["gptq_sym"]
     assert engine_config(gptq_dir, quantization="gptq_marlin").quantization == "gptq"
     ct_dir, _ = checkpoints["ct_group_sym"]
-    assert engine_config(ct_dir, quantization="compressed-tensors").model.quant_format.bits == 4
+    c = engine_config(ct_dir, quantization="compressed-tensors")
+    assert c.quantization == "compressed-tensors" and checkpoint_format(c.model).bits == 4
     for asked in ("int8", "int4", "gptq"):
         with pytest.raises(ValueError, match=f"quantization='{asked}', but .* as 'awq'"):
             engine_config(awq_dir, quantization=asked)
@@ -199,6 +201,7 @@ def test_format_name_on_float_checkpoint(hf_model_dir):
             dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=[32, 32]),
             r"'fp8', fp8-block, 8-bit weights\): not served yet",
         ),
+        (dict(quant_method="bitsandbytes"), "quant_method: 'bitsandbytes' is not served"),
     ],
 )
 def test_not_served_yet(qc, message, float_models, tmp_path):
@@ -208,7 +211,7 @@ def test_not_served_yet(qc, message, float_models, tmp_path):
     }
     (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_pretrained(str(tmp_path))
+        engine_config(str(tmp_path))
 
 
 def test_tensor_parallel_split_inside_a_group(checkpoints):
