@@ -497,7 +497,10 @@ class Scheduler:
         page is cached once it is), in every layer group; then windowed groups give
         back the cached pages out of the sequence's window (`KVGroups.free_dead`)."""
         page = self.page_size
-        for j in range(len(seq.page_uids), min(seq.num_computed, seq.num_tokens) // page):
+        full = min(seq.num_computed, seq.num_tokens) // page
+        if full <= len(seq.page_uids) and not self.kv.windowed:
+            return  # (most calls: no page filled since the last)
+        for j in range(len(seq.page_uids), full):
             parent = seq.page_uids[-1] if seq.page_uids else ROOT_UID
             tokens = seq.token_ids[j * page : (j + 1) * page]
             parent_digest = seq.page_digests[-1] if seq.page_digests else ROOT_DIGEST

@@ -147,6 +147,13 @@ class Emitter:
         sequence if one is met; returns the tokens appended. `ids`: `out.token_ids` as
         a list."""
         seq = item.seq
+        if end - first == 1 and req.matchers is None and seq.params.logprobs is None:
+            token = ids[first]  # (a plain row's one token: most of a step's)
+            seq.append(token)
+            reason = req.check_stop(seq, token, self.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            return [token]
         last = first
         while last < end - 1 and out.accepted[last]:
             last += 1
