@@ -202,7 +202,9 @@ CONTROLS: dict[str, Control] = {
                 ),
                 Arg("weight_version", int, None),
             ),
-            check=lambda config, a: check_update(a["params"], a["path"], a["weight_version"]),
+            check=lambda config, a: check_update(
+                a["params"], a["path"], a["weight_version"], config.model.quantization_config
+            ),
             # A checkpoint read, converted and placed on a worker thread, the steps going on.
             read=lambda e, params, path, weight_version: e.prepare_weights(
                 params, path=path, weight_version=weight_version

@@ -66,7 +66,7 @@ class WeightSync:
     def prepare(self, params, path: str | os.PathLike | None, weight_version: int | None) -> list:
         """Step 1: the new weights, converted, checked and placed, not served; raises
         ValueError naming the first mismatch. Any thread."""
-        check_update(params, path, weight_version)
+        check_update(params, path, weight_version, self.runner.config.model.quantization_config)
         return self.runner.prepare_weights(params, path=None if path is None else os.fspath(path))
 
     def install(self, new: list, weight_version: int | None) -> int:
@@ -92,9 +92,18 @@ class WeightSync:
             self.tier.clear(layout)
 
 
-def check_update(params, path, weight_version) -> None:
+def check_update(params, path, weight_version, quantization_config: str | None = None) -> None:
     """Raises ValueError unless exactly one of `params` and `path` is given, and
-    `weight_version` is None or an integer."""
+    `weight_version` is None or an integer; or if the engine serves another tool's
+    quantized checkpoint (`ModelConfig.quantization_config`): its codes are read as
+    they are, and new weights for them are not served yet."""
+    if quantization_config is not None:
+        raise ValueError(
+            "update_weights: this engine serves a quantized checkpoint's 4-bit codes as "
+            "they were read (config.json's quantization_config); new weights for it are "
+            "not served yet: serve a float checkpoint (with quantization='int4' to have "
+            "it and its updates quantized)"
+        )
     if (params is None) == (path is None):
         raise ValueError(
             "update_weights takes exactly one of params and path, got "

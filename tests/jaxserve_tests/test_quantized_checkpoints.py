@@ -222,3 +222,17 @@ def test_tensor_parallel_split_inside_a_group(checkpoints):
         engine_config(ct_dir, tensor_parallel_size=2)
     awq_dir, _ = checkpoints["awq_g32"]
     assert engine_config(awq_dir, tensor_parallel_size=2).parallel.tensor_parallel_size == 2
+
+
+def test_new_weights_for_a_4bit_checkpoint_are_refused_and_it_serves_on(checkpoints):
+    """update_weights on another tool's 4-bit checkpoint is refused before anything is
+    read, naming why; the engine serves on with its weights (it used to fail deep in the
+    conversion, which assumed jaxserve's own quantizations)."""
+    path, want = checkpoints["awq_g64"]
+    llm = LLM(model=path, skip_tokenizer_init=True, **SMALL_LLM)
+    with pytest.raises(ValueError, match="quantized checkpoint's 4-bit codes"):
+        llm.update_weights(path=path)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want[0][0]
+    llm.close()
