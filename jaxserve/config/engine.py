@@ -290,7 +290,9 @@ class EngineConfig:
 
         draft = self.speculative.draft if self.speculative else None
         linears = _int4_linears(self.model)
-        if draft is not None:
+        # A draft is 4-bit when quantized on the fly as the target is, or a 4-bit
+        # checkpoint itself; behind another tool's 4-bit target it loads as it is.
+        if draft is not None and (self.quantization == "int4" or checkpoint_format(draft)):
             linears += tuple(("the draft's " + x[0], *x[1:]) for x in _int4_linears(draft))
         tp = self.parallel.tensor_parallel_size
         if tp == 1:

@@ -236,3 +236,17 @@ def test_new_weights_for_a_4bit_checkpoint_are_refused_and_it_serves_on(checkpoi
     out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == want[0][0]
     llm.close()
+
+
+def test_a_float_draft_behind_a_4bit_checkpoint_is_not_checked_as_4bit(
+    checkpoints, float_models, tmp_path
+):
+    """A float draft model behind an AWQ target loads as it is (float), so the TP group
+    check leaves it alone: it refused the pair, checking the draft as if quantized to
+    int4 on the fly (its o_proj, one group of 128 inputs, cut in two)."""
+    awq_dir, _ = checkpoints["awq_g32"]
+    draft = tmp_path / "draft"
+    float_models["LlamaForCausalLM"].save_pretrained(draft)
+    spec = dict(method="draft_model", model=str(draft), num_speculative_tokens=2)
+    config = engine_config(awq_dir, tensor_parallel_size=2, speculative_config=spec)
+    assert config.speculative.draft is not None
