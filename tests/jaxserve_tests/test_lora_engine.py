@@ -344,12 +344,7 @@ def test_the_engine_steps_while_an_added_adapter_is_read(tiny_model_dir, tmp_pat
         release.set()
         assert await add is True and await front.list_loras() == [a]
 
-    try:
-        asyncio.run(main())
-    finally:
-        release.set()
-        front.close()
-    assert readers == [readers[0]] and readers[0] != "jaxserve-engine"  # one read, off it
+    run_held(front, release, readers, main)
     assert front.engine.adapters.cache.num_reads == 1
 
 
@@ -375,12 +370,18 @@ def test_a_request_naming_an_adapter_not_held_reads_it_off_the_engine_thread(
         done = await asyncio.wait_for(named, 60)
         assert done[-1].finished and len(done[-1].outputs[0].token_ids) == 6
 
+    run_held(front, release, readers, main)
+
+
+def run_held(front, release, readers, main) -> None:
+    """Runs `main` (which releases the held read), then closes the front: the adapter
+    was read once, off the engine thread."""
     try:
         asyncio.run(main())
     finally:
         release.set()
         front.close()
-    assert readers == [readers[0]] and readers[0] != "jaxserve-engine"  # one read, off it
+    assert readers == [readers[0]] and readers[0] != "jaxserve-engine"
 
 
 async def _collect(stream) -> list:
