@@ -347,8 +347,14 @@ def test_tensor_parallel_int4_engine_equals_one_device():
 
 @pytest.mark.parametrize(
     "target,args",
-    [("h100", {}), ("v5e", {}), ("h100x2", dict(tensor_parallel_size=2))],
-    ids=["h100", "v5e", "h100x2"],
+    [
+        ("h100", {}),
+        ("a100", {}),
+        ("v5e", {}),
+        ("v6e", {}),
+        ("h100x2", dict(tensor_parallel_size=2)),
+    ],
+    ids=["h100", "a100", "v5e", "v6e", "h100x2"],
 )
 def test_int4_steps_compile_for_a_gpu_and_a_tpu(tmp_path, target, args):
     """Every warm-up program of a small int4 engine compiles for the target (Triton and
