@@ -250,3 +250,16 @@ def test_a_float_draft_behind_a_4bit_checkpoint_is_not_checked_as_4bit(
     spec = dict(method="draft_model", model=str(draft), num_speculative_tokens=2)
     config = engine_config(awq_dir, tensor_parallel_size=2, speculative_config=spec)
     assert config.speculative.draft is not None
+
+
+@pytest.mark.parametrize("target", ["h100", "v5e"])
+@pytest.mark.parametrize("case", ["awq_g64", "gptq_asym_desc_act"])
+def test_checkpoint_steps_compile_for_a_gpu_and_a_tpu(case, target, checkpoints):
+    """A 4-bit checkpoint's warm-up programs (zero points; desc_act's input order)
+    compile deviceless for the target, the codes still int4 (s4) in the decode step."""
+    from test_device_compile import build, check
+
+    path, _ = checkpoints[case]
+    engine = build(path, target, max_model_len=256)  # (the tiny models' positions)
+    check(engine, target)
+    assert "s4[" in engine.compiled["forward T=1"].as_text()
