@@ -12,13 +12,13 @@ from flax import nnx
 from jax import lax
 
 from models.layers import _axes, _param, dot_f32
+from pallas_kernels.quantization import quantize
 
 # On-the-fly int4's group: AWQ's and GPTQ's usual one. A linear whose inputs it does
 # not divide takes the largest divisor below it (`int4_group_size`), down to
 # MIN_INT4_GROUP: smaller groups would spend a scale on a few weights.
 INT4_GROUP_SIZE = 128
 MIN_INT4_GROUP = 32
-INT4_QMAX = 7.0  # symmetric codes in [-7, 7] (-8 unused), as int8's [-127, 127]
 # Rows up to which GPU and TPU take `int4_dot_grouped` (about G / 2: there its partial
 # sums, written and read in float32, cost what dequantized weights do).
 INT4_GROUPED_MAX_ROWS = 64
@@ -40,14 +40,11 @@ def int4_group_size(d_in: int, group_size: int = INT4_GROUP_SIZE) -> int:
 
 def quantize_int4(w: jax.Array, group_size: int) -> tuple[jax.Array, jax.Array]:
     """w [N, K] -> (int4 codes [N, K], float32 scales [N, K / G]): symmetric absmax
-    per group of `group_size` inputs, w ~= codes * scale (`dequantize_int4`)."""
+    per group of `group_size` inputs (the int8 weights' and KV cache's quantizer, codes
+    in [-7, 7]), w ~= codes * scale (`dequantize_int4`)."""
     n, k = w.shape
-    groups = w.astype(jnp.float32).reshape(n, k // group_size, group_size)
-    amax = jnp.max(jnp.abs(groups), axis=-1, keepdims=True)
-    # The smallest normal float32, not 0: a denormal scale would be flushed to zero.
-    scale = jnp.maximum(amax / INT4_QMAX, jnp.finfo(jnp.float32).tiny)
-    codes = jnp.round(jnp.clip(groups / scale, -INT4_QMAX, INT4_QMAX))
-    return codes.astype(jnp.int4).reshape(n, k), scale[..., 0]
+    codes, scale = quantize(w.reshape(n, k // group_size, group_size), jnp.int4, axis=-1)
+    return codes.reshape(n, k), scale
 
 
 def dequantize_int4(

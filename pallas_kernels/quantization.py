@@ -1,8 +1,8 @@
 """Symmetric absmax quantization, and the quantized paged KV cache.
 
 One quantizer serves the KV cache (a scale per token and KV head: the last axis
-of a [T, K, H] key is reduced) and the models' int8 weights (a scale per output
-channel: the input axis of a [D_in, D_out] kernel is reduced). `scale = max|x| /
+of a [T, K, H] key is reduced) and the models' int8 and int4 weights (a scale per
+output channel, or per group of inputs: the input axis is reduced). `scale = max|x| /
 qmax` over the reduced axis, `q = x / scale` rounded (int8) or cast (fp8) after
 clipping to +-qmax, so no value overflows; an all-zero slice gets zeros (and the smallest normal
 float32 as its scale). Non-finite inputs are not supported (they poison their slice).
@@ -56,11 +56,19 @@ def dequantize(q: jax.Array, scale: jax.Array, axis: int = -1, dtype=jnp.float32
     return (q.astype(jnp.float32) * jnp.expand_dims(scale, axis)).astype(dtype)
 
 
+# Weight-only element dtypes the quantizer serves besides the KV cache's: int4's
+# symmetric codes are [-7, 7] (-8 unused), as int8's are [-127, 127].
+WEIGHT_QMAX = {jnp.dtype(jnp.int4): 7.0}
+
+
 def _qmax(dtype: jnp.dtype) -> float:
     for element, qmax in QUANTIZED_DTYPES.values():
         if jnp.dtype(element) == dtype:
             return qmax
-    raise ValueError(f"no quantizer for dtype {dtype}; known: {list(QUANTIZED_DTYPES)}")
+    if dtype in WEIGHT_QMAX:
+        return WEIGHT_QMAX[dtype]
+    known = [*QUANTIZED_DTYPES, *map(str, WEIGHT_QMAX)]
+    raise ValueError(f"no quantizer for dtype {dtype}; known: {known}")
 
 
 @jax.tree_util.register_dataclass
