@@ -1,10 +1,11 @@
 """Weight quantization of a loaded model: its layers replaced by their int8
-(`models.layers`) or 4-bit (`models.int4`) variants."""
+(`models.layers`), 4-bit (`models.int4`) or fp8 (`models.fp8`) variants."""
 
 from __future__ import annotations
 
 from flax import nnx
 
+from models.fp8 import Fp8Linear
 from models.int4 import Int4Linear
 from models.layers import QuantizedEmbed, QuantizedLinear, _replace_layers
 
@@ -18,7 +19,10 @@ def quantize_weights(model: nnx.Module, method: str = "int8") -> nnx.Module:
         INT4_GROUP_SIZE inputs: `int4_group_size`); the embedding and an untied LM
         head (the attribute `lm_head`, Hugging Face's name) int8, as AWQ and GPTQ
         leave the head at higher precision: its error reaches every logit, and in
-        int8 a tied head takes the CPU's few-row kernel.
+        int8 a tied head takes the CPU's few-row kernel;
+      "fp8": the projections by `Fp8Linear` (e4m3, a scale per output channel); the
+        embedding and an untied LM head stay as they are, as vLLM's on-the-fly fp8
+        leaves them.
     A module's `unquantized` children (MoE routers) and weights that are plain
     parameters (an MoE layer's stacked experts) stay as they are."""
     if method == "int8":
@@ -27,6 +31,12 @@ def quantize_weights(model: nnx.Module, method: str = "int8") -> nnx.Module:
         if isinstance(getattr(model, "lm_head", None), nnx.Linear):
             model.lm_head = QuantizedLinear(model.lm_head)
         variants = {nnx.Linear: Int4Linear.from_linear, nnx.Embed: QuantizedEmbed}
+    elif method == "fp8":
+        head = getattr(model, "lm_head", None)
+        _replace_layers(model, {nnx.Linear: Fp8Linear.from_linear}, kept="unquantized")
+        if head is not None:
+            model.lm_head = head
+        return model
     else:
-        raise ValueError(f"quantization must be 'int8' or 'int4', got {method!r}")
+        raise ValueError(f"quantization must be 'int8', 'int4' or 'fp8', got {method!r}")
     return _replace_layers(model, variants, kept="unquantized")

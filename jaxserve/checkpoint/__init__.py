@@ -49,7 +49,7 @@ def load_model(
     model = load(model_dir, config, dtype=dtype, attention_backend=attention_backend, mesh=mesh)
     # (else stored quantized already; a 4-bit checkpoint's format names no quantizing:
     # a float draft model of such a target loads as it is)
-    if quantization in ("int8", "int4") and config.quantization is None:
+    if quantization in ("int8", "int4", "fp8") and config.quantization is None:
         model = quantize_weights(model, quantization)
         if mesh is not None:  # each int8 array and scale onto its own sharding
             graphdef, state = nnx.split(model)

@@ -25,11 +25,19 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from jaxserve.checkpoint.quantized import Int4Reader, int4_layers, module_name, place
+from jaxserve.checkpoint.quantized import (
+    RAW_DTYPES,
+    checkpoint_layers,
+    checkpoint_reader,
+    module_name,
+    place,
+    read_raw,
+)
 from jaxserve.distributed import meshes
 from jaxserve.quantized.served import checkpoint_format
 from models import get_model_class
 from models.config import ModelConfig
+from models.fp8 import Fp8Linear
 from models.int4 import Int4Linear
 from models.quantize import quantize_weights
 
@@ -108,7 +116,7 @@ def abstract_model(
     config: ModelConfig, *, dtype: str, attention_backend: str, quantization: str | None = None
 ) -> nnx.Module:
     """The model with ShapeDtypeStructs for weights: nothing allocated (with
-    `quantization`, the quantized model's weights; a 4-bit checkpoint's model
+    `quantization`, the quantized model's weights; a 4-bit or fp8 checkpoint's model
     (`checkpoint_format`) has its layers whatever `quantization` says)."""
     cls = get_model_class(config.architecture)
 
@@ -118,7 +126,7 @@ def abstract_model(
         )
         fmt = checkpoint_format(config)
         if fmt is not None:
-            return int4_layers(model, fmt)
+            return checkpoint_layers(model, fmt)
         return quantize_weights(model, quantization) if quantization else model
 
     return nnx.eval_shape(build)
@@ -139,11 +147,11 @@ def load_hf_model(
     """
     cls = get_model_class(config.architecture)
     model = abstract_model(config, dtype=dtype, attention_backend=attention_backend)
-    # A 4-bit checkpoint's linears: path -> (module name, kernel shape [N, K]).
-    int4 = {
+    # A 4-bit or fp8 checkpoint's linears: path -> (module name, kernel shape [N, K]).
+    quantized = {
         path: (module_name(cls, path), layer.kernel.shape)
         for path, layer in nnx.iter_modules(model)
-        if isinstance(layer, Int4Linear)
+        if isinstance(layer, (Int4Linear, Fp8Linear))
     }
     graphdef, abstract = nnx.split(model)
     shardings = meshes.state_shardings(abstract, mesh) if mesh is not None else None
@@ -163,14 +171,20 @@ def load_hf_model(
                 handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
             return handles[file].get_slice(name)
 
-        reader = int4 and Int4Reader(
-            checkpoint_format(config), lambda name: open_slice(name)[:] if name in files else None
-        )
+        def read_whole(name: str) -> np.ndarray | None:
+            """A quantized linear's tensor, None where the checkpoint has none; fp8
+            tensors from their bytes (safetensors' numpy reader has no fp8)."""
+            if name not in files:
+                return None
+            part = open_slice(name)
+            return read_raw(files[name], name) if part.get_dtype() in RAW_DTYPES else part[:]
+
+        reader = quantized and checkpoint_reader(checkpoint_format(config), read_whole)
 
         def load(tree_path, leaf, sharding=None):
             *module, attr = _path_of(tree_path)
-            if tuple(module) in int4 and attr != "bias":  # the rest as it was
-                name, shape = int4[tuple(module)]
+            if tuple(module) in quantized and attr != "bias":  # the rest as it was
+                name, shape = quantized[tuple(module)]
                 try:
                     return place(reader(name, shape, attr), leaf, sharding)
                 except ValueError as e:

@@ -18,7 +18,7 @@ from jaxserve.config.sections import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from jaxserve.quantized.served import checkpoint_format
+from jaxserve.quantized.served import FP8_METHODS, checkpoint_format
 from models.config import ModelConfig, normalize_dtype
 
 # vLLM's `logprobs_mode`: what a request's `logprobs` and `prompt_logprobs` hold. "raw":
@@ -44,7 +44,9 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig = LoRAConfig()
-    quantization: str | None = None  # vLLM's `quantization`: "int8" / "int4" weights, or None
+    # vLLM's `quantization`: "int8" / "int4" / "fp8" weights, or None; a quantized
+    # checkpoint's own quant_method once built ("awq", "fp8", "compressed-tensors", ...)
+    quantization: str | None = None
     attention_backend: str = "auto"  # pallas_tpu on TPU, pallas_gpu on GPU, else reference
     seed: int = 0
     min_token_bucket: int = 1  # 1: a lone decode computes one row, not a padded 16
@@ -110,7 +112,7 @@ class EngineConfig:
             raise ValueError(
                 f"quantization={self.quantization!r} reads a checkpoint stored in that "
                 f"format, but {self.model_dir!r} stores floating-point weights (no "
-                "quantization_config in its config.json); quantization='int8' or 'int4' "
+                "quantization_config in its config.json); quantization='int8', 'int4' or 'fp8' "
                 "quantizes them as they load"
             )
         if not isinstance(self.native_cpu_kernels, bool):
@@ -150,7 +152,7 @@ class EngineConfig:
         self._check_compiled_dir()
         self._check_hybrid()
         self._check_lora()
-        self._check_int4_groups()
+        self._check_quantized_splits()
         draft = self.speculative.draft if self.speculative else None
         if draft is not None and draft.vocab_size != self.model.vocab_size:
             raise ValueError(
@@ -270,46 +272,69 @@ class EngineConfig:
                 f"enable_lora with num_processes={self.parallel.num_processes}: adapter "
                 "loads are not sent to the followers yet"
             )
-        if self.four_bit:
+        if self.four_bit or self.fp8_weights:
             raise ValueError(
                 f"enable_lora with quantization={self.quantization!r}: adapters on 4-bit "
-                "weights are not supported yet; use quantization='int8' or none"
+                "or fp8 weights are not supported yet; use quantization='int8' or none"
             )
 
-    def _check_int4_groups(self) -> None:
-        """4-bit weights under tensor parallelism: a linear whose inputs split over the
-        devices (row-parallel: o_proj, down_proj) must split on whole groups, each
-        device holding the scales of its inputs; refused, naming the group size and
-        the TP degree, where it would not. Checked on the abstract quantized model
-        (`_int4_linears`), before any weight is read: a linear whose groups have no
-        divisor to take (`models.int4.int4_group_size`) is refused here too. A 4-bit
-        checkpoint's groups are its own (`checkpoint_format`)."""
-        if not self.four_bit:
+    def _check_quantized_splits(self) -> None:
+        """4-bit and fp8 weights under tensor parallelism: a split of a linear's weights
+        over the devices must fall on whole scale groups and blocks, each device holding
+        the scales of its weights; refused, naming the group or block size and the TP
+        degree, where it would not. 4-bit: a linear whose inputs split (row-parallel:
+        o_proj, down_proj) splits on whole groups. fp8 blocks (a checkpoint's
+        `weight_block_size`): a split of the outputs or the inputs falls on whole
+        blocks; a scale that spans the whole axis (per channel, per tensor; one block
+        along it) is the same on every device, so any split of it is served. Checked
+        on the abstract quantized model (`_quantized_linears`), before any weight is
+        read: a linear whose groups have no divisor to take
+        (`models.int4.int4_group_size`) is refused here too. A checkpoint's groups and
+        blocks are its own (`checkpoint_format`)."""
+        if not (self.four_bit or self.fp8_checkpoint):
             return
         from jaxserve.distributed.meshes import DEFAULT_RULES  # (JAX: imported when used)
 
         draft = self.speculative.draft if self.speculative else None
-        linears = _int4_linears(self.model)
-        # A draft is 4-bit when quantized on the fly as the target is, or a 4-bit
-        # checkpoint itself; behind another tool's 4-bit target it loads as it is.
+        linears = _quantized_linears(self.model)
+        # A draft is 4-bit when quantized on the fly as the target is, or a quantized
+        # checkpoint itself; behind another tool's quantized target it loads as it is.
         if draft is not None and (self.quantization == "int4" or checkpoint_format(draft)):
-            linears += tuple(("the draft's " + x[0], *x[1:]) for x in _int4_linears(draft))
+            linears += tuple(("the draft's " + x[0], *x[1:]) for x in _quantized_linears(draft))
         tp = self.parallel.tensor_parallel_size
         if tp == 1:
             return
-        for name, (d_out, d_in), groups, axes in linears:
+        for name, (d_out, d_in), (rows, cols), fp8, axes in linears:
             out_axis, in_axis = [DEFAULT_RULES.get(a) for a in axes]
             # As `meshes.state_shardings` splits it: an axis the size divides, the
             # outputs first (a column-parallel layer's inputs stay whole).
             outputs_split = out_axis is not None and d_out % tp == 0
-            if in_axis is None or d_in % tp or (outputs_split and out_axis == in_axis):
+            inputs_split = not (
+                in_axis is None or d_in % tp or (outputs_split and out_axis == in_axis)
+            )
+            if fp8:
+                for split, d, b, what in (
+                    (outputs_split, d_out, rows, "outputs"),
+                    (inputs_split, d_in, cols, "inputs"),
+                ):
+                    if split and b < d and (d // tp) % b:
+                        blocks = -(-d // b)
+                        raise ValueError(
+                            f"quantization={self.quantization!r} with tensor_parallel_size="
+                            f"{tp}: {name} splits its {d} {what} {tp} ways, {d // tp} a "
+                            f"device, across its fp8 scale blocks of {rows}x{cols} weights "
+                            f"(weight_block_size [{rows}, {cols}]: {blocks} blocks of {b} "
+                            f"{what}); a split must fall on whole blocks: use a "
+                            f"tensor_parallel_size that divides {d // b if d % b == 0 else 1}"
+                        )
                 continue
-            if groups % tp:
+            groups = d_in // cols
+            if inputs_split and groups % tp:
                 raise ValueError(
                     f"quantization={self.quantization!r} with tensor_parallel_size={tp}: "
                     f"{name} splits "
                     f"its {d_in} inputs {tp} ways, {d_in // tp} a device, across its "
-                    f"groups of {d_in // groups} inputs ({groups} group"
+                    f"groups of {cols} inputs ({groups} group"
                     f"{'s' if groups > 1 else ''}); a split must "
                     f"fall on whole groups: use a tensor_parallel_size that divides "
                     f"{groups}, or quantization='int8'"
@@ -319,7 +344,20 @@ class EngineConfig:
     def four_bit(self) -> bool:
         """Whether the model's linears are 4-bit: quantized on the fly ("int4") or a
         4-bit checkpoint's (AWQ, GPTQ, compressed-tensors)."""
-        return self.quantization == "int4" or checkpoint_format(self.model) is not None
+        fmt = checkpoint_format(self.model)
+        return self.quantization == "int4" or (fmt is not None and fmt.bits == 4)
+
+    @property
+    def fp8_checkpoint(self) -> bool:
+        """Whether the model is an fp8 checkpoint's (its e4m3 weights read as stored)."""
+        fmt = checkpoint_format(self.model)
+        return fmt is not None and fmt.method in FP8_METHODS
+
+    @property
+    def fp8_weights(self) -> bool:
+        """Whether the model's linears are fp8: an fp8 checkpoint's, or quantized on the
+        fly ("fp8" on a float checkpoint)."""
+        return self.fp8_checkpoint or self.quantization == "fp8"
 
     @property
     def num_lookahead(self) -> int:
@@ -403,30 +441,35 @@ class EngineConfig:
 
 
 @functools.lru_cache(maxsize=8)
-def _int4_linears(model: ModelConfig) -> tuple[tuple[str, tuple[int, int], int, tuple], ...]:
-    """`model`'s 4-bit linears under quantization='int4', or a 4-bit checkpoint's
-    (`checkpoint_format`, its groups): (path, kernel shape [N, K], groups, the
-    kernel's logical axes), from the abstract model (shapes only; ~1 s for an 8B
-    model, so kept: a runner builds its config up to four times)."""
+def _quantized_linears(
+    model: ModelConfig,
+) -> tuple[tuple[str, tuple[int, int], tuple[int, int], bool, tuple], ...]:
+    """`model`'s 4-bit linears under quantization='int4', or a 4-bit or fp8
+    checkpoint's (`checkpoint_format`, its groups and blocks): (path, kernel shape
+    [N, K], the (rows, inputs) one scale spans (4-bit: (1, group)), whether fp8, the
+    kernel's logical axes), from the abstract model (shapes only; ~1 s for an 8B model,
+    so kept: a runner builds its config up to four times)."""
     from flax import nnx  # (JAX: imported when used)
 
     from jaxserve.checkpoint.hf import abstract_model
+    from models.fp8 import Fp8Linear
     from models.int4 import Int4Linear
     from models.layers import _axes
 
     abstract = abstract_model(
         model, dtype="float32", attention_backend="reference", quantization="int4"
     )
-    return tuple(
-        (
-            ".".join(map(str, path)),
-            layer.kernel.shape,
-            layer.scale.shape[1],
-            _axes(layer.kernel) or (None, None),
-        )
-        for path, layer in nnx.iter_modules(abstract)
-        if isinstance(layer, Int4Linear)
-    )
+    out = []
+    for path, layer in nnx.iter_modules(abstract):
+        if isinstance(layer, Int4Linear):
+            block, fp8 = (1, layer.group_size), False
+        elif isinstance(layer, Fp8Linear):
+            block, fp8 = layer.block, True
+        else:
+            continue
+        axes = _axes(layer.kernel) or (None, None)
+        out.append((".".join(map(str, path)), layer.kernel.shape, block, fp8, axes))
+    return tuple(out)
 
 
 # vLLM's flat engine-argument names -> (sub-config, field) of EngineConfig.

@@ -20,11 +20,14 @@ _KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
 KV_SCALE_BYTES = 4
 # Weight quantization at load time: "int8" a scale per output channel
 # (`models.layers.QuantizedLinear`), "int4" a scale per group of 128 inputs
-# (`models.int4.Int4Linear`; the embedding and LM head int8).
-QUANTIZATION_METHODS = ("int8", "int4")
-# vLLM's names of the 4-bit checkpoint formats -> the checkpoint's quant_method
+# (`models.int4.Int4Linear`; the embedding and LM head int8), "fp8" e4m3 with a scale
+# per output channel (`models.fp8.Fp8Linear`; the embedding and LM head as they are).
+# On an fp8 checkpoint (quant_method "fp8") "fp8" names its own format instead.
+QUANTIZATION_METHODS = ("int8", "int4", "fp8")
+# vLLM's names of the 4-bit and fp8 checkpoint formats -> the checkpoint's quant_method
 # (`ModelConfig.quantization`): accepted where they name the checkpoint's own format.
 CHECKPOINT_QUANTIZATIONS = {
+    "fbgemm_fp8": "fbgemm_fp8",
     "awq": "awq",
     "awq_marlin": "awq",
     "gptq": "gptq",

@@ -99,10 +99,10 @@ def check_update(params, path, weight_version, quantization_config: str | None =
     they are, and new weights for them are not served yet."""
     if quantization_config is not None:
         raise ValueError(
-            "update_weights: this engine serves a quantized checkpoint's 4-bit codes as "
-            "they were read (config.json's quantization_config); new weights for it are "
-            "not served yet: serve a float checkpoint (with quantization='int4' to have "
-            "it and its updates quantized)"
+            "update_weights: this engine serves a quantized checkpoint's 4-bit codes (or "
+            "fp8 weights) as they were read (config.json's quantization_config); new "
+            "weights for it are not served yet: serve a float checkpoint (with "
+            "quantization='int4' or 'fp8' to have it and its updates quantized)"
         )
     if (params is None) == (path is None):
         raise ValueError(

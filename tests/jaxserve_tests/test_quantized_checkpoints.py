@@ -198,8 +198,16 @@ def test_format_name_on_float_checkpoint(hf_model_dir):
     [
         (gptq(True, False, bits=8), r"'gptq', gptq, 8-bit weights\): not served yet"),
         (
-            dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=[32, 32]),
-            r"'fp8', fp8-block, 8-bit weights\): not served yet",
+            dict(
+                ct("channel", True),
+                config_groups={
+                    "group_0": {
+                        "targets": ["Linear"],
+                        "weights": dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
+                    }
+                },
+            ),
+            r"'compressed-tensors', compressed-tensors-int, 8-bit weights\): not served yet",
         ),
         (dict(quant_method="bitsandbytes"), "quant_method: 'bitsandbytes' is not served"),
     ],
