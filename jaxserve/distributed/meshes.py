@@ -208,15 +208,22 @@ def zeros_kv(
 
 def no_prev_tokens(mesh: Mesh | None, rows: int, compile_only: bool) -> jax.Array | np.ndarray:
     """A step's `prev_tokens` [rows] int32 when no step is in flight: zeros made on the
-    devices once (replicated on `mesh`; uncommitted on one device, as the step programs'
-    other arguments), not sent with every step; for a compile-only target, its shape
-    alone (numpy)."""
+    devices once, not sent with every step (`int32_zeros`)."""
+    return int32_zeros(mesh, (rows,), compile_only)
+
+
+def int32_zeros(
+    mesh: Mesh | None, shape: tuple[int, ...], compile_only: bool
+) -> jax.Array | np.ndarray:
+    """int32 zeros made on the devices (replicated on `mesh`; uncommitted on one device,
+    as the step programs' other arguments); for a compile-only target, its shape alone
+    (numpy)."""
     if compile_only:
-        return np.zeros(rows, np.int32)
+        return np.zeros(shape, np.int32)
     if mesh is None:
-        return jnp.zeros(rows, jnp.int32)
+        return jnp.zeros(shape, jnp.int32)
     rep = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(lambda: jnp.zeros(rows, jnp.int32), out_shardings=rep)()
+    return jax.jit(lambda: jnp.zeros(shape, jnp.int32), out_shardings=rep)()
 
 
 @functools.lru_cache(maxsize=8)

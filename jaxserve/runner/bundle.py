@@ -51,7 +51,7 @@ from jaxserve.runner.step import StepPrograms
 from pallas_kernels.cpu import cache as trust
 from pallas_kernels.cpu import features as cpu_features
 
-FORMAT = 2  # 2: the step programs take packed batches (runner.packing)
+FORMAT = 3  # 2: the step programs take packed batches (runner.packing); 3: page tables kept
 MANIFEST = "manifest.json"
 
 # ----------------------------------------------------------------- manifest
@@ -368,4 +368,10 @@ def step_programs(
     prompt_lp = by_shape(
         compiled, prefix + "prompt logprobs T=", static_argnums=(0,), key_argnums=(1,)
     )
-    return dataclasses.replace(base, forward=forward, sample_step=sample, prompt_logprobs=prompt_lp)
+    return dataclasses.replace(
+        base,
+        forward=forward,
+        sample_step=sample,
+        prompt_logprobs=prompt_lp,
+        table_writes=compiled["page table writes"],
+    )

@@ -243,12 +243,13 @@ class DraftRunner:
                 num_rows=self.shapes.max_rows,
             )
             with meshes.on_mesh(self.mesh):
-                _, _, self.kv_caches = self.programs.forward(
+                _, _, self.kv_caches, _ = self.programs.forward(
                     self.model_def,
                     self.weights,
                     self.kv_caches,
                     StepInput.packed(batch),
                     self.no_prev_tokens,
+                    None,  # (its batches carry the page tables whole)
                 )
             todo = [seq for seq in todo if seq.draft_computed < seq.num_tokens - 1]
 
@@ -293,6 +294,7 @@ class DraftRunner:
                 self.kv_caches,
                 abstract(StepInput.packed(batch)),
                 self.no_prev_tokens,  # (as it is: its placement is part of the jit key)
+                None,
             )
             lowered.append((f"draft forward T={t}", program))
         program = self.propose_step.lower(*self.propose_args(abstract))

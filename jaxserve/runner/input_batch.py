@@ -149,50 +149,141 @@ class HostBatch:
     # Copy-on-write [C, 2] int32 (source, destination) pages copied before the forward,
     # by a program of their own (`runner.kv_io`): not an input of the forward program.
     copies: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 2), np.int32))
+    # The page tables kept on the device (`PageTable`; then `page_indices` and
+    # `group_page_indices` are [..., B, 0]): each sequence's slot [B], each group's row
+    # lengths [G, B], and the entries that changed [2, W] (flat index, page; padding
+    # past the table). Empty without one (the batch carries the whole tables).
+    table_rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    table_lens: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0), np.int32))
+    table_writes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((2, 0), np.int32))
+    # [2, N] the changed entries past W (a step that admits long prefix-cache hits),
+    # written before the forward by a program of their own: not an input of it.
+    table_overflow: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros((2, 0), np.int32)
+    )
 
 
-class PageRows:
-    """Each running sequence's page table as a numpy row, kept across steps and
-    brought up to date from what may have changed, so that building a step costs what
-    changed and not the context's length (a 32k-token sequence has 2,048 pages).
+class PageTable:
+    """The running sequences' page tables as the device keeps them, and what to send
+    it: each sequence's row lives in a slot of a [groups, slots, width] int32 array on
+    the device (`runner.step`'s `page_table`), and each step sends only the entries that
+    changed, so that building a step costs what changed and not the context's length
+    (a 32k-token sequence has 2,048 pages). The step gathers its rows' slots, each
+    cut to the row's own length (past it: the null page), as a table built from the
+    lists would be.
 
-    A row is found by its page list's identity (the scheduler replaces the list when
-    it gives a sequence other pages: a prefix-cache hit, a fork, a preemption). In the
-    same list, pages only change where the step writes: appended pages, and
-    copy-on-write's copies of shared pages from the first written token on. A row
-    unused by a step is dropped (a sequence not scheduled rebuilds its row when it is).
+    A sequence is found by its page list's identity (the scheduler replaces the list
+    when it gives a sequence other pages: a prefix-cache hit, a fork, a preemption),
+    and a new list gets a free slot, all of whose entries are sent. In the same list,
+    group 0's pages only change where the step writes: appended pages, and
+    copy-on-write's copies of shared pages from the first written token on. Another
+    layer group's list (a hybrid cache's windowed layers, whose pages before the
+    window become null) is compared with what the device holds. A list unused by a
+    step frees its slot, so `slots` = 2 x the sequences of a step always suffice.
+
+    Entries written on the host go to the device with the next step that is
+    dispatched (`sent`): a step built but never run loses none of them.
     """
 
-    def __init__(self, pages_per_seq: int):
-        self.width = pages_per_seq
-        # id(pages) -> (pages: held, so that the id is not reused; row; entries synced)
-        self._rows: dict[int, tuple[Sequence[int], np.ndarray, int]] = {}
-        self._used: dict[int, tuple[Sequence[int], np.ndarray, int]] = {}
+    def __init__(self, width: int, slots: int, groups: int = 1, *, max_writes: int):
+        self.shape = (groups, slots, width)
+        self.max_writes = max_writes  # entries a step carries; more go before it
+        self.size = groups * slots * width  # (a write past the table: padding, dropped)
+        self.mirror = np.zeros(self.shape, np.int32)  # what the device holds, once sent
+        # id(pages) -> [pages (held, so that the id is not reused), slot, entries synced]
+        self._last: dict[int, list] = {}
+        self._used: dict[int, list] = {}
+        self._free = list(range(slots - 1, -1, -1))
+        self._pending: dict[int, int] = {}  # flat index -> page, not sent yet
+        self._batch_writes: object = None  # the writes of the last batch built
 
-    def row(self, pages: Sequence[int], first_written: int) -> np.ndarray:
-        """`pages` as an int32 row of `width` entries (past them: the null page), given
-        that entries before index `first_written` did not change since the last step."""
+    def slot(self, pages: Sequence[int], first_written: int) -> int:
+        """The slot of group 0's `pages`, its changed entries recorded, given that
+        entries before index `first_written` did not change since the last step."""
         key = id(pages)
-        entry = self._rows.get(key) or self._used.get(key)
+        entry = self._used.get(key) or self._last.get(key)
         n = len(pages)
-        if entry is None or entry[0] is not pages:
-            row = np.full(self.width, NULL_PAGE, np.int32)
-            row[:n] = pages
+        if entry is None:  # (a list held in an entry: its id is no other's)
+            if not self._free:
+                self._reclaim()
+            entry = [pages, self._free.pop(), 0]
+            lo = 0
         else:
-            row, synced = entry[1], entry[2]
-            lo = min(synced, first_written, n)
-            if lo == n - 1:  # (a decode's: its last page; an item write is cheaper)
-                row[lo] = pages[lo]
-            elif lo < n:
-                row[lo:n] = pages[lo:n]
-            if n < synced:  # (never in a list the scheduler keeps; a caller's own list)
-                row[n:synced] = NULL_PAGE
-        self._used[key] = (pages, row, n)
-        return row
+            lo = min(entry[2], first_written, n)
+        self._used[key] = entry
+        if lo < n:
+            slot = entry[1]
+            base = slot * self.shape[2]
+            if lo == n - 1:  # (a decode's: its last page)
+                page = pages[lo]
+                self.mirror[0, slot, lo] = page
+                self._pending[base + lo] = page
+            else:
+                changed = pages[lo:n]
+                self.mirror[0, slot, lo:n] = changed
+                self._pending.update(zip(range(base + lo, base + n), changed, strict=True))
+        entry[2] = n
+        return entry[1]
 
-    def end_step(self) -> None:
-        """Keeps the rows this step used, drops the others."""
-        self._rows, self._used = self._used, {}
+    def _reclaim_last(self) -> None:
+        """The lists of this step become the last step's; the others' slots are free."""
+        for key, entry in self._last.items():
+            if key not in self._used:
+                self._free.append(entry[1])
+        self._last, self._used = self._used, {}
+
+    def _reclaim(self) -> None:
+        """Frees the slots of the last step's lists this one has not used yet (a
+        build that failed half way left its own in use): one used later in this step
+        gets a slot again, all of it sent."""
+        for key, entry in self._last.items():
+            if key not in self._used:
+                self._free.append(entry[1])
+        self._last = {}
+        if not self._free:
+            raise RuntimeError(f"every one of the {self.shape[1]} page-table slots is in use")
+
+    def group_row(self, group: int, slot: int, pages: Sequence[int]) -> None:
+        """Another layer group's `pages` for `slot`: the entries the device does not
+        hold are recorded (the slot's group 0 row was just given by `slot`)."""
+        new = np.asarray(pages, np.int32)
+        held = self.mirror[group, slot, : len(new)]
+        changed = np.flatnonzero(held != new)
+        if len(changed):
+            held[changed] = new[changed]
+            base = (group * self.shape[1] + slot) * self.shape[2]
+            self._pending.update(zip((changed + base).tolist(), new[changed].tolist(), strict=True))
+
+    def end_step(self) -> tuple[np.ndarray, np.ndarray]:
+        """Frees the slots of the lists this step did not use; returns the entries to
+        send as (writes [2, max_writes]: flat index and page, padded with indices
+        past the table; overflow [2, N]: the ones that did not fit, written by a
+        program of their own before the step)."""
+        self._reclaim_last()
+        pending, max_writes = self._pending, self.max_writes
+        writes = np.full((2, max_writes), self.size, np.int32)
+        writes[1] = NULL_PAGE
+        n = len(pending)
+        if n <= max_writes:
+            if n:
+                writes[0, :n] = list(pending)
+                writes[1, :n] = list(pending.values())
+            overflow = _NO_WRITES
+        else:
+            both = np.array([list(pending), list(pending.values())], np.int32)
+            writes[:] = both[:, :max_writes]
+            overflow = both[:, max_writes:]
+        self._batch_writes = writes
+        return writes, overflow
+
+    def sent(self, writes: np.ndarray) -> None:
+        """A batch's writes went to the device: if they were the last built (they
+        hold every entry not sent before), nothing is pending any more."""
+        if writes is self._batch_writes:
+            self._pending = {}
+
+
+_NO_WRITES = np.zeros((2, 0), np.int32)
 
 
 def build_batch(
@@ -206,15 +297,15 @@ def build_batch(
     all_logits: bool = False,
     num_groups: int = 1,
     copies: Sequence[tuple[int, int]] = (),
-    page_rows: PageRows | None = None,
+    table: PageTable | None = None,
 ) -> HostBatch:
     """Packs `work` into padded arrays (`num_groups`: the KV cache's layer groups, each
     with its page table and slot mapping); `copies` (copy-on-write page pairs) go along.
 
     `logits_indices` [num_rows] (default: seq_bucket) selects each sequence's last
     `num_samples` tokens, in order (what sampling needs), or with `all_logits`
-    every token of the bucket (tests). `page_rows` keeps the page tables' rows from
-    step to step (the runner's); without it each row is built from its list.
+    every token of the bucket (tests). `table`: the page tables the device keeps (the
+    runner's), of which the batch carries what changed; without it, the whole tables.
     """
     num_tokens = sum(len(w.token_ids) for w in work)
     if num_tokens > token_bucket:
@@ -225,15 +316,19 @@ def build_batch(
     positions = np.zeros(token_bucket, np.int32)
     slot_mapping = np.full(token_bucket, NULL_PAGE * page_size, np.int32)
     kv_lens = np.zeros(seq_bucket, np.int32)
-    page_indices = np.full((seq_bucket, pages_per_seq), NULL_PAGE, np.int32)
+    width = 0 if table is not None else pages_per_seq  # (kept on the device: none sent)
+    page_indices = np.full((seq_bucket, width), NULL_PAGE, np.int32)
     cu_q_lens = np.zeros(seq_bucket + 1, np.int32)
     logits_indices = np.zeros(seq_bucket if num_rows is None else num_rows, np.int32)
     prompt_targets = np.full(token_bucket, -1, np.int32)
     prev_rows = np.full(token_bucket, -1, np.int32)
     extra = num_groups - 1
     group_slots = np.full((extra, token_bucket), NULL_PAGE * page_size, np.int32)
-    group_tables = np.full((extra, seq_bucket, pages_per_seq), NULL_PAGE, np.int32)
+    group_tables = np.full((extra, seq_bucket, width), NULL_PAGE, np.int32)
     lora_slots = np.zeros(token_bucket, np.int32)
+    table_slots: list[int] = []  # (with a table: each sequence's slot and row length)
+    table_lens: list[int] = []
+    group_lens: list[list[int]] = [[] for _ in range(extra)]
 
     # A decode row's scalars (most rows of a step) are gathered in lists and written
     # once at the end: a numpy item write costs more than a list append.
@@ -243,7 +338,7 @@ def build_batch(
     t = r = 0
     last_slot = 0  # (nonzero once a sequence has an adapter)
     max_rows = len(logits_indices)
-    row_of = page_rows.row if page_rows is not None else None
+    slot_of = table.slot if table is not None else None
     for b, w in enumerate(work):
         pages, start, slot = w.pages, w.start, w.lora_slot
         held = len(pages)
@@ -258,8 +353,9 @@ def build_batch(
             and not w.group_pages
             and not len(w.prompt_targets)
         ):
-            if row_of is not None:
-                page_indices[b] = row_of(pages, start // page_size)
+            if slot_of is not None:
+                table_slots.append(slot_of(pages, start // page_size))
+                table_lens.append(held)
             else:
                 page_indices[b, :held] = pages
             dec_t.append(t)
@@ -307,8 +403,9 @@ def build_batch(
                 f"sequence {b} samples {w.num_samples} of its {n} tokens; the batch has "
                 f"{len(logits_indices) - r} sampling rows left"
             )
-        if page_rows is not None:
-            page_indices[b] = page_rows.row(w.pages, start // page_size)
+        if table is not None:
+            table_slots.append(table.slot(w.pages, start // page_size))
+            table_lens.append(held)
         else:
             page_indices[b, :held] = w.pages
         if n == 1:  # a decode step's row
@@ -318,10 +415,11 @@ def build_batch(
             dec_slots.append(w.pages[start // page_size] * page_size + start % page_size)
         else:
             pos = np.arange(start, end, dtype=np.int32)
-            pages = page_indices[b]
+            first = start // page_size  # (the pages written: not the whole list)
+            pages = np.asarray(w.pages[first : (end - 1) // page_size + 1], np.int32)
             input_ids[t : t + n] = w.token_ids
             positions[t : t + n] = pos
-            slot_mapping[t : t + n] = pages[pos // page_size] * page_size + pos % page_size
+            slot_mapping[t : t + n] = pages[pos // page_size - first] * page_size + pos % page_size
         if len(w.prompt_targets):
             prompt_targets[t : t + n] = w.prompt_targets
         if w.prev_row >= 0:  # the step reads the token on the device
@@ -333,9 +431,13 @@ def build_batch(
             lora_slots[t:] = w.lora_slot  # (the padding after the last sequence too)
         for g in range(extra):
             pos = np.arange(start, end, dtype=np.int32)
-            table = np.asarray(w.group_pages[g] if w.group_pages else w.pages, np.int32)
-            group_slots[g, t : t + n] = table[pos // page_size] * page_size + pos % page_size
-            group_tables[g, b, : len(table)] = table
+            pages = np.asarray(w.group_pages[g] if w.group_pages else w.pages, np.int32)
+            group_slots[g, t : t + n] = pages[pos // page_size] * page_size + pos % page_size
+            if table is not None:
+                table.group_row(g + 1, table_slots[-1], pages)
+                group_lens[g].append(len(pages))
+            else:
+                group_tables[g, b, : len(pages)] = pages
         t += n
         ends.append(end)
         cu.append(t)
@@ -351,8 +453,17 @@ def build_batch(
     cu_q_lens[1 : len(cu) + 1] = cu
     logits_indices[: len(rows)] = rows
     cu_q_lens[len(work) + 1 :] = t
-    if page_rows is not None:
-        page_rows.end_step()
+    slots = np.zeros(0, np.int32)
+    lens = np.zeros((0, 0), np.int32)
+    writes = overflow = np.zeros((2, 0), np.int32)
+    if table is not None:
+        slots = np.zeros(seq_bucket, np.int32)
+        slots[: len(table_slots)] = table_slots
+        lens = np.zeros((num_groups, seq_bucket), np.int32)
+        lens[0, : len(table_lens)] = table_lens
+        for g, group in enumerate(group_lens):
+            lens[g + 1, : len(group)] = group
+        writes, overflow = table.end_step()
     if not last_slot:  # (slots never decrease: no sequence has an adapter)
         lora_slots = lora_slots[:0]
     if all_logits:
@@ -372,6 +483,10 @@ def build_batch(
         group_page_indices=group_tables,
         lora_slots=lora_slots,
         copies=np.asarray(copies, np.int32).reshape(-1, 2),
+        table_rows=slots,
+        table_lens=lens,
+        table_writes=writes,
+        table_overflow=overflow,
     )
 
 

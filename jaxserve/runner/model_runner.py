@@ -21,7 +21,7 @@ from jaxserve.runner.compile_counter import CompileCounter
 from jaxserve.runner.draft import DraftRunner, load_draft
 from jaxserve.runner.input_batch import (
     HostBatch,
-    PageRows,
+    PageTable,
     SampleRow,
     SamplingMetadata,
     SeqWork,
@@ -142,6 +142,19 @@ class ModelRunner:
         self.history_len = config.pages_per_seq * config.cache.page_size
         # A step's `prev_tokens` when no step before it is in flight.
         self.no_prev_tokens = meshes.no_prev_tokens(mesh, self.shapes.max_rows, target is not None)
+        # The page tables kept on the device, a slot a sequence (`input_batch.PageTable`):
+        # each step sends the entries that changed, its token count's new pages at most
+        # (and a fork's or a prefix hit's whole row, before the step if they overflow).
+        groups, seqs = len(self.group_pages), self.shapes.max_seqs
+        self.page_table = meshes.int32_zeros(
+            mesh, (groups, 2 * seqs, config.pages_per_seq), target is not None
+        )
+        self.page_table_host = PageTable(
+            config.pages_per_seq,
+            2 * seqs,
+            groups,
+            max_writes=groups * (self.token_buckets[-1] // config.cache.page_size + 2 * seqs),
+        )
         self.compiles = CompileCounter()  # its listeners removed by `close`
         self.closed = False
         # The draft model's KV arrays share the target's page tables (and pool).
@@ -158,7 +171,6 @@ class ModelRunner:
             )
         self._plan_sink = plan_sink
         self._step_wait = step_wait
-        self._page_rows = PageRows(config.pages_per_seq)  # the page tables' rows, kept
         self.warmed_up = False
         self.warmup_seconds = 0.0
         self.warmup_cache_hits = 0  # of its programs, loaded from the persistent cache
@@ -216,7 +228,7 @@ class ModelRunner:
         Idempotent; the runner runs no step after it."""
         self.compiles.close()
         self.closed = True
-        self.weights = self.kv_caches = self.no_prev_tokens = None
+        self.weights = self.kv_caches = self.no_prev_tokens = self.page_table = None
         self.programs = self.kv_programs = self.copy_program = None
         if self.drafter is not None:
             self.drafter.close()
@@ -291,7 +303,7 @@ class ModelRunner:
             all_logits=all_logits,
             num_groups=len(self.group_pages),
             copies=copies,
-            page_rows=self._page_rows,
+            table=self.page_table_host,
         )
 
     def build_sampling(
@@ -325,14 +337,29 @@ class ModelRunner:
             self.kv_caches = kv_io.copy_pages(  # copy-on-write's, before the step writes
                 self.kv_caches, batch.copies, self.copy_program, self.copy_buckets
             )
-            selected, hidden, self.kv_caches = self.programs.forward(
+            table = self.page_table
+            if batch.table_overflow.shape[1]:  # (a prefix hit's or a fork's whole rows)
+                table = self._write_overflow(table, batch.table_overflow)
+            selected, hidden, self.kv_caches, self.page_table = self.programs.forward(
                 self.model_def,
                 self.weights,
                 self.kv_caches,
                 StepInput.packed(batch, self.layer_group),  # (one transfer)
                 self.no_prev_tokens if prev_tokens is None else prev_tokens,
+                table,
             )
+        self.page_table_host.sent(batch.table_writes)
         return selected, hidden
+
+    def _write_overflow(self, table: jax.Array, entries: np.ndarray) -> jax.Array:
+        """The changed entries a step's own writes could not hold, written before it
+        in chunks of the step's writes (one program: `table_writes`)."""
+        chunk = self.page_table_host.max_writes
+        for i in range(0, entries.shape[1], chunk):
+            part = np.full((2, chunk), self.page_table_host.size, np.int32)
+            part[:, : entries.shape[1] - i] = entries[:, i : i + chunk]
+            table = self.programs.table_writes(table, part[0], part[1])
+        return table
 
     def execute(self, batch: HostBatch) -> jax.Array:
         """Runs one step; returns the selected rows' logits (float32, on device)."""

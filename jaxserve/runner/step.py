@@ -46,7 +46,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import PyTreeDef
 
-from jaxserve.runner.input_batch import HostBatch, SamplingMetadata
+from jaxserve.runner.input_batch import NULL_PAGE, HostBatch, SamplingMetadata
 from jaxserve.runner.packing import Packed, pack, pack_on_device, unpack
 from jaxserve.runner.sampler import sample, token_logprobs
 from models.lora import bind_slots
@@ -72,6 +72,13 @@ class StepInput:
     #   the forward's argument beside the batch: it is on the device already)
     # [T] int32: each token row's LoRA adapter slot, 0 none; [0]: no row has an adapter.
     lora_slots: jax.Array
+    # The page tables kept on the device (`input_batch.PageTable`; the forward's
+    # `page_table` argument [G, slots, M]): each sequence's slot [S], each group's row
+    # lengths [G, S], the changed entries [2, W] (flat index, page). Empty when the
+    # batch carries the tables whole (`attention`'s page indices).
+    table_rows: jax.Array
+    table_lens: jax.Array
+    table_writes: jax.Array
 
     @classmethod
     def from_host(cls, b: HostBatch, layer_group: tuple[int, ...] = ()) -> StepInput:
@@ -104,7 +111,29 @@ class StepInput:
             prompt_targets=b.prompt_targets,
             prev_rows=b.prev_rows,
             lora_slots=b.lora_slots,
+            table_rows=b.table_rows,
+            table_lens=b.table_lens,
+            table_writes=b.table_writes,
         )
+
+    def with_page_table(self, page_table: jax.Array) -> tuple[jax.Array, StepInput]:
+        """Device side: the kept page tables with this step's changed entries written,
+        and the batch with each sequence's rows gathered from them, cut to the row's
+        length (past it the null page, as a table built from the lists has)."""
+        index, pages = self.table_writes
+        page_table = write_entries(page_table, index, pages)
+        width = page_table.shape[-1]
+        rows = page_table[:, self.table_rows]  # [G, S, M]
+        rows = jnp.where(jnp.arange(width) < self.table_lens[..., None], rows, NULL_PAGE)
+        attention = self.attention
+        if isinstance(attention, GroupedMetadata):
+            groups = tuple(
+                dataclasses.replace(g, page_indices=rows[i]) for i, g in enumerate(attention.groups)
+            )
+            attention = dataclasses.replace(attention, groups=groups)
+        else:
+            attention = dataclasses.replace(attention, page_indices=rows[0])
+        return page_table, dataclasses.replace(self, attention=attention)
 
     @classmethod
     def packed(cls, b: HostBatch, layer_group: tuple[int, ...] = ()) -> Packed:
@@ -150,31 +179,43 @@ class ModelDef:
         )
 
 
+def write_entries(page_table: jax.Array, index: jax.Array, pages: jax.Array) -> jax.Array:
+    """`page_table` with `pages` at the flat `index`es (those past it: padding, dropped)."""
+    flat = page_table.reshape(-1).at[index].set(pages, mode="drop")
+    return flat.reshape(page_table.shape)
+
+
 def _forward(
     model_def: ModelDef,
     weights: list[jax.Array],
     kv_caches: list[jax.Array],
     packed: Packed,
     prev_tokens: jax.Array,
-) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
+    page_table: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, list[jax.Array], jax.Array | None]:
     """One forward pass of the batch (a packed `StepInput`) -> the hidden states of the
     rows to sample [R, D], those of every token row [T, D] (for
-    `prompt_logprobs_step`), and the updated KV caches. `prev_tokens` [R]: the previous
-    step's sampled ids (asynchronous scheduling; zeros when none is in flight).
+    `prompt_logprobs_step`), the updated KV caches and page tables. `prev_tokens` [R]:
+    the previous step's sampled ids (asynchronous scheduling; zeros when none is in
+    flight). `page_table` [G, slots, M]: the page tables kept on the device, of which
+    the batch carries the changes (`StepInput.with_page_table`); None: the batch
+    carries them whole (the draft model's steps).
 
-    The KV caches are donated: XLA updates them in place, and the caller must use
-    the returned ones from then on. The sampled rows' LM head is left to
-    `sample_step`, which depends on B alone, so that a program per token bucket
+    The KV caches and page tables are donated: XLA updates them in place, and the
+    caller must use the returned ones from then on. The sampled rows' LM head is left
+    to `sample_step`, which depends on B alone, so that a program per token bucket
     serves every sequence count.
     """
     batch: StepInput = unpack(packed)
+    if page_table is not None:
+        page_table, batch = batch.with_page_table(page_table)
     model = model_def.merge(weights)
     if batch.lora_slots.shape[0]:  # (else no token has an adapter: the base model's program)
         bind_slots(model, batch.lora_slots)
     prev = prev_tokens[jnp.maximum(batch.prev_rows, 0)]
     input_ids = jnp.where(batch.prev_rows >= 0, prev, batch.input_ids)
     hidden, kv_caches = model(kv_caches, input_ids, batch.positions, batch.attention)
-    return hidden[batch.logits_indices], hidden, kv_caches
+    return hidden[batch.logits_indices], hidden, kv_caches, page_table
 
 
 def _prompt_logprobs(
@@ -230,7 +271,8 @@ def _sample(
 # Unsharded (one device): the shardings follow the arguments. Weights and KV caches
 # are uncommitted there (loaded with jnp.asarray), as warm-up's abstract arguments
 # are: a committed argument would be another jit cache entry, compiled again.
-forward = jax.jit(_forward, static_argnums=0, donate_argnums=2)
+forward = jax.jit(_forward, static_argnums=0, donate_argnums=(2, 5))
+table_writes = jax.jit(write_entries, donate_argnums=0)  # (entries past a step's own)
 logits_step = jax.jit(_logits, static_argnums=0)
 sample_step = jax.jit(_sample, static_argnums=0)
 prompt_logprobs_step = jax.jit(_prompt_logprobs, static_argnums=0)
@@ -253,6 +295,7 @@ class StepPrograms:
     logits_step: Callable
     sample_step: Callable
     prompt_logprobs: Callable
+    table_writes: Callable  # (page_table, index, pages): the entries past a step's own
 
     @classmethod
     def place(
@@ -273,9 +316,9 @@ class StepPrograms:
             forward=jax.jit(
                 _forward,
                 static_argnums=0,
-                donate_argnums=2,
-                in_shardings=(w, kv, rep, rep),
-                out_shardings=(rep, rep, kv),
+                donate_argnums=(2, 5),
+                in_shardings=(w, kv, rep, rep, rep),
+                out_shardings=(rep, rep, kv, rep),
             ),
             logits_step=jax.jit(
                 _logits, static_argnums=0, in_shardings=(w, rep), out_shardings=rep
@@ -286,10 +329,11 @@ class StepPrograms:
             prompt_logprobs=jax.jit(
                 prompt_fn, static_argnums=0, in_shardings=(w, rep, rep), out_shardings=rep
             ),
+            table_writes=jax.jit(write_entries, donate_argnums=0, out_shardings=rep),
         )
 
 
-UNSHARDED = StepPrograms(forward, logits_step, sample_step, prompt_logprobs_step)
+UNSHARDED = StepPrograms(forward, logits_step, sample_step, prompt_logprobs_step, table_writes)
 
 
 @functools.cache

@@ -37,7 +37,7 @@ def warm_up(
     # Two bars, each counting its own work: tracing (Python, fast) and compiling (or
     # loading from the cache), whose estimate a mixed count made wrong (it read 4 s at
     # half way with 70 s left). The extras' count is known once they are traced.
-    bar = tqdm(total=total + len(runner.copy_buckets), desc="warm-up: tracing")
+    bar = tqdm(total=total + len(runner.copy_buckets) + 1, desc="warm-up: tracing")
     lowered: list[tuple[str, jax.stages.Lowered]] = []
     # Traced in the context the steps run in (the mesh), for the device compiled for.
     with runner.on_mesh(), runner.on_target_device():
@@ -66,8 +66,16 @@ def warm_up(
                 )
                 lowered.append((f"sample{'+full' if full else ''} B={b}", program))
                 bar.update(1)
-        # Copy-on-write's page copies (forked sequences: n > 1 samples, beams).
+        # Copy-on-write's page copies (forked sequences: n > 1 samples, beams), and the
+        # page-table entries past a step's own (a fork's or prefix hit's whole rows).
         copies = kv_io.lower_copies(runner.kv_caches, runner.copy_buckets)
+        writes = abstract_tree(np.zeros(runner.page_table_host.max_writes, np.int32))
+        copies.append(
+            (
+                "page table writes",
+                runner.programs.table_writes.lower(runner.page_table, writes, writes),
+            )
+        )
         lowered += copies
         total += len(copies)
         bar.update(len(copies))
@@ -126,8 +134,8 @@ def warm_up(
     runner.warmup_cache_hits = runner.compiles.cache_hits - hits
     logger.info(
         "warm-up: %d step programs (%d forward, %d prompt logprobs, %d sampling, %d "
-        "page copy, %d more) ready in %.1fs%s: %d built, %d of them loaded from the "
-        "persistent compilation cache",
+        "page copy and table, %d more) ready in %.1fs%s: %d built, %d of them loaded "
+        "from the persistent compilation cache",
         total,
         num_forwards,
         len(runner.token_buckets),
@@ -150,9 +158,17 @@ def forward_args(runner, t: int, variant: str = "") -> tuple:
     if variant:
         batch = dataclasses.replace(batch, lora_slots=np.ones(t, np.int32))
     batch = abstract_tree(StepInput.packed(batch, layer_group=runner.layer_group))
-    # `no_prev_tokens` as it is, not abstract: its placement (committed and replicated on
-    # a mesh) is part of the jit key the steps look their programs up by.
-    return runner.model_def, runner.weights, runner.kv_caches, batch, runner.no_prev_tokens
+    # `no_prev_tokens` and the page tables as they are, not abstract: their placement
+    # (committed and replicated on a mesh) is part of the jit key the steps look their
+    # programs up by.
+    return (
+        runner.model_def,
+        runner.weights,
+        runner.kv_caches,
+        batch,
+        runner.no_prev_tokens,
+        runner.page_table,
+    )
 
 
 def abstract_tree(tree):

@@ -130,7 +130,7 @@ def expected_programs(engine: LLMEngine) -> int:
         count += len(runner.token_buckets) + 1
     if runner.lora is not None:  # a forward with the adapters per token bucket, the slot write
         count += len(runner.token_buckets) + 1
-    return count + len(runner.copy_buckets)  # copy-on-write's page copies
+    return count + len(runner.copy_buckets) + 1  # copy-on-write's page copies, table writes
 
 
 def check(engine: LLMEngine, target: str) -> None:

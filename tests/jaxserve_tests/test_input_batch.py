@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxserve.runner.input_batch import (
-    PageRows,
+    PageTable,
     SampleRow,
     SeqWork,
     build_batch,
@@ -73,42 +73,87 @@ def test_step_shapes_give_a_lone_speculating_sequence_its_own_bucket():
     assert spec.max_rows == 64 and spec.max_seqs == 16
 
 
-def test_kept_page_rows_build_the_same_steps_as_rows_built_from_the_lists():
-    """The runner keeps each sequence's page-table row from step to step and brings
-    it up to date from what the scheduler may change (appended pages, copy-on-write
-    from the first written token on, a list replaced by a prefix hit, a fork or a
-    preemption; a sequence skipping steps). Every step equals one built from scratch."""
-    rng = np.random.default_rng(0)
+def device_tables(table: np.ndarray, batch) -> np.ndarray:
+    """What the step program does with a batch's page-table changes (numpy):
+    `table` [G, slots, M] updated in place; returns the batch's rows [G, S, M]."""
+    flat = table.reshape(-1)
+    for index, page in (batch.table_overflow, batch.table_writes):
+        keep = index < flat.size  # (padding: past the table)
+        flat[index[keep]] = page[keep]
+    rows = table[:, batch.table_rows]
+    return np.where(np.arange(table.shape[2]) < batch.table_lens[..., None], rows, 0)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_page_tables_kept_on_the_device_build_the_same_steps_as_whole_tables(groups):
+    """The runner keeps each sequence's page-table row on the device and sends what
+    changed (appended pages, copy-on-write from the first written token on, a list
+    replaced by a prefix hit, a fork or a preemption; a sequence skipping steps; a
+    windowed group's pages turned null; more changes than a step carries). Every
+    step's tables, as the device gathers them, equal those built from the lists."""
+    rng = np.random.default_rng(groups)
     page, width, kw = 4, 12, dict(page_size=4, pages_per_seq=12, token_bucket=64, seq_bucket=8)
-    rows = PageRows(width)
-    seqs = [{"pages": [], "done": 0} for _ in range(6)]
+    kw["num_groups"] = groups
+    table = PageTable(width, 16, groups, max_writes=10)
+    device = np.zeros(table.shape, np.int32)
+    seqs = [{"pages": [], "window": [], "done": 0} for _ in range(6)]
     fresh = iter(range(1, 10_000))
+    overflowed = 0
     for _ in range(300):
         work = []
         for s in seqs:
             if rng.random() < 0.2:  # not scheduled this step
                 continue
             if rng.random() < 0.05 or s["done"] + 8 > width * page:  # replaced: hit/preempted
-                s["done"] = int(rng.integers(0, 9))
+                s["done"] = int(rng.integers(0, 40))
                 s["pages"] = [next(fresh) for _ in range(-(-s["done"] // page))]
+                s["window"] = list(s["pages"])
             n = int(rng.integers(1, 5)) if rng.random() < 0.3 else 1
             end = s["done"] + n
-            pages = s["pages"]
+            pages, window = s["pages"], s["window"]
             first = s["done"] // page
             if pages and first < len(pages) and rng.random() < 0.3:  # copy-on-write
                 pages[first] = next(fresh)
-            pages.extend(next(fresh) for _ in range(-(-end // page) - len(pages)))
-            work.append(SeqWork(list(range(n)), s["done"], pages))
+            while len(pages) < -(-end // page):
+                pages.append(next(fresh))
+                window.append(next(fresh))
+            if window and rng.random() < 0.3:  # the window lets its oldest page go
+                window[int(rng.integers(0, len(window)))] = 0
+            extra = [window] if groups == 2 else []
+            work.append(SeqWork(list(range(n)), s["done"], pages, group_pages=extra))
             # speculation may take some back: the next step starts earlier, same pages
             s["done"] = end - int(rng.integers(0, n)) if n > 1 else end
         if not work:
             continue
-        kept = build_batch(work, page_rows=rows, **kw)
+        kept = build_batch(work, table=table, **kw)
         built = build_batch(work, **kw)
+        if rng.random() < 0.1:  # built but never run: its changes go with the next one
+            continue
+        overflowed += kept.table_overflow.shape[1] > 0
+        rows = device_tables(device, kept)
+        table.sent(kept.table_writes)
+        np.testing.assert_array_equal(rows[0], built.page_indices)
+        np.testing.assert_array_equal(rows[1:], built.group_page_indices)
         for field in dataclasses.fields(built):
-            want, got = getattr(built, field.name), getattr(kept, field.name)
-            np.testing.assert_array_equal(got, want, err_msg=field.name)
-    assert len(rows._rows) <= len(seqs)  # rows of sequences gone are dropped
+            if not field.name.startswith(("table_", "page_indices", "group_page_indices")):
+                want, got = getattr(built, field.name), getattr(kept, field.name)
+                np.testing.assert_array_equal(got, want, err_msg=field.name)
+    assert overflowed  # (some steps changed more than they carry)
+    assert len(table._last) <= len(seqs)  # the slots of sequences gone are free
+
+
+def test_a_page_table_slot_is_found_again_after_a_build_that_failed():
+    """A build that raised half way left its sequences' slots in use; the next builds
+    find free slots all the same (the last step's unused ones are taken back)."""
+    table = PageTable(4, 3, max_writes=8)  # (2 steps of 2 need 4: some taken back)
+    kw = dict(page_size=4, pages_per_seq=4, token_bucket=8, seq_bucket=2, table=table)
+    lists = [[i + 1] for i in range(8)]
+    build_batch([SeqWork([1], 0, lists[0]), SeqWork([1], 0, lists[1])], **kw)
+    with pytest.raises(ValueError, match="has no tokens"):
+        build_batch([SeqWork([1], 0, lists[2]), SeqWork([], 0, lists[3])], **kw)
+    for i in range(3, 8):  # a new list every step
+        batch = build_batch([SeqWork([1], 0, lists[i]), SeqWork([1], 0, lists[i - 1])], **kw)
+        assert len(set(batch.table_rows.tolist())) == 2
 
 
 def test_a_row_that_cannot_be_packed_samples_as_padding_does():
