@@ -214,10 +214,11 @@ class PageTable:
         if lo < n:
             slot = entry[1]
             base = slot * self.shape[2]
-            if lo == n - 1:  # (a decode's: its last page)
+            if lo == n - 1:  # (a decode's: its last page, sent if it is another)
                 page = pages[lo]
-                self.mirror[0, slot, lo] = page
-                self._pending[base + lo] = page
+                if self.mirror[0, slot, lo] != page:
+                    self.mirror[0, slot, lo] = page
+                    self._pending[base + lo] = page
             else:
                 changed = pages[lo:n]
                 self.mirror[0, slot, lo:n] = changed
