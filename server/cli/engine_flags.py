@@ -12,6 +12,7 @@ import tomllib
 from absl import flags
 
 from jaxserve.config import DATA_PARALLEL_BACKENDS, LOGPROBS_MODES
+from jaxserve.config.sections import CHECKPOINT_QUANTIZATIONS, QUANTIZATION_METHODS
 from jaxserve.llm import DEFAULT_COMPILATION_CACHE
 from pallas_kernels.cpu import cache as kernel_cache
 
@@ -52,8 +53,11 @@ flags.DEFINE_enum(
 flags.DEFINE_enum(
     "quantization",
     None,
-    ["int8"],
-    "Weight quantization at load time (int8: symmetric, per output channel; off by default).",
+    [*QUANTIZATION_METHODS, *CHECKPOINT_QUANTIZATIONS],
+    "Weight quantization at load time (int8: symmetric, per output channel; int4: groups "
+    "of 128 inputs; fp8: e4m3, per output channel; off by default), or the name of a "
+    "quantized checkpoint's own format (awq, gptq, compressed-tensors, fp8, fbgemm_fp8: "
+    "read from its config.json without the flag).",
 )
 flags.DEFINE_float(
     "kv_cache_memory_fraction",
