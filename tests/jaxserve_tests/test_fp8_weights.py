@@ -489,3 +489,15 @@ def test_fp8_steps_compile_for_a_gpu_and_a_tpu(target, tmp_path):
         (tmp_path / "bf16" / "config.json").write_text(json.dumps(config))
         bf16 = build(str(tmp_path / "bf16"), target).compiled["forward T=1"]
         assert program_cost(decode)[1] < 0.65 * program_cost(bf16)[1]  # measured 0.53
+
+
+@pytest.mark.sharded
+@pytest.mark.slow
+def test_tensor_parallel_fp8_engines_equal_one_device(checkpoints):
+    from fake_devices import run_on_8_devices
+
+    stdout = run_on_8_devices(
+        "fp8_tp_check.py", checkpoints["block128_llama"][0], checkpoints["channel_llama"][0]
+    )
+    for line in ("block tp=2", "channel tp=2", "channel tp=4"):
+        assert f"fp8 {line}: greedy tokens equal one device's" in stdout, stdout
