@@ -361,6 +361,7 @@ def test_processed_mode_compiles_the_same_programs_and_nothing_after_warm_up(mon
             + [f"sample B={b}" for b in rows]
             + [f"sample+full B={b}" for b in rows]
             + [f"kv copy n={n}" for n in runner.copy_buckets]
+            + ["page table writes"]
         )
         compiled = runner.compiles.count
         prompts = [PROMPT, "A", "The quick brown fox jumps over the lazy dog again and again"]

@@ -78,9 +78,9 @@ def test_a_step_without_adapters_runs_the_base_models_program(tiny_model_dir, tm
     assert "lora_dense" not in llm.engine.compiled[f"forward T={t}"].as_text()
     with_slots = []  # per step: whether the forward got the tokens' slots
 
-    def spy(model_def, weights, kv_caches, batch, prev_tokens):
+    def spy(model_def, weights, kv_caches, batch, *rest):
         with_slots.append(batch.layout.shapes().lora_slots[0] > 0)  # (a packed StepInput)
-        return forward(model_def, weights, kv_caches, batch, prev_tokens)
+        return forward(model_def, weights, kv_caches, batch, *rest)
 
     forward = runner.programs.forward
     runner.programs = dataclasses.replace(runner.programs, forward=spy)
