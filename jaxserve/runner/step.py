@@ -32,6 +32,10 @@ Each direction of a step is one transfer (`runner.packing`): the forward takes i
 batch, and sampling its settings, as one packed int32 buffer each, unpacked inside the
 program by static slices; sampling (and prompt logprobs) return one packed vector,
 which the host copies back at once and unpacks.
+
+The page tables stay on the device (the forward's `page_table`, donated like the KV
+caches): a batch carries its sequences' slots in it and the entries that changed
+(`input_batch.PageTable`), so what a step sends does not grow with the context.
 """
 
 from __future__ import annotations
@@ -286,8 +290,8 @@ class StepPrograms:
 
     On a mesh every program states its shardings: weights and KV caches as placed
     (`jaxserve.distributed.meshes`), the KV caches out exactly as in (so donation updates them
-    in place, step after step), and everything else replicated: the host's batch
-    arrays in (page tables and metadata are small), the hidden rows, logits and
+    in place, step after step), and everything else replicated: the kept page tables
+    and the host's batch arrays in (they are small), the hidden rows, logits and
     sampled tokens out (sampling runs on the devices; only ids cross to the host).
     """
 

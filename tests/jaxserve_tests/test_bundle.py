@@ -149,7 +149,7 @@ def _run(mode: str, bundle_dir, cache_dir, devices: int = 1, **kw) -> dict:
 def test_a_fresh_process_serves_from_the_bundle_compiling_nothing(tmp_path):
     made = _run("make", tmp_path / "bundle", tmp_path / "unused", **SMALL)
     # 6 forward, 6 prompt logprobs, 2 x 3 sampling
-    assert made["warmup_compiles"] == made["programs"] == 22  # 6+6+6, 3 page copies, the page table writes
+    assert made["warmup_compiles"] == made["programs"] == 22  # 6+6+6, 3 copies, 1 table write
     assert {"jit(_forward)", "jit(_sample)", "jit(_prompt_logprobs)"} <= set(made["compiled_names"])
     assert made["outputs"][3]["prompt_logprobs"]  # (served by its own program)
     loaded = _run("load", tmp_path / "bundle", tmp_path / "xla-cache", **SMALL)
@@ -401,7 +401,7 @@ def test_preflight_writes_a_gpu_bundle_that_this_cpu_refuses(tmp_path):
         "num_devices": 1,
     }
     assert found["engine"]["attention_backend"] == "pallas_gpu"
-    assert len(found["programs"]) == report.num_programs == 22  # (3 page copies, the page table writes)
+    assert len(found["programs"]) == report.num_programs == 22  # (3 page copies, 1 table write)
     with pytest.raises(ValueError, match="target.platform: bundle's 'gpu', this engine's 'cpu'"):
         LLM(model_dir, compiled=out, **gpu)
 
