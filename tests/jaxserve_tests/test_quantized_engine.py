@@ -106,7 +106,7 @@ def test_a_byte_budget_holds_about_four_times_the_tokens_in_int8():
     "kw,match",
     [
         (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be one of .* got 'int4'"),
-        (dict(quantization="fp8"), "quantization must be one of .* got 'fp8'"),
+        (dict(quantization="nf4"), "quantization must be one of .* got 'nf4'"),
         (dict(quantization="awq"), "quantization='awq' reads a checkpoint stored in that"),
     ],
 )

@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.checkpoint import abstract_model
 from jaxserve.config import ModelConfig
-from jaxserve.runner.input_batch import SeqWork, build_batch
+from jaxserve.runner.input_batch import PageTable, SeqWork, build_batch
 from jaxserve.runner.sampler import prompt_logprobs_layout
 from jaxserve.runner.step import ModelDef, StepInput, forward, logits_step, prompt_logprobs_step
 from models import supported_architectures
@@ -250,20 +250,24 @@ def test_real_size_builds_and_traces_abstractly(name):
     kv = [
         jax.ShapeDtypeStruct((64, page, 2 * config.num_kv_heads, config.head_dim), jnp.bfloat16)
     ] * config.num_layers
+    table = PageTable(pages_per_seq, 8, max_writes=10)  # (the page tables kept on the device)
     batch = build_batch(
         [SeqWork(list(range(20)), 0, [1, 2]), SeqWork([5], 40, [3, 4, 5])],
         page_size=page,
         pages_per_seq=pages_per_seq,
         token_bucket=32,
         seq_bucket=4,
+        table=table,
     )
-    selected, hidden, new_kv = jax.eval_shape(
+    selected, hidden, new_kv, new_table = jax.eval_shape(
         functools.partial(forward, model_def),
         leaves,
         kv,
         StepInput.packed(batch),
         jax.ShapeDtypeStruct((4,), jnp.int32),
+        jax.ShapeDtypeStruct(table.shape, jnp.int32),
     )
+    assert new_table.shape == table.shape
     logits = jax.eval_shape(functools.partial(logits_step, model_def), leaves, selected)
     prompt_lp = jax.eval_shape(
         functools.partial(prompt_logprobs_step, model_def), leaves, hidden, batch.prompt_targets
