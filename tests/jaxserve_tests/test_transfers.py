@@ -8,6 +8,7 @@ Host -> device transfers are counted by JAX's transfer guard, which logs each on
 ("log_explicit": implicit and explicit alike) from C++ to the process's stderr; the
 copies back by counting the arrays the runner brings to the host."""
 
+import dataclasses
 import re
 
 import jax
@@ -83,3 +84,28 @@ def test_mixed_steps_with_penalties_and_logprobs_too(engine, capfd, monkeypatch)
     for request_id in list(engine.requests):
         engine.abort(request_id)
     engine.step()
+
+
+def test_prefix_hits_longer_than_a_step_carries_are_written_before_it():
+    """Eight sequences admitted at once on a 12-page prefix-cache hit change more of
+    the kept page tables (96 entries) than a step carries (128 / 16 + 2 x 16 = 40):
+    the rest goes before the step by the table-write program, and each decodes the
+    tokens the prompt computed without a hit gave."""
+    llm = LLM("demo-model-tiny", **{**ENGINE, "enable_prefix_caching": True})
+    runner = llm.engine.runner
+    assert runner.page_table_host.max_writes == 40
+    writes = []
+    program = runner.programs.table_writes
+    runner.programs = dataclasses.replace(
+        runner.programs, table_writes=lambda *a: writes.append(1) or program(*a)
+    )
+    prompt = [(11 * j) % 500 + 3 for j in range(200)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = lambda tokens: {"prompt_token_ids": tokens}
+    (alone,) = llm.generate([ids(prompt)], greedy, use_tqdm=False)
+    assert not writes
+    hits = llm.generate([ids(prompt + [7 + i]) for i in range(8)], greedy, use_tqdm=False)
+    assert writes and all(o.num_cached_tokens == 192 for o in hits)
+    again = llm.generate([ids(prompt)] * 8, greedy, use_tqdm=False)
+    assert {tuple(o.outputs[0].token_ids) for o in again} == {tuple(alone.outputs[0].token_ids)}
+    llm.close()
