@@ -307,3 +307,18 @@ def save_tokenizer(path, *, vocab_size: int, added: dict[str, bool] | None = Non
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
+
+
+def hf_greedy(model, weights: dict, prompt: list[int], max_tokens: int):
+    """transformers' greedy tokens after `prompt` with `weights` loaded into `model`
+    (a quantized checkpoint's dequantized weights), and its first step's
+    log-probabilities [V] (numpy, float64)."""
+    model.load_state_dict(weights)
+    ids, first = list(prompt), None
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+            if first is None:
+                first = torch.log_softmax(logits, -1).numpy()
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt) :], first

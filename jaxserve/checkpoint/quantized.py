@@ -70,24 +70,34 @@ def fp8_layers(model: nnx.Module, fmt: QuantFormat) -> nnx.Module:
     by an `Fp8Linear` of its shapes and the format's scale blocks (zeros: to be built
     under `nnx.eval_shape` and read by `Fp8Reader`); returns the model. The others stay
     as they are."""
+
+    def fp8(name: str, child: nnx.Linear) -> Fp8Linear:
+        k, n = child.kernel.shape
+        r, c = fp8_block(fmt, n, k)
+        return Fp8Linear(
+            jnp.zeros((n, k), jnp.float8_e4m3fn),
+            jnp.zeros((-(-n // r), -(-k // c)), jnp.float32),
+            (r, c),
+            child.bias,
+            axes=_axes(child.kernel, reverse=True),
+        )
+
+    return _replace_quantized(model, fmt, fp8)
+
+
+def _replace_quantized(
+    model: nnx.Module, fmt: QuantFormat, make: Callable[[str, nnx.Linear], nnx.Module]
+) -> nnx.Module:
+    """Replaces, in place, every `nnx.Linear` of `model` that `fmt` stores quantized by
+    `make(its Hugging Face module name, it)`; returns the model."""
     cls = type(model)
     for path, module in list(nnx.iter_modules(model)):
         for attr, child in list(vars(module).items()):
             if type(child) is not nnx.Linear:
                 continue
             name = module_name(cls, (*path, attr))
-            if not fmt.is_quantized(name):
-                continue
-            k, n = child.kernel.shape
-            r, c = fp8_block(fmt, n, k)
-            layer = Fp8Linear(
-                jnp.zeros((n, k), jnp.float8_e4m3fn),
-                jnp.zeros((-(-n // r), -(-k // c)), jnp.float32),
-                (r, c),
-                child.bias,
-                axes=_axes(child.kernel, reverse=True),
-            )
-            setattr(module, attr, layer)
+            if fmt.is_quantized(name):
+                setattr(module, attr, make(name, child))
     return model
 
 
@@ -153,31 +163,24 @@ def int4_layers(model: nnx.Module, fmt: QuantFormat) -> nnx.Module:
     `Int4Linear` of its shapes (zeros: to be built under `nnx.eval_shape` and read by
     `Int4Reader`); returns the model. The others (the embedding, an LM head the format
     leaves in floating point) stay as they are."""
-    cls = type(model)
-    for path, module in list(nnx.iter_modules(model)):
-        for attr, child in list(vars(module).items()):
-            if type(child) is not nnx.Linear:
-                continue
-            name = module_name(cls, (*path, attr))
-            if not fmt.is_quantized(name):
-                continue
-            k, n = child.kernel.shape
-            group = fmt.group_size or k  # None: one group (channel-wise)
-            if k % group:
-                raise ValueError(
-                    f"{name}: {fmt.quant_method} groups of {group} inputs do not divide its "
-                    f"{k} inputs"
-                )
-            layer = Int4Linear(
-                jnp.zeros((n, k), jnp.uint8),
-                jnp.zeros((n, k // group), child.kernel.dtype),
-                None if fmt.symmetric else jnp.zeros((n, k // group), jnp.uint8),
-                child.bias,
-                axes=_axes(child.kernel, reverse=True),
-                perm=jnp.zeros((k,), jnp.int32) if fmt.desc_act else None,
+
+    def int4(name: str, child: nnx.Linear) -> Int4Linear:
+        k, n = child.kernel.shape
+        group = fmt.group_size or k  # None: one group (channel-wise)
+        if k % group:
+            raise ValueError(
+                f"{name}: {fmt.quant_method} groups of {group} inputs do not divide its {k} inputs"
             )
-            setattr(module, attr, layer)
-    return model
+        return Int4Linear(
+            jnp.zeros((n, k), jnp.uint8),
+            jnp.zeros((n, k // group), child.kernel.dtype),
+            None if fmt.symmetric else jnp.zeros((n, k // group), jnp.uint8),
+            child.bias,
+            axes=_axes(child.kernel, reverse=True),
+            perm=jnp.zeros((k,), jnp.int32) if fmt.desc_act else None,
+        )
+
+    return _replace_quantized(model, fmt, int4)
 
 
 class Int4Reader:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from engine_utils import SMALL_LLM, engine_config
 from flax import nnx
-from hf_models import BASE
+from hf_models import BASE, hf_greedy
 from safetensors.torch import save_file
 
 from jaxserve import LLM, SamplingParams
@@ -161,20 +161,6 @@ def write_ct_checkpoint(path, model, scheme: str) -> dict:
     return reference
 
 
-def hf_greedy(model, reference: dict, prompt: list[int]) -> tuple[list[int], np.ndarray]:
-    """transformers' greedy tokens with `reference` weights, and its first step's
-    log-probabilities [V]."""
-    model.load_state_dict(reference)
-    ids, first = list(prompt), None
-    with torch.no_grad():
-        for _ in range(MAX_TOKENS):
-            logits = model(torch.tensor([ids])).logits[0, -1].double()
-            if first is None:
-                first = torch.log_softmax(logits, -1).numpy()
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt) :], first
-
-
 @pytest.fixture(scope="module")
 def checkpoints(float_models, tmp_path_factory):
     """Case -> (directory, the transformers reference per prompt), written once."""
@@ -187,7 +173,7 @@ def checkpoints(float_models, tmp_path_factory):
             reference = write_ct_checkpoint(path, model, qc)
         else:
             reference = write_checkpoint(path, model, qc)
-        out[case] = (str(path), [hf_greedy(model, reference, p) for p in PROMPTS])
+        out[case] = (str(path), [hf_greedy(model, reference, p, MAX_TOKENS) for p in PROMPTS])
         model.load_state_dict(saved)
     return out
 

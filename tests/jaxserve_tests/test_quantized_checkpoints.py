@@ -13,7 +13,7 @@ import pytest
 import torch
 from engine_utils import SMALL_LLM, engine_config
 from flax import nnx
-from hf_models import BASE
+from hf_models import BASE, hf_greedy
 from safetensors.numpy import save_file
 
 from jaxserve import LLM, SamplingParams
@@ -107,20 +107,6 @@ def write_checkpoint(path, model, qc: dict, seed: int = 0) -> dict:
     return reference
 
 
-def hf_greedy(model, reference: dict, prompt: list[int]) -> tuple[list[int], np.ndarray]:
-    """transformers' greedy tokens with `reference` weights, and its first step's
-    log-probabilities [V]."""
-    model.load_state_dict(reference)
-    ids, first = list(prompt), None
-    with torch.no_grad():
-        for _ in range(MAX_TOKENS):
-            logits = model(torch.tensor([ids])).logits[0, -1].double()
-            if first is None:
-                first = torch.log_softmax(logits, -1).numpy()
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt) :], first
-
-
 @pytest.fixture(scope="module")
 def checkpoints(float_models, tmp_path_factory):
     """Case -> (directory, the transformers reference per prompt), written once."""
@@ -130,7 +116,7 @@ def checkpoints(float_models, tmp_path_factory):
         path = tmp_path_factory.mktemp(case)
         reference = write_checkpoint(path, model, qc, seed)
         saved = {k: v.clone() for k, v in model.state_dict().items()}
-        out[case] = (str(path), [hf_greedy(model, reference, p) for p in PROMPTS])
+        out[case] = (str(path), [hf_greedy(model, reference, p, MAX_TOKENS) for p in PROMPTS])
         model.load_state_dict(saved)
     return out
 
