@@ -101,10 +101,14 @@ def _replace_quantized(
     return model
 
 
-class Fp8Reader:
-    """A checkpoint's `Fp8Linear` arrays, one linear at a time (as `Int4Reader`'s):
-    "kernel" the e4m3 weights as stored, "scale" the scale grid [Nb, Kb]. The weights
-    and scales are checked by `jaxserve.quantized.formats.unpack` (dtype e4m3, shapes)."""
+class LayerReader:
+    """A checkpoint's quantized layers' arrays, one linear read at a time.
+
+    `read(name)`: the checkpoint's tensor `name` as numpy, None where it has none.
+    `__call__(name, shape, attr)`: the array `attr` (a layer's attribute: "kernel",
+    "scale", ...) of the layer `name` (its Hugging Face module name) of kernel `shape`
+    [N, K], as the layer stores it (`_arrays`, per format). A state's leaves of one
+    layer come one after another, so only the last layer's arrays are kept."""
 
     def __init__(self, fmt: QuantFormat, read: Callable[[str], np.ndarray | None]):
         self.fmt, self.read = fmt, read
@@ -113,14 +117,23 @@ class Fp8Reader:
 
     def __call__(self, name: str, shape: tuple[int, int], attr: str) -> np.ndarray:
         if name != self.name:
-            self.name, self.arrays = None, {}
-            self.arrays = self._read(name, *shape)
+            self.name, self.arrays = None, {}  # (the last layer's, released first)
+            self.arrays = self._arrays(name, *shape)
             self.name = name
         if attr not in self.arrays:
-            raise ValueError(f"{name}: the {self.fmt.method} layer has no {attr!r}")
+            raise ValueError(f"{name}: the {self.fmt.quant_method} layer has no {attr!r}")
         return self.arrays[attr]
 
-    def _read(self, name: str, n: int, k: int) -> dict[str, np.ndarray]:
+    def _arrays(self, name: str, n: int, k: int) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+
+class Fp8Reader(LayerReader):
+    """`Fp8Linear` arrays: "kernel" the e4m3 weights as stored, "scale" the scale grid
+    [Nb, Kb]. The weights and scales are checked by `jaxserve.quantized.formats.unpack`
+    (dtype e4m3, shapes)."""
+
+    def _arrays(self, name: str, n: int, k: int) -> dict[str, np.ndarray]:
         fmt = self.fmt
         tensors = {}
         for t in ("weight", "weight_scale", "weight_scale_inv"):
@@ -183,30 +196,11 @@ def int4_layers(model: nnx.Module, fmt: QuantFormat) -> nnx.Module:
     return _replace_quantized(model, fmt, int4)
 
 
-class Int4Reader:
-    """A checkpoint's `Int4Linear` arrays, one linear unpacked at a time.
+class Int4Reader(LayerReader):
+    """`Int4Linear` arrays: "kernel", "scale", "zero", "perm", unpacked from the
+    format's packing."""
 
-    `read(name)`: the checkpoint's tensor `name` as numpy, None where it has none.
-    `__call__(name, shape, attr)`: the array `attr` ("kernel", "scale", "zero", "perm")
-    of the layer `name` (its Hugging Face module name) of kernel `shape` [N, K], as the
-    layer stores it. A state's leaves of one layer come one after another, so only the
-    last layer's arrays are kept."""
-
-    def __init__(self, fmt: QuantFormat, read: Callable[[str], np.ndarray | None]):
-        self.fmt, self.read = fmt, read
-        self.name: str | None = None
-        self.arrays: dict[str, np.ndarray] = {}
-
-    def __call__(self, name: str, shape: tuple[int, int], attr: str) -> np.ndarray:
-        if name != self.name:
-            self.name, self.arrays = None, {}  # (the last layer's, released first)
-            self.arrays = self._unpack(name, *shape)
-            self.name = name
-        if attr not in self.arrays:
-            raise ValueError(f"{name}: the {self.fmt.quant_method} layer has no {attr!r}")
-        return self.arrays[attr]
-
-    def _unpack(self, name: str, n: int, k: int) -> dict[str, np.ndarray]:
+    def _arrays(self, name: str, n: int, k: int) -> dict[str, np.ndarray]:
         fmt = self.fmt
         tensors = {}
         for t in (*fmt.tensors, *fmt.optional_tensors):
