@@ -184,9 +184,14 @@ class ModelDef:
 
 
 def write_entries(page_table: jax.Array, index: jax.Array, pages: jax.Array) -> jax.Array:
-    """`page_table` with `pages` at the flat `index`es (those past it: padding, dropped)."""
-    flat = page_table.reshape(-1).at[index].set(pages, mode="drop")
-    return flat.reshape(page_table.shape)
+    """`page_table` [G, slots, M] with `pages` at the flat `index`es (those past it:
+    padding, dropped). Scattered by (group, slot, column), not into a flattened table:
+    on a TPU, whose arrays are stored in tiles, a reshape to one dimension and back
+    would copy the whole table every step."""
+    _, slots, width = page_table.shape
+    group, rest = jnp.divmod(index, slots * width)
+    slot, column = jnp.divmod(rest, width)
+    return page_table.at[group, slot, column].set(pages, mode="drop")
 
 
 def _forward(

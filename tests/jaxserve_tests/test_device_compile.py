@@ -14,6 +14,7 @@ MoE, tensor parallelism over the target's devices, multi-LoRA (its slot write).
 """
 
 import json
+import re
 
 import jax
 import pytest
@@ -144,7 +145,13 @@ def check(engine: LLMEngine, target: str) -> None:
         if name.startswith("forward"):
             assert flops > 0, name
     kernel = "tpu_custom_call" if chip.platform == "tpu" else "__gpu$xla.gpu.triton"
-    assert kernel in programs["forward T=1"].as_text()  # the Pallas kernels, not the reference
+    forward = programs["forward T=1"].as_text()
+    assert kernel in forward  # the Pallas kernels, not the reference
+    # The kept page tables are written in place: not reshaped, copied or transposed
+    # (a TPU's tiled layout made a flattened scatter copy the whole table each step).
+    table = "s32[" + ",".join(map(str, engine.runner.page_table.shape)) + "]"
+    moved = re.findall(rf"{re.escape(table)}\S* (?:reshape|copy|transpose)\(", forward)
+    assert not moved, moved
     if engine.runner.lora is not None:  # XLA's ragged dot, not the CPU's formulation
         text = programs["forward T=64 lora"].as_text()
         assert "lora_ragged" in text and "lora_dense" not in text
