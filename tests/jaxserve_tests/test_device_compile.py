@@ -147,11 +147,16 @@ def check(engine: LLMEngine, target: str) -> None:
     kernel = "tpu_custom_call" if chip.platform == "tpu" else "__gpu$xla.gpu.triton"
     forward = programs["forward T=1"].as_text()
     assert kernel in forward  # the Pallas kernels, not the reference
-    # The kept page tables are written in place: not reshaped, copied or transposed
-    # (a TPU's tiled layout made a flattened scatter copy the whole table each step).
+    # The kept page tables are written in place: not reshaped, copied or transposed in
+    # device memory (a TPU's tiled layout made a flattened scatter copy the whole table
+    # each step). A copy into another memory space (`S(1)`: a TPU core's VMEM, where
+    # XLA stages a table as small as these for the fusion that reads it) is that read,
+    # not a second table in device memory.
     table = "s32[" + ",".join(map(str, engine.runner.page_table.shape)) + "]"
-    moved = re.findall(rf"{re.escape(table)}\S* (?:reshape|copy|transpose)\(", forward)
-    assert not moved, moved
+    layouts = re.findall(
+        rf"{re.escape(table)}(\{{[^}}]*\}})? (?:reshape|copy|transpose)\(", forward
+    )
+    assert all("S(" in layout for layout in layouts), layouts
     if engine.runner.lora is not None:  # XLA's ragged dot, not the CPU's formulation
         text = programs["forward T=64 lora"].as_text()
         assert "lora_ragged" in text and "lora_dense" not in text
