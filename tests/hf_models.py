@@ -322,3 +322,14 @@ def hf_greedy(model, weights: dict, prompt: list[int], max_tokens: int):
                 first = torch.log_softmax(logits, -1).numpy()
             ids.append(int(logits.argmax()))
     return ids[len(prompt) :], first
+
+
+def tiny_causal_lms(archs, shapes: dict) -> dict:
+    """Architecture name -> a random transformers model of `shapes` (config fields),
+    float32, in eval mode; seeded by its place in `archs`."""
+    models = {}
+    for seed, arch in enumerate(archs):
+        torch.manual_seed(seed)
+        config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**shapes)
+        models[arch] = getattr(transformers, arch)(config).float().eval()
+    return models

@@ -18,7 +18,7 @@ import pytest
 import torch
 from engine_utils import SMALL_LLM, engine_config
 from flax import nnx
-from hf_models import BASE, hf_greedy
+from hf_models import BASE, hf_greedy, tiny_causal_lms
 from safetensors.torch import save_file
 
 from jaxserve import LLM, SamplingParams
@@ -92,14 +92,7 @@ def to_torch(a: np.ndarray) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def float_models():
     """Architecture -> a tiny random transformers model (float32, untied LM head)."""
-    import transformers
-
-    models = {}
-    for seed, arch in enumerate(("LlamaForCausalLM", "Qwen2ForCausalLM")):
-        torch.manual_seed(seed)
-        config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**SHAPES)
-        models[arch] = getattr(transformers, arch)(config).float().eval()
-    return models
+    return tiny_causal_lms(("LlamaForCausalLM", "Qwen2ForCausalLM"), SHAPES)
 
 
 def write_checkpoint(path, model, qc: dict) -> dict:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from engine_utils import SMALL_LLM, engine_config
 from flax import nnx
-from hf_models import BASE, hf_greedy
+from hf_models import BASE, hf_greedy, tiny_causal_lms
 from safetensors.numpy import save_file
 
 from jaxserve import LLM, SamplingParams
@@ -68,14 +68,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def float_models():
     """Architecture -> a tiny random transformers model (float32, untied LM head)."""
-    import transformers
-
-    models = {}
-    for seed, arch in enumerate(("LlamaForCausalLM", "Qwen2ForCausalLM")):
-        torch.manual_seed(seed)
-        config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**SHAPES)
-        models[arch] = getattr(transformers, arch)(config).float().eval()
-    return models
+    return tiny_causal_lms(("LlamaForCausalLM", "Qwen2ForCausalLM"), SHAPES)
 
 
 def write_checkpoint(path, model, qc: dict, seed: int = 0) -> dict:
