@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import shlex
@@ -166,6 +167,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget_s", type=float, default=450.0, help="all sections together")
     p.add_argument("--smoke", action="store_true", help="a CPU's sizes: tiny batches, few steps")
     p.add_argument(
+        "--batches", default="", help="llama8b_decode's batch sizes (default 1,8,64,256)"
+    )
+    p.add_argument(
+        "--engine_args",
+        default="{}",
+        help="JSON: more engine arguments for the 8B engine, e.g. '{\"async_scheduling\": true}'",
+    )
+    p.add_argument(
         "--work_dir",
         default="/tmp/jaxserve_device_bench",
         help="the model directory, the raw trace, the compilation cache (not brought back)",
@@ -177,6 +186,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     unknown = sorted(set(args.sections) - set(SECTIONS))
     if unknown:
         p.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+    try:
+        args.engine_args = json.loads(args.engine_args)
+        args.batches = tuple(int(b) for b in args.batches.split(",") if b.strip())
+    except ValueError as e:
+        p.error(f"--engine_args must be a JSON object and --batches integers: {e}")
+    if not isinstance(args.engine_args, dict):
+        p.error(f"--engine_args must be a JSON object, got {args.engine_args!r}")
     args.argv = [a for a in argv if not a.startswith(("--worker", "--deadline"))]
     args.command = shlex.join(["python", "benchmarks/device_bench.py", *args.argv])
     return args
@@ -185,6 +201,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main() -> None:
     args = parse(sys.argv[1:])
     plan = SMOKE if args.smoke else Plan()
+    if args.batches:
+        plan = dataclasses.replace(plan, batches=args.batches)
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work_dir, exist_ok=True)
     if args.worker:

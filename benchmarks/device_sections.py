@@ -79,6 +79,7 @@ class Section:
             "smoke": args.smoke,
             "machine": {"device": device, "cpu": cpu_name(), "cpu_count": os.cpu_count()},
             "command": args.command,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
         self.write()
@@ -246,7 +247,7 @@ def decode_tokens(plan: Plan, batch: int) -> int:
     return 2 * prefill_steps + plan.warm_steps + plan.decode_steps + plan.profile_steps + 16
 
 
-def build_llm(plan: Plan, path: str, batches: list[int]):
+def build_llm(plan: Plan, path: str, batches: list[int], **engine_args):
     from jaxserve import LLM
 
     page = 16
@@ -264,6 +265,7 @@ def build_llm(plan: Plan, path: str, batches: list[int]):
         num_kv_pages=pages + plan.prefill_len // page + 16,
         warmup=False,  # compile only the shapes used, as they first occur
         stats_interval_s=0,
+        **engine_args,
     )
 
 
@@ -466,8 +468,9 @@ def llama8b(args, plan: Plan, deadline: float) -> None:
         path, weights = model_dir(args)
         log(f"weights: {weights}")
         t0 = time.perf_counter()
-        llm = build_llm(plan, path, batches or [1])
+        llm = build_llm(plan, path, batches or [1], **args.engine_args)
         loaded = {**weights, "engine_start_s": round(time.perf_counter() - t0, 1)}
+        loaded["engine_args"] = args.engine_args
         log(f"engine ready in {loaded['engine_start_s']} s")
     except Exception as e:
         for section in sections.values():

@@ -15,7 +15,13 @@ command line both build their config through it.
 This module imports no JAX: the CLI and the host-side scheduler use it too.
 """
 
-from jaxserve.config.engine import ENGINE_ARGS, LOGPROBS_MODES, EngineConfig, engine_config
+from jaxserve.config.engine import (
+    ENGINE_ARGS,
+    LOGPROBS_MODES,
+    SAMPLING_BRANCHES,
+    EngineConfig,
+    engine_config,
+)
 from jaxserve.config.sections import (
     DATA_PARALLEL_BACKENDS,
     KV_SCALE_BYTES,
@@ -37,6 +43,7 @@ __all__ = [
     "LOGPROBS_MODES",
     "QUANTIZATION_METHODS",
     "QUANTIZED_KV_DTYPES",
+    "SAMPLING_BRANCHES",
     "SPECULATIVE_METHODS",
     "CacheConfig",
     "EngineConfig",

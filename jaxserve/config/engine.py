@@ -25,6 +25,7 @@ from models.config import ModelConfig, normalize_dtype
 # the model's distribution; "processed": the one the engine sampled from
 # (`jaxserve.runner.sampler` defines it); "_logits": the values before log_softmax.
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+SAMPLING_BRANCHES = ("auto", "device", "host")  # (`EngineConfig.sampling_branches`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,12 @@ class EngineConfig:
     # What logprobs hold (LOGPROBS_MODES), for the engine's life: static to the sampling
     # and prompt-logprob programs (the same number of them compiled, whatever the mode).
     logprobs_mode: str = "raw_logprobs"
+    # Who decides which optional parts of sampling a batch runs (top-k/top-p's sort,
+    # penalties, logprobs, ...; `runner.sampler`): "device" (`lax.cond`: one program
+    # per row bucket), "host" (traced in or out: a few programs per row bucket, no
+    # conditional), or "auto": the host on a GPU, where a conditional waits for its
+    # predicate on the host, and the device elsewhere.
+    sampling_branches: str = "auto"
     # A request sent to a front while generation is paused (`pause_generation`) waits
     # this long for the resume, then is refused (EngineUnavailableError: HTTP 503,
     # gRPC UNAVAILABLE); 0 refuses it at once.
@@ -127,6 +134,11 @@ class EngineConfig:
             raise ValueError(f"pause_wait_s must be >= 0 seconds, got {self.pause_wait_s}")
         if self.max_logit_bias <= 0:
             raise ValueError(f"max_logit_bias must be positive, got {self.max_logit_bias}")
+        if self.sampling_branches not in SAMPLING_BRANCHES:
+            raise ValueError(
+                f"sampling_branches must be one of {SAMPLING_BRANCHES}, "
+                f"got {self.sampling_branches!r}"
+            )
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"

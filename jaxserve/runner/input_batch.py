@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -523,6 +523,91 @@ class SamplingMetadata:
     # f32: > 0 marks a beam search's row, whose top logprobs are log_softmax(logits /
     # beam) whatever the engine's logprobs_mode (its candidates: `runner.sampler`).
     beam: np.ndarray
+    # The sampler's optional parts this batch's program runs, decided here (static:
+    # part of the program's key), or None: the device decides (`lax.cond`).
+    branches: SampleBranches | None = None
+
+
+class SampleBranches(NamedTuple):
+    """Which optional parts of the sampler run (`runner.sampler`), when the host
+    decides them instead of the device.
+
+    On a GPU, XLA runs a `lax.cond` by copying its predicate to the host and waiting
+    for it: the sampling program's dispatch blocked until the forward pass finished
+    (7-9 ms a step for Llama-3-8B at batch 64 on an H200), so the host could not plan
+    the next step meanwhile. The host knows every predicate (they are functions of
+    the settings it packs), so with `branches` the program is traced with those parts
+    in or out, and has no conditional at all.
+
+    A part that runs applies to the rows that ask for it alone (the others pass
+    through it unchanged, bit for bit), so a program whose parts include a batch's
+    samples it exactly as the batch's own would: a batch runs in the cheapest of a few
+    programs that covers it (`covering`), not in one of its own, and a GPU compiles
+    WARM_BRANCHES per row bucket whatever the mix of settings.
+    """
+
+    bias: bool = True  # some row has a logit_bias
+    mask: bool = True  # some row blocks tokens (a grammar, min_tokens)
+    penalties: bool = True  # some row has a repetition, frequency or presence penalty
+    draw: bool = True  # some row samples (temperature > 0)
+    sort: bool = True  # some row has top-k or top-p
+    logprobs: bool = True  # some row asks for logprobs
+    beam: bool = True  # some row is a beam search's
+
+    @classmethod
+    def of(cls, md: SamplingMetadata) -> SampleBranches:
+        """The parts a batch needs (the device's own predicates, on the host)."""
+        return cls(
+            bias=bool((md.bias_values != 0.0).any()),
+            mask=bool(md.masked.any()),
+            penalties=bool(
+                (
+                    (md.repetition_penalty != 1.0)
+                    | (md.frequency_penalty != 0.0)
+                    | (md.presence_penalty != 0.0)
+                ).any()
+            ),
+            draw=bool((md.temperature > 0.0).any()),
+            # (top_k at or past the vocabulary is off too; the device's gate says so
+            # per row, and a part that runs for none changes nothing)
+            sort=bool(((md.top_k > 0) | (md.top_p < 1.0)).any()),
+            logprobs=bool(md.want_logprobs[0]),
+            beam=bool((md.beam > 0.0).any()),
+        )
+
+    @property
+    def plain(self) -> bool:
+        """Greedy rows alone, without a bias, bitmask or penalty: the logits' argmax."""
+        return not (self.bias or self.mask or self.penalties or self.draw)
+
+    def covers(self, other: SampleBranches) -> bool:
+        return all(mine or not theirs for mine, theirs in zip(self, other, strict=True))
+
+
+_NONE = SampleBranches(*[False] * len(SampleBranches._fields))
+# The programs a GPU compiles per row bucket and kind of batch (`build_sampling`'s
+# `full`), cheapest first; each list ends with every part, which covers any batch. A
+# plain batch (no bitmask, no penalty history) mostly greedy or sampling, with or
+# without logprobs; a full one runs every part (its penalty history costs O(context)).
+WARM_BRANCHES: dict[bool, tuple[SampleBranches, ...]] = {
+    False: (
+        _NONE,
+        _NONE._replace(draw=True),
+        _NONE._replace(draw=True, sort=True),
+        _NONE._replace(logprobs=True),
+        _NONE._replace(draw=True, sort=True, logprobs=True),
+        SampleBranches(),
+    ),
+    True: (SampleBranches(),),
+}
+
+
+def covering(md: SamplingMetadata) -> SamplingMetadata:
+    """`md` with the cheapest of WARM_BRANCHES that covers what it needs."""
+    need = SampleBranches.of(md)
+    full = bool(md.allowed.shape[1])
+    branches = next(b for b in WARM_BRANCHES[full] if b.covers(need))
+    return dataclasses.replace(md, branches=branches)
 
 
 # (slots, not frozen: as SeqWork)

@@ -28,6 +28,7 @@ from jaxserve.runner.input_batch import (
     StepShapes,
     build_batch,
     build_sampling,
+    covering,
     pick_bucket,
 )
 from jaxserve.runner.kv_plan import KVPlan
@@ -140,6 +141,11 @@ class ModelRunner:
         self.copy_buckets = kv_io.copy_buckets(self.shapes.max_seqs)
         self.token_buckets, self.row_buckets = self.shapes.token_buckets, self.shapes.row_buckets
         self.history_len = config.pages_per_seq * config.cache.page_size
+        # The host decides each batch's sampling branches (`input_batch.SampleBranches`).
+        platform = target.platform if target else meshes.mesh_devices(mesh)[0].platform
+        self.host_branches = config.sampling_branches == "host" or (
+            config.sampling_branches == "auto" and platform in ("gpu", "cuda", "rocm")
+        )
         # A step's `prev_tokens` when no step before it is in flight.
         self.no_prev_tokens = meshes.no_prev_tokens(mesh, self.shapes.max_rows, target is not None)
         # The page tables kept on the device, a slot a sequence (`input_batch.PageTable`):
@@ -314,8 +320,9 @@ class ModelRunner:
         errors: dict[int, Exception] | None = None,
     ) -> SamplingMetadata:
         """`input_batch.build_sampling` for this model; `errors` collects the rows
-        that could not be packed (none raises then)."""
-        return build_sampling(
+        that could not be packed (none raises then). Where the host decides the
+        branches, with the program's that covers the batch (`input_batch.covering`)."""
+        sampling = build_sampling(
             rows,
             seq_bucket=row_bucket,
             history_len=self.history_len,
@@ -324,6 +331,7 @@ class ModelRunner:
             full=full,
             errors=errors,
         )
+        return covering(sampling) if self.host_branches else sampling
 
     # ------------------------------------------------------------------- steps
 

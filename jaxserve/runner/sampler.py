@@ -10,8 +10,10 @@ samples the same tokens whatever its batch neighbours are.
 
 The costly parts (the processed copy of [B, V] that bias and penalties need,
 penalty counts, the random draw and the sort for top-k/top-p, the logprobs) run
-under `lax.cond`, so a batch that does not ask for them does not pay for them,
-and no setting changes the compiled program.
+only in a batch that asks for them: under `lax.cond`, so that no setting changes the
+compiled program, or, where the host decides (`SamplingMetadata.branches`: on a GPU,
+where a conditional waits for its predicate on the host), traced in or out of the
+program. A part applies to the rows that ask for it alone either way.
 
 Logprobs follow the engine's `logprobs_mode` (vLLM's; fixed for the engine's life,
 so a static choice of the program): the sampled token's value, and the top
@@ -67,9 +69,21 @@ from jaxserve.runner.packing import Layout
 # Built on the host (JAX-free) in input_batch; a pytree of data fields here.
 jax.tree_util.register_dataclass(
     SamplingMetadata,
-    data_fields=[f.name for f in dataclasses.fields(SamplingMetadata)],
-    meta_fields=[],
+    data_fields=[f.name for f in dataclasses.fields(SamplingMetadata) if f.name != "branches"],
+    meta_fields=["branches"],  # (static: part of the program's key)
 )
+
+
+def _same(x, md: SamplingMetadata):
+    return x
+
+
+def _when(md: SamplingMetadata, part: str, pred, yes, no, *args):
+    """`lax.cond(pred, yes, no, *args)`, or where the host decided the batch's
+    branches, the branch it named for `part` alone."""
+    if md.branches is None:
+        return lax.cond(pred, yes, no, *args)
+    return (yes if getattr(md.branches, part) else no)(*args)
 
 
 @jax.tree_util.register_dataclass
@@ -150,8 +164,12 @@ def _draw(x, md: SamplingMetadata, keep: bool = False):
     x = x / jnp.where(greedy, 1.0, md.temperature)[:, None]
     probs = jax.nn.softmax(x, axis=-1)
     x = jnp.where(probs < md.min_p[:, None] * probs.max(axis=-1, keepdims=True), -jnp.inf, x)
-    needs_sort = jnp.any(((md.top_k > 0) & (md.top_k < v)) | (md.top_p < 1.0))
-    x = lax.cond(needs_sort, _top_k_top_p, lambda x, md: x, x, md)
+    sorts = ((md.top_k > 0) & (md.top_k < v)) | (md.top_p < 1.0)  # [B]
+
+    def cut(x, md):  # (only the rows that ask: the others keep their tail, bit for bit)
+        return jnp.where(sorts[:, None], _top_k_top_p(x, md), x)
+
+    x = _when(md, "sort", jnp.any(sorts), cut, _same, x, md)
 
     def gumbel(seed, position):
         key = jax.random.fold_in(jax.random.key(seed), position)
@@ -219,10 +237,10 @@ def _process_and_sample(logits, md: SamplingMetadata, keep: bool = False):
     """Logit bias, the bitmask, penalties, then the argmax (greedy rows) or a draw.
     Returns (tokens, accepted), and with `keep` (static: processed logprobs) each
     row's processed logits [B, V] (the module docstring says which)."""
-    x = lax.cond(jnp.any(md.bias_values != 0.0), _apply_bias, lambda x, md: x, logits, md)
+    x = _when(md, "bias", jnp.any(md.bias_values != 0.0), _apply_bias, _same, logits, md)
     if md.allowed.shape[1]:  # (a plain batch has no bitmask: no row blocks a token)
-        x = lax.cond(jnp.any(md.masked), _apply_mask, lambda x, md: x, x, md)
-    x = lax.cond(jnp.any(_penalized(md)), _apply_penalties, lambda x, md: x, x, md)
+        x = _when(md, "mask", jnp.any(md.masked), _apply_mask, _same, x, md)
+    x = _when(md, "penalties", jnp.any(_penalized(md)), _apply_penalties, _same, x, md)
 
     # Greedy rows need none of the rest: min-p, top-k and top-p never remove the argmax.
     greedy = md.temperature <= 0.0
@@ -231,7 +249,8 @@ def _process_and_sample(logits, md: SamplingMetadata, keep: bool = False):
     def all_greedy(x, md):
         return (best, best == md.draft, x) if keep else (best, best == md.draft)
 
-    out = lax.cond(jnp.all(greedy), all_greedy, functools.partial(_draw, keep=keep), x, md)
+    draw = functools.partial(_draw, keep=keep)
+    out = _when(md, "draw", ~jnp.all(greedy), draw, all_greedy, x, md)
     tokens = jnp.where(greedy, best, out[0])
     accepted = jnp.where(greedy, best == md.draft, out[1])
     if not keep:
@@ -257,11 +276,13 @@ def sample(
     as_logits = logprobs_mode.endswith("logits")
 
     def draw(logits, md):
-        return lax.cond(plain, _plain_greedy, _process_and_sample, logits, md)
+        return _when(md, "plain", plain, _plain_greedy, _process_and_sample, logits, md)
 
     if not logprobs_mode.startswith("processed"):
         sampled, accepted = draw(logits, md)
-        values = lax.cond(
+        values = _when(
+            md,
+            "logprobs",
             md.want_logprobs[0],
             lambda x: token_logprobs(x, sampled, as_logits=as_logits),
             lambda x: no_logprobs(x.shape[0]),
@@ -272,7 +293,9 @@ def sample(
     # Processed: the processed logits [B, V] leave the sampling branches, a copy that
     # only a batch asking for logprobs makes (another branch of the same program).
     def with_logprobs(logits, md):
-        sampled, accepted, scores = lax.cond(
+        sampled, accepted, scores = _when(
+            md,
+            "plain",
             plain,
             lambda x, md: (*_plain_greedy(x, md), x),
             functools.partial(_process_and_sample, keep=True),
@@ -284,7 +307,9 @@ def sample(
     def without(logits, md):
         return *draw(logits, md), *no_logprobs(logits.shape[0])
 
-    sampled, accepted, *values = lax.cond(md.want_logprobs[0], with_logprobs, without, logits, md)
+    sampled, accepted, *values = _when(
+        md, "logprobs", md.want_logprobs[0], with_logprobs, without, logits, md
+    )
     return _beam_rows(logits, md, SamplerOutput(sampled, *values, accepted))
 
 
@@ -304,7 +329,7 @@ def _beam_rows(logits, md: SamplingMetadata, out: SamplerOutput) -> SamplerOutpu
             top_logprobs=jnp.where(beam[:, None], top_vals, out.top_logprobs),
         )
 
-    return lax.cond(jnp.any(beam), replace, lambda out: out, out)
+    return _when(md, "beam", jnp.any(beam), replace, lambda out: out, out)
 
 
 def _plain_greedy(logits, md: SamplingMetadata):

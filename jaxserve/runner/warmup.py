@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from jaxserve import compile_records
 from jaxserve.runner import kv_io
+from jaxserve.runner.input_batch import WARM_BRANCHES
 from jaxserve.runner.packing import pack
 from jaxserve.runner.step import StepInput
 
@@ -29,7 +30,12 @@ def warm_up(
     """`ModelRunner.warmup` for `runner`."""
 
     t0, before, hits = time.perf_counter(), runner.compiles.count, runner.compiles.cache_hits
-    num_sampling = 2 * len(runner.row_buckets)
+    # Sampling: per row bucket, a plain and a full batch's program, or where the host
+    # decides the branches, each of WARM_BRANCHES' (the first of a kind unnamed).
+    branches = {
+        full: WARM_BRANCHES[full] if runner.host_branches else (None,) for full in (False, True)
+    }
+    num_sampling = len(runner.row_buckets) * sum(map(len, branches.values()))
     # With multi-LoRA, each token bucket's forward twice: without and with the adapters.
     variants = ("", " lora") if runner.lora is not None else ("",)
     num_forwards = len(variants) * len(runner.token_buckets)
@@ -60,12 +66,21 @@ def warm_up(
         no_prev = runner.no_prev_tokens  # (as it is: its placement is part of the jit key)
         for b in runner.row_buckets:
             for full in (False, True):
-                sampling = abstract_tree(pack(runner.build_sampling([], b, full=full)))
-                program = runner.programs.sample_step.lower(
-                    runner.model_def, runner.weights, selected, sampling, no_prev
-                )
-                lowered.append((f"sample{'+full' if full else ''} B={b}", program))
-                bar.update(1)
+                for i, parts in enumerate(branches[full]):
+                    sampling = runner.build_sampling([], b, full=full)
+                    sampling = dataclasses.replace(sampling, branches=parts)
+                    program = runner.programs.sample_step.lower(
+                        runner.model_def,
+                        runner.weights,
+                        selected,
+                        abstract_tree(pack(sampling)),
+                        no_prev,
+                    )
+                    name = f"sample{'+full' if full else ''} B={b}"
+                    if i:
+                        name += " " + "+".join(f for f, on in parts._asdict().items() if on)
+                    lowered.append((name, program))
+                    bar.update(1)
         # Copy-on-write's page copies (forked sequences: n > 1 samples, beams), and the
         # page-table entries past a step's own (a fork's or prefix hit's whole rows).
         copies = kv_io.lower_copies(runner.kv_caches, runner.copy_buckets)

@@ -11,7 +11,7 @@ import tomllib
 
 from absl import flags
 
-from jaxserve.config import DATA_PARALLEL_BACKENDS, LOGPROBS_MODES
+from jaxserve.config import DATA_PARALLEL_BACKENDS, LOGPROBS_MODES, SAMPLING_BRANCHES
 from jaxserve.config.sections import CHECKPOINT_QUANTIZATIONS, QUANTIZATION_METHODS
 from jaxserve.llm import DEFAULT_COMPILATION_CACHE
 from pallas_kernels.cpu import cache as kernel_cache
@@ -148,6 +148,15 @@ flags.DEFINE_enum(
     "grammar mask, temperature, min-p, top-k and top-p (processed); *_logits: the values "
     "before log_softmax.",
 )
+flags.DEFINE_enum(
+    "sampling_branches",
+    "auto",
+    list(SAMPLING_BRANCHES),
+    "Who decides which optional parts of sampling (top-k/top-p, penalties, logprobs, ...) "
+    "a batch runs: the device (lax.cond, one program per row bucket), the host (a few "
+    "programs per row bucket, no conditional), or auto: the host on a GPU, where a "
+    "conditional waits for its predicate on the host.",
+)
 flags.DEFINE_bool(
     "async_scheduling",
     False,
@@ -241,6 +250,7 @@ ENGINE_FLAGS = (
     "attention_backend",
     "seed",
     "logprobs_mode",
+    "sampling_branches",
     "async_scheduling",
     "warmup",
     "compilation_cache_dir",

@@ -370,6 +370,67 @@ def test_processed_mode_compiles_the_same_programs_and_nothing_after_warm_up(mon
         assert runner.compiles.count == compiled
 
 
+# Plain batches of each kind a GPU's warm programs cover (`WARM_BRANCHES`), then the
+# full ones above: greedy, greedy with logprobs, sampling with and without top-p.
+PLAIN_PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+    SamplingParams(temperature=0.0, logprobs=2, max_tokens=5, ignore_eos=True),
+    SamplingParams(temperature=0.9, max_tokens=5, ignore_eos=True, seed=4),
+    SamplingParams(temperature=0.9, top_p=0.8, logprobs=1, max_tokens=5, ignore_eos=True, seed=5),
+]
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_host_decided_branches_serve_what_the_device_decides(engines, mode):
+    """`sampling_branches="host"` (a GPU's default): every request, alone and in mixed
+    batches, gets the tokens and logprobs of the device-decided programs."""
+    for params in ([p] for p in PLAIN_PARAMS), [PLAIN_PARAMS], [SHAPED_PARAMS + PLAIN_PARAMS]:
+        for batch in params:
+            outs = {
+                branches: engines(mode, sampling_branches=branches).generate(
+                    [PROMPT] * len(batch), batch, use_tqdm=False
+                )
+                for branches in ("device", "host")
+            }
+            for a, b in zip(outs["device"], outs["host"], strict=True):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids
+                assert a.outputs[0].logprobs == b.outputs[0].logprobs
+                assert a.prompt_logprobs == b.prompt_logprobs
+
+
+def test_host_decided_branches_compile_their_programs_in_warm_up(monkeypatch):
+    """Warm-up compiles each row bucket's WARM_BRANCHES programs (the first of each
+    kind under the usual name); serving every kind of request compiles nothing more
+    (compile_guard raises if a step would)."""
+    from jaxserve.runner import warmup
+    from jaxserve.runner.input_batch import WARM_BRANCHES
+
+    made = {}
+    warm_up = warmup.warm_up
+    monkeypatch.setattr(warmup, "warm_up", lambda r, e: made.update(warm_up(r, e)) or made)
+    kw = {**SMALL, "warmup": True, "max_num_batched_tokens": 32, "max_num_seqs": 4}
+    with LLM(
+        TINY, sampling_branches="host", compile_guard=True, compilation_cache_dir=None, **kw
+    ) as llm:
+        rows = llm.engine.runner.row_buckets
+        sampling = sorted(name for name in made if name.startswith("sample"))
+        per_bucket = len(WARM_BRANCHES[False]) + len(WARM_BRANCHES[True])
+        assert len(sampling) == per_bucket * len(rows)
+        assert {f"sample B={b}" for b in rows} | {f"sample+full B={b}" for b in rows} <= set(
+            sampling
+        )
+        assert f"sample B={rows[0]} draw+sort" in sampling
+        compiled = llm.engine.runner.compiles.count
+        for params in (SHAPED_PARAMS, PLAIN_PARAMS, PLAIN_PARAMS[::-1]):
+            llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+        assert llm.engine.runner.compiles.count == compiled
+
+
+def test_sampling_branches_is_checked_naming_the_value():
+    with pytest.raises(ValueError, match="sampling_branches.*'gpu'"):
+        LLM(TINY, sampling_branches="gpu")
+
+
 def test_detokenize_false_gives_token_ids_only(engines, monkeypatch):
     """vLLM's `detokenize=False`: the same tokens and logprobs, no text (no detokenizer
     is made for the request); stop strings, which match text, are refused."""

@@ -1,10 +1,18 @@
 """The on-device sampler against numpy references on synthetic logits."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
-from jaxserve.runner.input_batch import SampleRow, build_sampling
+from jaxserve.runner.input_batch import (
+    WARM_BRANCHES,
+    SampleBranches,
+    SampleRow,
+    build_sampling,
+    covering,
+)
 from jaxserve.runner.sampler import argmax, sample
 from jaxserve.sampling_params import SamplingParams
 
@@ -224,3 +232,78 @@ def test_argmax_matches_jnp_argmax_with_ties_and_masked_rows():
     got = np.asarray(jax.jit(argmax)(x))
     np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
     assert got.dtype == np.int32
+
+
+# ------------------------------------------------- branches decided on the host
+
+
+def _random_row(rs, i):
+    """A row with a random mix of every optional part of sampling."""
+    params = dict(temperature=float(rs.choice([0.0, 0.0, 0.7, 1.3])))
+    if rs.rand() < 0.3:
+        params["top_k"] = int(rs.choice([1, 5, V + 10]))
+    if rs.rand() < 0.3:
+        params["top_p"] = float(rs.choice([0.3, 0.9]))
+    if rs.rand() < 0.2:
+        params["min_p"] = 0.1
+    if rs.rand() < 0.15:
+        params["repetition_penalty"] = 1.3
+    if rs.rand() < 0.15:
+        params["frequency_penalty"] = 0.5
+    if rs.rand() < 0.2:
+        params["logit_bias"] = {int(rs.randint(V)): 4.0}
+    if rs.rand() < 0.2:
+        params["logprobs"] = 3
+    tokens = rs.randint(0, V, 6).tolist()
+    blocked = (int(rs.randint(V)),) if rs.rand() < 0.15 else ()
+    beam = 1.0 if rs.rand() < 0.1 else 0.0
+    return SampleRow(SamplingParams(**params), tokens, 3, i, blocked, beam=beam)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_host_decided_branches_sample_exactly_as_the_device_decides(mode):
+    """A batch sampled with the branches the host decides (`SampleBranches.of`), or in
+    any wider program that covers them (every program of WARM_BRANCHES a GPU would
+    pick from), gives what the device's own `lax.cond`s give, bit for bit: a part that
+    runs changes only the rows that ask for it."""
+    rs = np.random.RandomState(7)
+    step = jax.jit(sample, static_argnums=2)
+    checked = set()
+    for trial in range(14):
+        rows = [_random_row(rs, 10 * trial + i) for i in range(rs.randint(1, 6))]
+        md = build_sampling(rows, seq_bucket=6, history_len=16, max_bias=8, vocab_size=V)
+        logits = rs.randn(6, V).astype(np.float32) * 3
+        want = jax.tree.map(np.asarray, step(logits, md, mode))
+        need = SampleBranches.of(md)
+        full = bool(md.allowed.shape[1])
+        programs = [need, *(b for b in WARM_BRANCHES[full] if b.covers(need))]
+        assert covering(md).branches == programs[1]
+        values = np.array(
+            [r.wants_logprobs or r.beam > 0 for r in rows] + [False] * (6 - len(rows))
+        )
+        for branches in programs:
+            got = step(logits, dataclasses.replace(md, branches=branches), mode)
+            got = jax.tree.map(np.asarray, got)
+            np.testing.assert_array_equal(got.token_ids, want.token_ids, err_msg=str(branches))
+            np.testing.assert_array_equal(got.accepted, want.accepted)
+            for name in ("logprobs", "ranks", "top_ids", "top_logprobs"):
+                np.testing.assert_array_equal(
+                    getattr(got, name)[values], getattr(want, name)[values], err_msg=name
+                )
+            checked.add(branches)
+    assert len(checked) >= 6  # (the mixes reached several programs)
+
+
+def test_host_decided_branches_leave_no_conditional_in_the_program():
+    """On a GPU a conditional copies its predicate to the host and waits: the sampling
+    program of host-decided branches has none (the device-decided one has them)."""
+    rows = [row(temperature=0.8, top_p=0.9, logprobs=2), row(temperature=0.0)]
+    md = build_sampling(rows, seq_bucket=2, history_len=16, max_bias=8, vocab_size=V)
+    logits = np.zeros((2, V), np.float32)
+
+    def hlo(md):
+        return jax.jit(sample).lower(logits, md).compile().as_text()
+
+    assert "conditional(" in hlo(md)
+    for branches in WARM_BRANCHES[False]:
+        assert "conditional(" not in hlo(dataclasses.replace(md, branches=branches))
