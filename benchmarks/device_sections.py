@@ -34,6 +34,7 @@ class Plan:
     prefill_prompts: int = 4  # timed, after one untimed
     profile_batch: int = 64
     profile_steps: int = 3
+    host_profile_steps: int = 8  # under cProfile, after the largest batch's timed steps
     max_num_batched_tokens: int = 2048
     copy_bytes: int = 4 << 30
     matmul: int = 8192
@@ -50,6 +51,7 @@ SMOKE = Plan(
     prefill_prompts=2,
     profile_batch=2,
     profile_steps=2,
+    host_profile_steps=2,
     max_num_batched_tokens=128,
     copy_bytes=64 << 20,
     matmul=256,
@@ -244,7 +246,8 @@ def decode_tokens(plan: Plan, batch: int) -> int:
     prefill (~batch x context / budget steps, more as the decodes take budget), then
     the steps until all decode, warm-up, the timed steps and the traced ones."""
     prefill_steps = -(-batch * plan.context // plan.max_num_batched_tokens)
-    return 2 * prefill_steps + plan.warm_steps + plan.decode_steps + plan.profile_steps + 16
+    more = plan.profile_steps + plan.host_profile_steps
+    return 2 * prefill_steps + plan.warm_steps + plan.decode_steps + more + 16
 
 
 def build_llm(plan: Plan, path: str, batches: list[int], **engine_args):
@@ -353,7 +356,30 @@ def decode_row(llm, plan: Plan, batch: int, bandwidth: float | None) -> dict:
         "kv_tokens_read_per_step": round(r["kv_tokens"]),
         "bytes_read_per_step_GB": round(moved / 1e9, 3),
         "MBU": round(moved / step / bandwidth, 4) if bandwidth else None,
+        **({"host_profile": host_profile(engine, plan)} if batch == max(plan.batches) else {}),
     }
+
+
+def host_profile(engine, plan: Plan, top: int = 25) -> list:
+    """`plan.host_profile_steps` more steps under cProfile: the functions of the most
+    own time, as [function, calls a step, own ms a step, cumulative ms a step]."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    steps = plan.host_profile_steps
+    profiler.runcall(lambda: [engine.step() for _ in range(steps)])
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [
+        [
+            f"{os.path.basename(f)}:{line}:{name}",
+            round(nc / steps, 1),
+            round(tt / steps * 1e3, 3),
+            round(ct / steps * 1e3, 3),
+        ]
+        for (f, line, name), (_, nc, tt, ct, _) in rows
+    ]
 
 
 def profile_steps(section: Section, engine, plan: Plan, args) -> None:

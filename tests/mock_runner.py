@@ -58,6 +58,8 @@ def expected_tokens(prompt: list[int], n: int, vocab: int) -> list[int]:
 
 
 class MockRunner:
+    accelerator = False  # (a CPU's: scheduling is synchronous unless asked)
+
     def __init__(self, config, num_pages: int, group_pages: tuple[int, ...] | None = None):
         self.config = config
         self.num_pages = num_pages

@@ -140,14 +140,16 @@ class SchedulerConfig:
     previous one's tokens are back on the host, so host work (scheduling, input
     building, detokenizing, stop checks, streaming) overlaps the device step. Outputs
     are identical to synchronous steps; steps with structured output, penalties or
-    speculative decoding run synchronously (they need the previous tokens).
+    speculative decoding run synchronously (they need the previous tokens). None (the
+    default): on where the engine's devices are GPUs or TPUs, off on the CPU (where
+    the device is the host's own cores).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     debug_preemption_rate: float = 0.0  # test mode: preempt at random steps
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         if self.max_num_seqs <= 0:
@@ -161,8 +163,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"debug_preemption_rate must be in [0, 1], got {self.debug_preemption_rate}"
             )
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"async_scheduling must be a bool or None, got {self.async_scheduling!r}"
+            )
 
 
 DATA_PARALLEL_BACKENDS = ("local", "ray")

@@ -143,6 +143,7 @@ class ModelRunner:
         self.history_len = config.pages_per_seq * config.cache.page_size
         # The host decides each batch's sampling branches (`input_batch.SampleBranches`).
         platform = target.platform if target else meshes.mesh_devices(mesh)[0].platform
+        self.accelerator = platform != "cpu"  # (asynchronous scheduling's default)
         self.host_branches = config.sampling_branches == "host" or (
             config.sampling_branches == "auto" and platform in ("gpu", "cuda", "rocm")
         )

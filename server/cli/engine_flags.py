@@ -159,9 +159,10 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_bool(
     "async_scheduling",
-    False,
+    None,
     "Dispatch each step before the previous step's tokens are back on the host, so "
-    "host work overlaps the device (same outputs).",
+    "host work overlaps the device (same outputs). Unset: on for GPUs and TPUs, off "
+    "on the CPU.",
 )
 flags.DEFINE_bool(
     "warmup", True, "Compile every step program at start-up (false: as shapes first occur)."

@@ -17,6 +17,7 @@ from jaxserve import LLM
 from jaxserve.config import engine_config
 from jaxserve.llm import resolve_model_dir
 from jaxserve.runner import bundle
+from jaxserve.runner.input_batch import WARM_BRANCHES
 from models.config import ModelConfig
 from pallas_kernels.cpu import cache as trust
 
@@ -174,6 +175,20 @@ def test_a_fresh_process_serves_from_the_bundle_compiling_nothing(tmp_path):
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert "22 programs loaded from" in cli.stderr and "(none compiled)" in cli.stderr
     assert json.loads(cli.stdout)["token_ids"] == made["outputs"][0]["tokens"][0]
+
+
+@pytest.mark.slow
+def test_host_decided_sampling_branches_load_from_the_bundle(tmp_path):
+    """A GPU's sampling programs (`sampling_branches="host"`: WARM_BRANCHES' per row
+    bucket) are saved and picked by the batch's branches, compiling nothing."""
+    kw = {**SMALL, "sampling_branches": "host"}
+    made = _run("make", tmp_path / "bundle", tmp_path / "unused", **kw)
+    per_bucket = sum(map(len, WARM_BRANCHES.values()))
+    assert made["programs"] == 6 + 6 + per_bucket * 3 + 3 + 1
+    loaded = _run("load", tmp_path / "bundle", tmp_path / "xla-cache", **kw)
+    assert loaded["programs"] == made["programs"]
+    assert loaded["warmup_compiles"] == loaded["compiles"] == 0
+    assert loaded["outputs"] == made["outputs"]
 
 
 @pytest.mark.slow
@@ -401,7 +416,10 @@ def test_preflight_writes_a_gpu_bundle_that_this_cpu_refuses(tmp_path):
         "num_devices": 1,
     }
     assert found["engine"]["attention_backend"] == "pallas_gpu"
-    assert len(found["programs"]) == report.num_programs == 22  # (3 page copies, 1 table write)
+    # 6 forwards and prompt-logprob programs, WARM_BRANCHES' sampling per row bucket
+    # (the host decides a GPU's branches), 3 page copies, 1 table write
+    sampling = sum(map(len, WARM_BRANCHES.values())) * 3
+    assert len(found["programs"]) == report.num_programs == 6 + 6 + sampling + 3 + 1
     with pytest.raises(ValueError, match="target.platform: bundle's 'gpu', this engine's 'cpu'"):
         LLM(model_dir, compiled=out, **gpu)
 

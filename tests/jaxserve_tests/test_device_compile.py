@@ -23,6 +23,7 @@ from jaxserve.config import ModelConfig, engine_config
 from jaxserve.engine import LLMEngine
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.preflight import program_cost
+from jaxserve.runner.input_batch import WARM_BRANCHES
 from jaxserve.targets import Target
 
 SMALL = dict(
@@ -126,7 +127,10 @@ def build(model_dir: str, target: str, **args) -> LLMEngine:
 
 def expected_programs(engine: LLMEngine) -> int:
     runner = engine.runner
-    count = 2 * len(runner.token_buckets) + 2 * len(runner.row_buckets)
+    # Sampling per row bucket: a plain and a full batch's program, or on a GPU (where
+    # the host decides the branches) each of WARM_BRANCHES'.
+    kinds = sum(map(len, WARM_BRANCHES.values())) if runner.host_branches else 2
+    count = 2 * len(runner.token_buckets) + kinds * len(runner.row_buckets)
     if engine.drafter is not None:  # a forward per token bucket and the proposer
         count += len(runner.token_buckets) + 1
     if runner.lora is not None:  # a forward with the adapters per token bucket, the slot write
@@ -144,6 +148,12 @@ def check(engine: LLMEngine, target: str) -> None:
         assert bytes_accessed > 0, name
         if name.startswith("forward"):
             assert flops > 0, name
+    # On a GPU a conditional waits on the host for its predicate: no step program has
+    # one (sampling's branches are the host's there).
+    assert engine.runner.host_branches == (chip.platform != "tpu")
+    if chip.platform != "tpu":
+        for name, compiled in programs.items():
+            assert "conditional(" not in compiled.as_text(), name
     kernel = "tpu_custom_call" if chip.platform == "tpu" else "__gpu$xla.gpu.triton"
     forward = programs["forward T=1"].as_text()
     assert kernel in forward  # the Pallas kernels, not the reference
