@@ -46,7 +46,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig, ParallelConfig
-from jaxserve.runner.input_batch import HostBatch, SamplingMetadata
+from jaxserve.runner.input_batch import HostBatch, SampleBranches, SamplingMetadata
 from jaxserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -354,7 +354,9 @@ def _fields(obj) -> dict[str, np.ndarray]:
 def _encode(batch: HostBatch, sampling: SamplingMetadata) -> bytes:
     arrays = {f"batch.{name}": a for name, a in _fields(batch).items()}
     for name, a in _fields(sampling).items():
-        if name in _SPARSE:
+        if name == "branches":  # (the program's static key: the followers run the same)
+            a = np.array(() if a is None else a, np.bool_)
+        elif name in _SPARSE:
             differs = a != _SPARSE[name]
             rows = np.flatnonzero(differs.any(axis=1))
             width = int(np.flatnonzero(differs.any(axis=0))[-1]) + 1 if rows.size else 0
@@ -384,7 +386,10 @@ def _decode(plan: bytes) -> tuple[HostBatch, SamplingMetadata]:
     def of(cls, prefix: str):
         return cls(**{f.name: arrays[f"{prefix}.{f.name}"] for f in dataclasses.fields(cls)})
 
-    return of(HostBatch, "batch"), of(SamplingMetadata, "sampling")
+    sampling = of(SamplingMetadata, "sampling")
+    flags = sampling.branches.tolist()
+    branches = SampleBranches(*flags) if flags else None
+    return of(HostBatch, "batch"), dataclasses.replace(sampling, branches=branches)
 
 
 def _wait_ready(tree, timeout: float, lost: Callable[[], BaseException | None]) -> bool:

@@ -25,7 +25,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve.config import ParallelConfig
 from jaxserve.distributed import multihost
-from jaxserve.runner.input_batch import SampleRow, SeqWork, build_batch, build_sampling
+from jaxserve.runner.input_batch import (
+    WARM_BRANCHES,
+    SampleRow,
+    SeqWork,
+    build_batch,
+    build_sampling,
+)
 from jaxserve.sampling_params import SamplingParams
 
 HERE = os.path.dirname(os.path.dirname(__file__))
@@ -266,7 +272,8 @@ def _plan(vocab_size=5000, penalty=0.5, blocked=(2, 4999)):
 
 
 def _arrays(*objs):
-    return [a for obj in objs for a in multihost._fields(obj).values()]
+    fields = [multihost._fields(obj).items() for obj in objs]
+    return [a for items in fields for name, a in items if name != "branches"]
 
 
 def test_a_plan_round_trips_sending_only_what_differs_from_the_fill():
@@ -281,6 +288,12 @@ def test_a_plan_round_trips_sending_only_what_differs_from_the_fill():
     # A plain batch (no penalty, no blocked id): a [B, 1] history and a [B, 0] bitmask.
     plain = multihost._decode(multihost._encode(*_plan(penalty=0.0, blocked=())))[1]
     assert plain.history.shape == (4, 1) and plain.allowed.shape == (4, 0)
+    # The sampling program's key, where the host decides it (a GPU's): the followers
+    # run the leader's program.
+    assert got[1].branches is None
+    for branches in WARM_BRANCHES[False]:
+        keyed = dataclasses.replace(sampling, branches=branches)
+        assert multihost._decode(multihost._encode(batch, keyed))[1].branches == branches
 
 
 def test_a_plans_page_copies_reach_the_followers():
