@@ -382,20 +382,25 @@ PLAIN_PARAMS = [
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
 def test_host_decided_branches_serve_what_the_device_decides(engines, mode):
-    """`sampling_branches="host"` (a GPU's default): every request, alone and in mixed
-    batches, gets the tokens and logprobs of the device-decided programs."""
+    """`sampling_branches="host"` (a GPU's default, with asynchronous scheduling
+    there): every request, alone and in mixed batches, gets the tokens and logprobs of
+    the device-decided programs of the same scheduling. (Asynchronous steps batch
+    differently, which moves a mixed batch's logprobs in the last bits: each mode is
+    compared with its own.)"""
     for params in ([p] for p in PLAIN_PARAMS), [PLAIN_PARAMS], [SHAPED_PARAMS + PLAIN_PARAMS]:
         for batch in params:
-            outs = {
-                branches: engines(mode, sampling_branches=branches).generate(
-                    [PROMPT] * len(batch), batch, use_tqdm=False
-                )
-                for branches in ("device", "host")
-            }
-            for a, b in zip(outs["device"], outs["host"], strict=True):
-                assert a.outputs[0].token_ids == b.outputs[0].token_ids
-                assert a.outputs[0].logprobs == b.outputs[0].logprobs
-                assert a.prompt_logprobs == b.prompt_logprobs
+            prompts = [PROMPT] * len(batch)
+            for overlap in (False, True):
+                outs = {
+                    b: engines(mode, sampling_branches=b, async_scheduling=overlap).generate(
+                        prompts, batch, use_tqdm=False
+                    )
+                    for b in ("device", "host")
+                }
+                for a, b in zip(outs["device"], outs["host"], strict=True):
+                    assert a.outputs[0].token_ids == b.outputs[0].token_ids, overlap
+                    assert a.outputs[0].logprobs == b.outputs[0].logprobs, overlap
+                    assert a.prompt_logprobs == b.prompt_logprobs, overlap
 
 
 def test_host_decided_branches_compile_their_programs_in_warm_up(monkeypatch):
