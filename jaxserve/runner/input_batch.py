@@ -688,7 +688,8 @@ def build_sampling(
     allowed-token bitmask [B, ceil(V / 32)]; a plain one has [B, 1] and [B, 0]: a
     batch without penalties, grammars or min_tokens neither fills nor transfers
     O(context) or O(vocabulary) per row (4.8 MB a step for 256 rows of a 150k
-    vocabulary). Two kinds, so two sampling programs per sequence bucket.
+    vocabulary). Two kinds, so two sampling programs per sequence bucket (on a GPU,
+    WARM_BRANCHES' programs of each kind).
 
     Blocked tokens (EOS and stop ids under min_tokens) go into a fixed-shape
     bitmask of the whole vocabulary, so a request may block any number of them

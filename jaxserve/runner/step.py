@@ -11,12 +11,13 @@ The program layout (what is compiled, and for which shapes):
   that asks. (Under a `lax.cond` inside `forward`, XLA would charge every step
   the LM head over T rows and size its temporaries for it.)
 - `sample_step`: the LM head and sampling of the B sampled rows, one program per
-  row bucket B (and a second per B with the penalty history). A row is a
+  row bucket B (and a second per B with the penalty history; on a GPU, where the
+  host decides sampling's branches, `input_batch.WARM_BRANCHES`' 6 + 1). A row is a
   sequence's last token, plus one per draft token with speculative decoding
   (R = S * (1 + num_speculative_tokens) rows at most).
 
 So a configuration compiles 2 * len(token buckets) + 2 * len(row buckets) programs
-(38 for the defaults; `input_batch.StepShapes` lists the buckets), instead of
+(38 for the defaults, 73 on a GPU; `input_batch.StepShapes` lists the buckets), instead of
 one forward per (T, B) pair. With multi-LoRA, each token bucket has a second
 forward, with the adapters' terms (`lora_slots` [T]): a step where no token has an
 adapter passes no slots ([0]) and runs the first, the base model's, at its cost
