@@ -25,6 +25,9 @@ Sections, in this order (`--sections` picks some; `device_sections.py` measures 
 - profile: a `jax.profiler` trace of 3 decode steps at batch 64 (taken during that
   batch of llama8b_decode), reduced by `trace_summary.py` to kernel time, the host's
   lead and tail, and gaps between kernels; the trace is kept as profile_trace.json.gz.
+- attention_sweep: the GPU attention kernel alone at the 8B decode shapes, its
+  default settings then each (block_kv, num_warps, num_stages) of a grid, timed
+  (`device_kernels.py`; interpreted at --smoke sizes on a CPU).
 - demo_batch1: `LLM()` (the embedded demo model, its defaults): batch-1 decode steps.
 - torch_fallback: the same shape in transformers on PyTorch (`generate` with a static
   cache, which transformers compiles with torch.compile on a GPU): decode tok/s at
@@ -35,8 +38,8 @@ runs in a process of its own (the JAX ones free the GPU for torch), with a share
 --budget_s (time one leaves goes to the next), and is killed past it. A section
 writes OUT/<section>.json as it goes (status "running", then "ok", "skipped: ..." or
 "error: ..."), so a killed or failed section keeps what it measured and the others
-still run; each names the machine, the command and the units. Seven files in OUT
-(the log makes eight): what a device call brings back. `--smoke` shrinks every size
+still run; each names the machine, the command and the units. Eight files in OUT (a
+device call brings back at most 8: README's command archives them). `--smoke` shrinks every size
 for a CPU (tests/jaxserve_tests/test_device_bench.py runs it with --shape=tiny).
 """
 
@@ -56,6 +59,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from device_kernels import attention_sweep
 from device_sections import (
     SMOKE,
     Plan,
@@ -77,15 +81,17 @@ SECTIONS = (
     "llama8b_decode",
     "llama8b_prefill",
     "profile",
+    "attention_sweep",
     "demo_batch1",
     "torch_fallback",
 )
 # (process, its sections, its share of the budget)
 GROUPS = (
-    ("probe", ("probe",), 0.07),
-    ("llama8b", ("llama8b_decode", "llama8b_prefill", "profile"), 0.60),
-    ("demo", ("demo_batch1",), 0.09),
-    ("torch", ("torch_fallback",), 0.24),
+    ("probe", ("probe",), 0.06),
+    ("llama8b", ("llama8b_decode", "llama8b_prefill", "profile"), 0.50),
+    ("kernels", ("attention_sweep",), 0.16),
+    ("demo", ("demo_batch1",), 0.07),
+    ("torch", ("torch_fallback",), 0.21),
 )
 GRACE_S = 5  # past its deadline, a process is killed
 
@@ -97,6 +103,13 @@ def worker(args, plan: Plan) -> None:
         run_section(Section(args, "probe", jax_device()), probe, plan)
     elif args.worker == "llama8b":
         llama8b(args, plan, args.deadline)
+    elif args.worker == "kernels":
+        bandwidth, _ = probed(args.out)
+        section = Section(args, "attention_sweep", jax_device())
+        import jax
+
+        interpret = jax.default_backend() != "gpu"  # (a CPU's smoke run: interpreted)
+        run_section(section, attention_sweep, plan, bandwidth, args.deadline, interpret)
     elif args.worker == "demo":
         bandwidth, _ = probed(args.out)
         run_section(Section(args, "demo_batch1", jax_device()), demo, plan, bandwidth)

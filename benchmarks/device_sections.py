@@ -35,6 +35,11 @@ class Plan:
     profile_batch: int = 64
     profile_steps: int = 3
     host_profile_steps: int = 8  # under cProfile, after the largest batch's timed steps
+    # attention_sweep (`device_kernels`): its decode batches, timed calls a setting,
+    # and how many settings (0: all)
+    sweep_batches: tuple[int, ...] = (64, 256)
+    sweep_iters: int = 20
+    sweep_configs: int = 0
     max_num_batched_tokens: int = 2048
     copy_bytes: int = 4 << 30
     matmul: int = 8192
@@ -52,6 +57,9 @@ SMOKE = Plan(
     profile_batch=2,
     profile_steps=2,
     host_profile_steps=2,
+    sweep_batches=(2,),
+    sweep_iters=1,
+    sweep_configs=2,
     max_num_batched_tokens=128,
     copy_bytes=64 << 20,
     matmul=256,

@@ -91,8 +91,17 @@ def test_prefill_profile_demo_torch(results):
     if torch["status"] == "ok":
         assert [r["batch"] for r in torch["rows"]] == [1, 2]
         assert all(r["output_tok_s"] > 0 for r in torch["rows"])
-    # what a device call brings back: at most 8 files (the log is the eighth)
-    assert len(os.listdir(out)) <= 7
+    # what a device call brings back: at most 8 files (README's command archives them)
+    assert len(os.listdir(out)) <= 8
+
+
+def test_attention_sweep_rows(results):
+    sweep = results[1]["attention_sweep"]
+    rows = sweep["rows"]
+    assert [r["default"] for r in rows] == [True, False]  # (--smoke: the first 2 settings)
+    assert all(r["batch"] == 2 and r["us"] > 0 and r["GB_s"] > 0 for r in rows)
+    assert rows[0]["max_diff"] == 0.0 and rows[1]["max_diff"] < 0.05  # (bfloat16 out)
+    assert sweep["best_batch_2"] in rows and sweep["default_tile"]["block_kv"] >= 16
 
 
 def test_trace_summary_by_hand(tmp_path):

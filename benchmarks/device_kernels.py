@@ -1,0 +1,140 @@
+"""device_bench's `attention_sweep` section: the GPU ragged paged attention kernel
+alone, at the 8B model's decode shapes, over its launch and tile settings.
+
+The first H200 run put half of a batch-64 decode step in this kernel, reading the KV
+pages at 46% of the probed bandwidth (benchmarks/README.md). Which settings read them
+faster is a question for the device itself: each (block_kv, num_warps, num_stages)
+is compiled natively and timed on the same pages, and its output is checked against
+the kernel's default settings. The chooser's own pick (`GpuBlockSizes.for_device`)
+is the first row of each batch, so the rows say what changing it would buy.
+
+Decode shapes: Llama-3-8B's attention (32 query heads over 8 kv heads of 128,
+bfloat16 pages of 16 tokens), every sequence one query token over `plan.context`
+tokens of KV, its pages scattered over the pool as the engine's are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+# Llama-3-8B's attention (`make_model.LLAMA_SHAPES["llama3_8b"]`)
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+BLOCK_KV = (32, 64, 128)
+NUM_WARPS = (4, 8)
+NUM_STAGES = (2, 3, 4)
+
+
+def _case(batch: int, context: int, seed: int = 0):
+    """(queries, kv pages, kv lens, page table, cu_q_lens, num_seqs): `batch` decode
+    rows over `context` tokens each, pages in a random order."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    per_seq = -(-context // PAGE)
+    num_pages = batch * per_seq + 1  # (page 0: the null page)
+    order = np.random.default_rng(seed).permutation(np.arange(1, num_pages))
+    k_kv, k_q = jax.random.split(jax.random.key(seed))  # (made on the device: ~1 GB)
+    kv = jax.random.normal(k_kv, (num_pages, PAGE, 2 * KV_HEADS, HEAD_DIM), jnp.bfloat16)
+    q = jax.random.normal(k_q, (batch, HEADS, HEAD_DIM), jnp.bfloat16)
+    return (
+        q,
+        kv,
+        jnp.full((batch,), context, jnp.int32),
+        jnp.asarray(order.reshape(batch, per_seq), jnp.int32),
+        jnp.arange(batch + 1, dtype=jnp.int32),
+        jnp.array([batch], jnp.int32),
+    )
+
+
+def _time(fn, args, iters: int) -> float:
+    """Seconds per call, after one untimed call (the compile)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters
+
+
+def attention_sweep(
+    section, plan, bandwidth: float | None, deadline: float, interpret: bool = False
+) -> str:
+    """Times each setting at each decode batch; rows with GB/s read (the batch's K and V
+    pages), the fraction of `bandwidth`, and the largest difference from the default
+    settings' output. Stops adding rows (status "partial") past `deadline`."""
+    import jax
+    import numpy as np
+
+    from pallas_kernels import ragged_paged_attention_gpu as gpu
+
+    kind = jax.devices()[0].device_kind
+    default = gpu.GpuBlockSizes.for_device(kind, HEAD_DIM)
+    configs = [default] + [
+        dataclasses.replace(default, block_kv=b, num_warps=w, num_stages=s)
+        for b in BLOCK_KV
+        for w in NUM_WARPS
+        for s in NUM_STAGES
+    ]
+    if plan.sweep_configs:  # (a CPU's smoke run: the first few)
+        configs = configs[: plan.sweep_configs]
+    rows, status = [], "ok"
+    for batch in plan.sweep_batches:
+        case = _case(batch, plan.context)
+        kv_bytes = batch * plan.context * 2 * KV_HEADS * HEAD_DIM * 2
+        want = None
+        for config in configs:
+            if time.time() > deadline:
+                status = "partial: out of time"
+                break
+            row = {"batch": batch, "context": plan.context, **_settings(config, default)}
+            fn = jax.jit(
+                functools.partial(
+                    gpu.ragged_paged_attention,
+                    sm_scale=HEAD_DIM**-0.5,
+                    block_sizes=config,
+                    interpret=interpret,
+                )
+            )
+            try:
+                out = np.asarray(fn(*case), np.float32)
+                want = out if want is None else want
+                seconds = _time(fn, case, plan.sweep_iters)
+                row.update(
+                    us=round(seconds * 1e6, 1),
+                    GB_s=round(kv_bytes / seconds / 1e9, 1),
+                    of_bandwidth=round(kv_bytes / seconds / bandwidth, 3) if bandwidth else None,
+                    max_diff=float(np.abs(out - want).max()),
+                )
+            except Exception as e:  # (a tile that does not fit, a compile error: recorded)
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+            section.update(rows=rows)
+        timed = [r for r in rows if r["batch"] == batch and "us" in r]
+        if timed:
+            best = min(timed, key=lambda r: r["us"])
+            section.update(**{f"best_batch_{batch}": best})
+    block_kv, heads = default.tile(
+        page_size=PAGE,
+        pages=-(-plan.context // PAGE),
+        group=HEADS // KV_HEADS,
+        head_dim=HEAD_DIM,
+        q_dtype=jax.numpy.bfloat16,
+        kv_dtype=jax.numpy.bfloat16,
+        quantized=False,
+    )
+    section.update(device_kind=kind, rows=rows, default_tile={"block_kv": block_kv, "heads": heads})
+    return status
+
+
+def _settings(config, default) -> dict:
+    return {
+        "default": config == default,
+        "block_kv": config.block_kv,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+    }
