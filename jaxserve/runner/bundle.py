@@ -97,6 +97,7 @@ def manifest(
         "min_token_bucket": config.min_token_bucket,
         "max_logit_bias": config.max_logit_bias,
         "logprobs_mode": config.logprobs_mode,
+        "sampling_branches": config.sampling_branches,  # (which sampling programs)
         "token_buckets": list(token_buckets),
         "row_buckets": list(row_buckets),
         "tensor_parallel_size": config.parallel.tensor_parallel_size,

@@ -466,8 +466,10 @@ class ModelRunner:
         devices = meshes.mesh_devices(self.mesh)
         if self.mesh is None and self.compile_device is not None:
             devices = [self.compile_device]
-        config = dataclasses.replace(
-            self.config, attention_backend=resolve_backend_name(self.config.attention_backend)
+        config = dataclasses.replace(  # (the settings as resolved: what the programs are)
+            self.config,
+            attention_backend=resolve_backend_name(self.config.attention_backend),
+            sampling_branches="host" if self.host_branches else "device",
         )
         return bundle.manifest(
             config,

@@ -278,6 +278,11 @@ def engine_manifest():
         (("target", "platform"), "tpu", "target.platform: bundle's 'tpu', this engine's 'cpu'"),
         (("engine", "max_num_batched_tokens"), 64, "engine.max_num_batched_tokens: bundle's 64"),
         (("engine", "kv_transfer"), True, "engine.kv_transfer: bundle's True, this engine's False"),
+        (  # a GPU's sampling programs (the host decides their branches)
+            ("engine", "sampling_branches"),
+            "host",
+            "engine.sampling_branches: bundle's 'host', this engine's 'device'",
+        ),
     ],
 )
 def test_llm_refuses_a_bundle_made_for_something_else(
