@@ -298,7 +298,7 @@ class ModelConfig:
 
 # `quantization_config.quant_method` of checkpoints whose weights jaxserve stored
 # quantized (`jaxserve convert --quantization`) -> the quantization they hold.
-STORED_QUANTIZATIONS = {"jaxserve_int8": "int8", "jaxserve_int4": "int4"}
+STORED_QUANTIZATIONS = {"jaxserve_int8": "int8", "jaxserve_int4": "int4", "jaxserve_fp8": "fp8"}
 
 
 def _stored_quantization(hf: dict[str, Any]) -> dict[str, Any]:

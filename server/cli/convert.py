@@ -1,6 +1,6 @@
 """`jaxserve convert`: a Hugging Face model directory -> an orbax model directory.
 
-  jaxserve convert --model=HF_DIR --output=DIR [--dtype=bfloat16] [--quantization=int8|int4]
+  jaxserve convert --model=HF_DIR --output=DIR [--dtype=bfloat16] [--quantization=int8|int4|fp8]
 
 DIR holds the weights as an orbax checkpoint (DIR/orbax, in the serving dtype and
 the model's own layout) and a copy of the directory's config, tokenizer and
@@ -29,7 +29,8 @@ flags.DEFINE_string(
     None,
     "Store the weights quantized: int8 (a quarter of float32's bytes; served as int8) or "
     "int4 (the projections in 4 bits with a scale per 128 inputs, about an eighth; the "
-    "embedding and LM head int8; served as int4).",
+    "embedding and LM head int8; served as int4) or fp8 (the projections e4m3 with a "
+    "scale per output channel, the embedding and LM head as they are; served as fp8).",
 )
 flags.mark_flags_as_required(["model", "output"])
 

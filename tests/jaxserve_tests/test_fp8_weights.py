@@ -10,10 +10,12 @@ update_weights, a tensor-parallel split through a scale block, MoE experts); and
 warm-up programs compiled deviceless for an H100 and a v5e, the weights still e4m3."""
 
 import json
+import os
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import torch
 from engine_utils import SMALL_LLM, engine_config
@@ -22,7 +24,7 @@ from hf_models import BASE, hf_greedy, tiny_causal_lms
 from safetensors.torch import save_file
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.checkpoint import load_model
+from jaxserve.checkpoint import convert, load_model
 from jaxserve.config import ModelConfig
 from jaxserve.distributed import meshes
 from jaxserve.quantized.formats import dequantize, pack, read_quantization_config, unpack
@@ -264,6 +266,45 @@ def test_on_the_fly_fp8_is_fbgemms_per_channel_quantization(float_models, checkp
     assert llm.config.quantization == "fp8"
     check_served(llm, want, "on-the-fly fp8")
     llm.close()
+
+
+def test_convert_stores_fp8_and_reloads_it(float_models, tmp_path):
+    """`jaxserve convert --quantization=fp8`: an orbax directory of e4m3 projections
+    with their per-channel scales (the embedding and LM head float), which loads to
+    the on-the-fly fp8 model's arrays bit for bit and serves its tokens."""
+    hf_dir = str(tmp_path / "hf")
+    float_models["Qwen2ForCausalLM"].save_pretrained(hf_dir)
+    out = convert(hf_dir, str(tmp_path / "fp8"), quantization="fp8")
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["quantization_config"] == {"quant_method": "jaxserve_fp8"}
+    stored = ocp.PyTreeCheckpointer().metadata(os.path.join(out, "orbax")).item_metadata.tree
+    q_proj = "model.layers.0.self_attn.q_proj"
+    assert stored[f"{q_proj}.kernel"].dtype == FP8
+    assert stored["model.embed_tokens.embedding"].dtype == np.float32
+    config = ModelConfig.from_pretrained(out)
+    assert config.quantization == "fp8"
+    restored = nnx.to_flat_state(nnx.state(load_model(out, config), nnx.Param))
+    float_config = ModelConfig.from_pretrained(hf_dir)
+    loaded = load_model(hf_dir, float_config, quantization="fp8")
+    loaded = nnx.to_flat_state(nnx.state(loaded, nnx.Param))
+    assert [p for p, _ in restored] == [p for p, _ in loaded]
+    for (p, a), (_, b) in zip(restored, loaded, strict=True):
+        a, b = np.asarray(a[...]), np.asarray(b[...])
+        assert a.dtype == b.dtype, p
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=str(p))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [3 + i, 17, 40 + i, 9]} for i in range(3)]
+
+    def served(llm):
+        with llm:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = served(LLM(hf_dir, skip_tokenizer_init=True, quantization="fp8", **SMALL_LLM))
+    llm = LLM(out, skip_tokenizer_init=True, **SMALL_LLM)
+    assert llm.config.quantization == "fp8"
+    assert served(llm) == want
+    with pytest.raises(ValueError, match="stores its weights quantized as 'fp8'"):
+        LLM(out, skip_tokenizer_init=True, quantization="int8", **SMALL_LLM)
 
 
 # ----------------------------------------------------------------------------
