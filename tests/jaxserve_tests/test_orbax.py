@@ -53,7 +53,7 @@ def test_orbax_restore_equals_safetensors_and_reads_each_shard_once(orbax_demo):
 @pytest.mark.parametrize(
     "args,error",
     [
-        (["--quantization=int3"], "quantization must be one of ['int4', 'int8']"),
+        (["--quantization=int3"], "quantization must be one of ['fp8', 'int4', 'int8']"),
         (["--quantization="], "exists and is not empty"),
     ],
 )
