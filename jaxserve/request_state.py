@@ -156,10 +156,13 @@ class RequestState:
         `weight_version`: the version of the weights that sampled `new_tokens`."""
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
-        if weight_version is not None and any(new_tokens.get(seq) for seq in self.seqs):
-            self.weight_version = weight_version
-            if self.first_weight_version is None:
-                self.first_weight_version = weight_version
+        if weight_version is not None:
+            for seq in self.seqs:  # (a loop, not any(): this runs per request per step)
+                if new_tokens.get(seq):
+                    self.weight_version = weight_version
+                    if self.first_weight_version is None:
+                        self.first_weight_version = weight_version
+                    break
         completions = []
         if self.beam is not None:  # one output, once done: the best hypotheses
             completions = self.beam.completions() if self.beam.group.done else []
