@@ -106,10 +106,7 @@ def worker(args, plan: Plan) -> None:
     elif args.worker == "kernels":
         bandwidth, _ = probed(args.out)
         section = Section(args, "attention_sweep", jax_device())
-        import jax
-
-        interpret = jax.default_backend() != "gpu"  # (a CPU's smoke run: interpreted)
-        run_section(section, attention_sweep, plan, bandwidth, args.deadline, interpret)
+        run_section(section, attention_sweep, plan, bandwidth, args.deadline)
     elif args.worker == "demo":
         bandwidth, _ = probed(args.out)
         run_section(Section(args, "demo_batch1", jax_device()), demo, plan, bandwidth)

@@ -61,17 +61,17 @@ def _time(fn, args, iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def attention_sweep(
-    section, plan, bandwidth: float | None, deadline: float, interpret: bool = False
-) -> str:
+def attention_sweep(section, plan, bandwidth: float | None, deadline: float) -> str:
     """Times each setting at each decode batch; rows with GB/s read (the batch's K and V
     pages), the fraction of `bandwidth`, and the largest difference from the default
-    settings' output. Stops adding rows (status "partial") past `deadline`."""
+    settings' output. Stops adding rows (status "partial") past `deadline`. Off a GPU
+    (a CPU's --smoke run) the kernel is interpreted."""
     import jax
     import numpy as np
 
     from pallas_kernels import ragged_paged_attention_gpu as gpu
 
+    interpret = jax.default_backend() != "gpu"
     kind = jax.devices()[0].device_kind
     default = gpu.GpuBlockSizes.for_device(kind, HEAD_DIM)
     configs = [default] + [
