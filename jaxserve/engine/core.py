@@ -21,7 +21,6 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.distributed import meshes
 from jaxserve.engine import beams, reporting
 from jaxserve.engine.adapters import EngineAdapters
 from jaxserve.engine.disagg_io import KVTransfer
@@ -202,8 +201,7 @@ class LLMEngine(EngineLifecycle, KVTransfer):  # pause and sleep; KV pages that 
         when the bundle runs), so an engine whose warm-up loaded any from there is
         refused, naming the fix."""
         runner = self.runner
-        on_cpu = meshes.mesh_devices(runner.mesh)[0].platform == "cpu"
-        if runner.warmup_cache_hits and runner.compile_device is None and on_cpu:
+        if runner.warmup_cache_hits and not runner.accelerator:
             raise ValueError(
                 f"{runner.warmup_cache_hits} of this engine's programs were loaded from the "
                 "persistent compilation cache, and XLA:CPU cannot serialize a loaded "

@@ -141,9 +141,11 @@ class ModelRunner:
         self.copy_buckets = kv_io.copy_buckets(self.shapes.max_seqs)
         self.token_buckets, self.row_buckets = self.shapes.token_buckets, self.shapes.row_buckets
         self.history_len = config.pages_per_seq * config.cache.page_size
-        # The host decides each batch's sampling branches (`input_batch.SampleBranches`).
+        # The platform its programs are for. Not XLA:CPU's: steps are asynchronous by
+        # default; a GPU's: the host decides each batch's sampling branches
+        # (`input_batch.SampleBranches`).
         platform = target.platform if target else meshes.mesh_devices(mesh)[0].platform
-        self.accelerator = platform != "cpu"  # (asynchronous scheduling's default)
+        self.accelerator = platform != "cpu"
         self.host_branches = config.sampling_branches == "host" or (
             config.sampling_branches == "auto" and platform in ("gpu", "cuda", "rocm")
         )
