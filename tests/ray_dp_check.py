@@ -17,6 +17,7 @@ process is killed (SIGKILL) mid-stream: its requests fail at once.
 """
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -37,6 +38,7 @@ from jaxserve.generate_request import GenerateRequest
 # Long enough that a healthy replica's loop comes round on a loaded 2-core machine (4 s
 # failed twice there, with the test run and a compile beside it); short enough to wait.
 STEP_TIMEOUT_S = 15.0
+KILL_DEADLINE_S = 30.0  # for a killed actor's process to be gone
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)  # dp_check's greedy requests
 
 
@@ -126,14 +128,28 @@ async def failures(front, vocab: int) -> None:
     result = await task
     assert result[0] == "dead" and "replica 1" in result[1], result
     print(f"killed replica: its request failed {result[2] - killed:.1f}s after SIGKILL")
-    # The front killed the stalled actor when it failed it: nothing to resume.
+    # The front killed the stalled actor when it failed it: nothing to resume. Ray's
+    # kill is asynchronous (the raylet ends and reaps the process), and a loaded machine
+    # may take seconds, so the process is given until a deadline to be gone.
+    pid = pid_of(r0)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + KILL_DEADLINE_S
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"the stalled replica's process was not killed within {KILL_DEADLINE_S} s"
+            )
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, killed but not yet reaped, does not)."""
     try:
-        os.kill(pid_of(r0), signal.SIGCONT)
-        time.sleep(1)
-        os.kill(pid_of(r0), 0)
-        raise AssertionError("the stalled replica's process was not killed")
-    except ProcessLookupError:
-        pass
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def main(model_dir: str, tp: str) -> None:
