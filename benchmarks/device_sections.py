@@ -261,7 +261,7 @@ def decode_tokens(plan: Plan, batch: int) -> int:
 def build_llm(plan: Plan, path: str, batches: list[int], **engine_args):
     from jaxserve import LLM
 
-    page = 16
+    page = engine_args.pop("block_size", 16)  # (--engine_args may set the page size)
     longest = max(plan.context + decode_tokens(plan, b) for b in batches)
     max_len = -(-max(longest, plan.prefill_len + 1) // page) * page
     pages = max(b * -(-(plan.context + decode_tokens(plan, b)) // page) for b in batches)

@@ -99,9 +99,13 @@ def test_attention_sweep_rows(results):
     sweep = results[1]["attention_sweep"]
     rows = sweep["rows"]
     assert [r["default"] for r in rows] == [True, False]  # (--smoke: the first 2 settings)
+    # each page size's pick first: pages of 16 (the engine's), then of 32, the same tokens
+    assert [(r["page_size"], r["pick"]) for r in rows] == [(16, True), (32, True)]
     assert all(r["batch"] == 2 and r["us"] > 0 and r["GB_s"] > 0 for r in rows)
     assert rows[0]["max_diff"] == 0.0 and rows[1]["max_diff"] < 0.05  # (bfloat16 out)
-    assert sweep["best_batch_2"] in rows and sweep["default_tile"]["block_kv"] >= 16
+    tiles = sweep["default_tiles"]
+    assert [t["page_size"] for t in tiles] == [16, 32, 64, 128]
+    assert sweep["best_batch_2"] in rows and all(t["block_kv"] >= 16 for t in tiles)
 
 
 def test_trace_summary_by_hand(tmp_path):
