@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 
@@ -34,6 +35,14 @@ if TEST_CACHE:
     # Bounded, JAX locks each entry's read and write (processes run side by side) and
     # evicts the least recently used.
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+
+
+# Python's cyclic garbage collector, tuned for test processes: tracing and lowering
+# allocate millions of short-lived objects, and with the default thresholds (700, 10,
+# 10) the collector ran so often over a heap of jax, torch and transformers that it
+# took ~14% of a deviceless-compile test's time (41.9 -> 35.4 s, this EPYC). Young
+# garbage is still collected; full collections come from `_release_compiled_programs`.
+gc.set_threshold(50_000, 50, 1000)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -128,8 +137,6 @@ def _release_compiled_programs():
     yield
     if _mappings() < KEEP_MAPPINGS and _rss_bytes() < KEEP_RSS_BYTES:
         return
-    import gc
-
     import jax
 
     gc.collect()

@@ -11,7 +11,6 @@ exits with a message naming a peer that is stopped (SIGSTOP) or killed.
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ports import free_port
 
 from jaxserve.config import ParallelConfig
 from jaxserve.distributed import multihost
@@ -37,17 +37,11 @@ from jaxserve.sampling_params import SamplingParams
 HERE = os.path.dirname(os.path.dirname(__file__))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.sharded
 @pytest.mark.slow
 def test_two_processes_serve_one_model_and_a_lost_follower_fails_cleanly(hf_model_dir):
     path, _ = hf_model_dir("llama2_mha")
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     env["JAX_PLATFORMS"] = "cpu"
     script = os.path.join(HERE, "multihost_check.py")
@@ -117,7 +111,7 @@ def served_pair(hf_model_dir, tmp_path):
         "--skip_tokenizer_init",
         "--tensor_parallel_size=8",
         "--num_processes=2",
-        f"--coordinator_address=127.0.0.1:{_free_port()}",
+        f"--coordinator_address=127.0.0.1:{free_port()}",
         f"--step_timeout_s={STEP_TIMEOUT_S}",
         "--warmup=false",
         "--compilation_cache_dir=",
@@ -129,7 +123,7 @@ def served_pair(hf_model_dir, tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     env["JAX_PLATFORMS"] = "cpu"
     follower = Served([*common, "--process_id=1"], tmp_path / "follower.log", env)
-    port = _free_port()
+    port = free_port()
     leader = Served(
         [*common, "--process_id=0", f"--grpc_port={port}", "--port=0"], tmp_path / "leader.log", env
     )

@@ -24,7 +24,6 @@ import dataclasses
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -182,12 +182,6 @@ def test_the_promised_examples_run():
 
 
 # ---- running the blocks ---------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass

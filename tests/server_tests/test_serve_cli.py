@@ -11,15 +11,10 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ports import free_port
 
 from server import jaxserve_pb2 as pb
 from server import jaxserve_pb2_grpc as pb_grpc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_serving(target, proc, timeout=180):
