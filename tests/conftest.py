@@ -8,6 +8,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from cache_dir import test_cache_dir
 
+from server.cli.main import GC_THRESHOLDS
+
 # The test extras install the TPU and GPU compilers (libtpu, the CUDA plugin) for
 # deviceless compilation (`jaxserve.targets`). The tests run on the CPU: neither may
 # try to bring up a device that is not here (the CUDA plugin's failed start would also
@@ -42,7 +44,7 @@ if TEST_CACHE:
 # 10) the collector ran so often over a heap of jax, torch and transformers that it
 # took ~14% of a deviceless-compile test's time (41.9 -> 35.4 s, this EPYC). Young
 # garbage is still collected; full collections come from `_release_compiled_programs`.
-gc.set_threshold(50_000, 50, 1000)
+gc.set_threshold(*GC_THRESHOLDS)
 
 
 def pytest_collection_modifyitems(config, items):

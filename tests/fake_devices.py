@@ -6,6 +6,16 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(__file__)
+# The script as `python script args` would run it, with the garbage collector tuned as
+# in the test processes (conftest.py) and jaxserve's command line.
+_LAUNCH = """
+import gc, os, runpy, sys
+from server.cli.main import GC_THRESHOLDS
+gc.set_threshold(*GC_THRESHOLDS)
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 def run_on_8_devices(script: str, *args) -> str:
@@ -15,7 +25,7 @@ def run_on_8_devices(script: str, *args) -> str:
         os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
     )
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, script), *map(str, args)],
+        [sys.executable, "-c", _LAUNCH, os.path.join(HERE, script), *map(str, args)],
         env=env,
         capture_output=True,
         text=True,
