@@ -74,8 +74,8 @@ def _time(fn, args, iters: int) -> float:
 
 def attention_sweep(section, plan, bandwidth: float | None, deadline: float) -> str:
     """Times each setting at each decode batch; rows with GB/s read (the batch's K and V
-    pages), the fraction of `bandwidth`, and the largest difference from the default
-    settings' output. Stops adding rows (status "partial") past `deadline`. Off a GPU
+    pages), the fraction of `bandwidth`, and the largest difference from the first
+    row's output. Stops adding rows (status "partial") past `deadline`. Off a GPU
     (a CPU's --smoke run) the kernel is interpreted."""
     import jax
     import numpy as np
@@ -98,15 +98,14 @@ def attention_sweep(section, plan, bandwidth: float | None, deadline: float) -> 
     rows, status = [], "ok"
     for batch in plan.sweep_batches:
         kv_bytes = batch * plan.context * 2 * KV_HEADS * HEAD_DIM * 2
-        want, cases = None, {}
+        want, case_page, case = None, None, None
         for page, config in configs:
             if time.time() > deadline:
                 status = "partial: out of time"
                 break
             row = {"batch": batch, "context": plan.context, **_settings(page, config, default)}
-            if page not in cases:  # (one page size's pool at a time on the device)
-                cases = {page: _case(batch, plan.context, page)}
-            case = cases[page]
+            if page != case_page:  # (one page size's pool at a time on the device)
+                case_page, case = page, _case(batch, plan.context, page)
             fn = jax.jit(
                 functools.partial(
                     gpu.ragged_paged_attention,
