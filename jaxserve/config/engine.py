@@ -68,7 +68,7 @@ class EngineConfig:
     # What logprobs hold (LOGPROBS_MODES), for the engine's life: static to the sampling
     # and prompt-logprob programs (the same number of them compiled, whatever the mode).
     logprobs_mode: str = "raw_logprobs"
-    # Who decides which optional parts of sampling a batch runs (top-k/top-p's sort,
+    # Who decides which optional parts of sampling a batch runs (top-k/top-p's cut,
     # penalties, logprobs, ...; `runner.sampler`): "device" (`lax.cond`: one program
     # per row bucket), "host" (traced in or out: a few programs per row bucket, no
     # conditional), or "auto": the host on a GPU, where a conditional waits for its

@@ -550,7 +550,7 @@ class SampleBranches(NamedTuple):
     mask: bool = True  # some row blocks tokens (a grammar, min_tokens)
     penalties: bool = True  # some row has a repetition, frequency or presence penalty
     draw: bool = True  # some row samples (temperature > 0)
-    sort: bool = True  # some row has top-k or top-p
+    cut: bool = True  # some row has top-k or top-p
     logprobs: bool = True  # some row asks for logprobs
     beam: bool = True  # some row is a beam search's
 
@@ -570,7 +570,7 @@ class SampleBranches(NamedTuple):
             draw=bool((md.temperature > 0.0).any()),
             # (top_k at or past the vocabulary is off too; the device's gate says so
             # per row, and a part that runs for none changes nothing)
-            sort=bool(((md.top_k > 0) | (md.top_p < 1.0)).any()),
+            cut=bool(((md.top_k > 0) | (md.top_p < 1.0)).any()),
             logprobs=bool(md.want_logprobs[0]),
             beam=bool((md.beam > 0.0).any()),
         )
@@ -593,9 +593,9 @@ WARM_BRANCHES: dict[bool, tuple[SampleBranches, ...]] = {
     False: (
         _NONE,
         _NONE._replace(draw=True),
-        _NONE._replace(draw=True, sort=True),
+        _NONE._replace(draw=True, cut=True),
         _NONE._replace(logprobs=True),
-        _NONE._replace(draw=True, sort=True, logprobs=True),
+        _NONE._replace(draw=True, cut=True, logprobs=True),
         SampleBranches(),
     ),
     True: (SampleBranches(),),

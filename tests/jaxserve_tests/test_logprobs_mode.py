@@ -424,7 +424,7 @@ def test_host_decided_branches_compile_their_programs_in_warm_up(monkeypatch):
         assert {f"sample B={b}" for b in rows} | {f"sample+full B={b}" for b in rows} <= set(
             sampling
         )
-        assert f"sample B={rows[0]} draw+sort" in sampling
+        assert f"sample B={rows[0]} draw+cut" in sampling
         compiled = llm.engine.runner.compiles.count
         for params in (SHAPED_PARAMS, PLAIN_PARAMS, PLAIN_PARAMS[::-1]):
             llm.generate([PROMPT] * len(params), params, use_tqdm=False)

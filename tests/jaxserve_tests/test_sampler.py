@@ -1,6 +1,7 @@
 """The on-device sampler against numpy references on synthetic logits."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -151,6 +152,55 @@ def test_top_p_takes_the_nucleus_of_what_top_k_kept():
     logits[0, :4] = np.log([0.4, 0.3, 0.2, 0.1])
     out = run(np.repeat(logits, 32, 0), [row(seed=s, top_k=2, top_p=0.5) for s in range(32)])
     assert set(out.token_ids.tolist()) == {0}
+
+
+def _cut_reference(x, top_k, top_p):
+    """top-k, then the top-p nucleus of what it kept, by a float64 sort (-inf: cut)."""
+    out = x.copy()
+    for r, row_ in enumerate(x.astype(np.float64)):
+        ordered = np.sort(row_)[::-1]
+        k = min(top_k[r], len(row_)) if top_k[r] > 0 else len(row_)
+        in_k = ordered >= ordered[k - 1]
+        e = np.where(in_k, np.exp(ordered - ordered[0]), 0.0)
+        p = e / e.sum()
+        keep = in_k & ((np.cumsum(p) - p < top_p[r]) if top_p[r] < 1.0 else True)
+        out[r] = np.where(row_ < ordered[keep].min(), -np.inf, x[r])
+    return out
+
+
+def test_top_k_top_p_selects_as_a_sort_would():
+    """The radix select (no sort of the vocabulary) keeps what a float64 sort keeps:
+    ties at the k-th value and at the nucleus' edge kept, -inf entries, -0.0 beside
+    0.0, top_k past the vocabulary."""
+    from jaxserve.runner.sampler import _top_k_top_p
+
+    rs = np.random.default_rng(0)
+    cut = jax.jit(lambda x, k, p: _top_k_top_p(x, SimpleNamespace(top_k=k, top_p=p)))
+    for trial in range(60):
+        v = int(rs.choice([7, 64, 1000]))
+        x = (rs.normal(size=(8, v)) * rs.choice([0.1, 1.0, 10.0])).astype(np.float32)
+        if trial % 3 == 0:
+            x = np.round(x)  # ties
+        if trial % 5 == 0:
+            x[:, : v // 3] = -np.inf
+        if trial % 4 == 0:
+            x[0, :2] = [-0.0, 0.0]
+        top_k = rs.integers(0, v + 3, 8).astype(np.int32)
+        top_p = rs.uniform(0.05, 1.0, 8).astype(np.float32)
+        top_k[::3], top_p[::4] = 0, 1.0
+        got = np.asarray(cut(x, top_k, top_p))
+        np.testing.assert_array_equal(got, _cut_reference(x, top_k, top_p), err_msg=str(trial))
+
+
+def test_top_p_of_one_keeps_the_whole_top_k():
+    """top_p=1 cuts nothing. A sort-and-cumsum nucleus cut the tail of top-k once the
+    float mass above it rounded to 1 (1 of 200 kept here)."""
+    from jaxserve.runner.sampler import _top_k_top_p
+
+    x = np.concatenate([[30.0], np.linspace(0.0, -5.0, 299)]).astype(np.float32)[None]
+    cut = jax.jit(lambda x, k, p: _top_k_top_p(x, SimpleNamespace(top_k=k, top_p=p)))
+    kept = np.isfinite(np.asarray(cut(x, np.array([200], np.int32), np.array([1.0], np.float32))))
+    assert kept.sum() == 200 and kept[0, :200].all()
 
 
 def test_seeded_rows_do_not_depend_on_neighbours_or_position():
