@@ -140,9 +140,10 @@ def _apply_penalties(logits, md: SamplingMetadata):
 
 
 def _ordered_keys(x: jax.Array) -> jax.Array:
-    """float32 -> uint32 keys in the same order (-0.0 taken as +0.0), so that values
-    can be selected digit by digit."""
-    bits = lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
+    """float32 -> uint32 keys in the same order (lax.top_k's: -0.0 below 0.0; -inf
+    above 0, the key of no value but a NaN), so that values can be selected by their
+    bits without a sort."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
@@ -167,6 +168,8 @@ def _largest_key(keys: jax.Array, weights: jax.Array, target: jax.Array) -> jax.
         d = jnp.sum(mass[:, 1:] >= target[:, None], axis=-1, dtype=jnp.uint32)
         return prefix | (d << shift)
 
+    # (A loop of 8 known trips, which XLA:GPU runs without reading a predicate back;
+    # unrolled, the small model's h100 warm-up took 33% longer to compile.)
     return lax.fori_loop(0, 8, digit, jnp.zeros(keys.shape[:1], jnp.uint32))
 
 
@@ -175,7 +178,7 @@ def _top_k_top_p(logits, md: SamplingMetadata):
     what top-k kept, renormalized (vLLM's order; ties at either edge kept; top_p 1
     cuts nothing, however the float mass of the tail rounds)."""
     v = logits.shape[1]
-    keys = _ordered_keys(logits)
+    keys = _ordered_keys(jnp.where(logits == 0, 0.0, logits))  # (-0.0 ties with 0.0)
     k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, v), v)
     kth = _largest_key(keys, jnp.ones_like(logits), k.astype(jnp.float32))
     probs = jax.nn.softmax(jnp.where(keys >= kth[:, None], logits, -jnp.inf), axis=-1)
@@ -374,8 +377,36 @@ def token_logprobs(logits: jax.Array, token_ids: jax.Array, *, as_logits: bool =
     values = logits if as_logits else jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(values, token_ids[:, None], axis=-1)[:, 0]
     ranks = jnp.sum(values >= chosen[:, None], axis=-1, dtype=jnp.int32)
-    vals, ids = lax.top_k(values, MAX_TOP_LOGPROBS)
-    return chosen, ranks, ids.astype(jnp.int32), vals
+    ids = top_ids(values, MAX_TOP_LOGPROBS)
+    return chosen, ranks, ids, jnp.take_along_axis(values, ids, axis=-1)
+
+
+def top_ids(x: jax.Array, k: int) -> jax.Array:
+    """`lax.top_k(x, k)[1]` for x [R, V] (descending, the lowest index first among
+    equals); on a TPU without a sort (`_top_ids_by_passes`). XLA:TPU rewrites
+    lax.top_k as a sort of the whole row, which it took 3-6 s to compile per program
+    (64 rows, a v5e target; 0.2-0.7 s by passes), and which sorts [T, V] for T prompt
+    tokens. XLA:GPU compiles its sort in about a second and the passes slower (the
+    small model's h100 warm-up: 35% more compile time); XLA:CPU has a top-k of its
+    own, 15x faster here than the passes (16 x 152k)."""
+    return lax.platform_dependent(
+        x,
+        tpu=functools.partial(_top_ids_by_passes, k=k),
+        default=lambda x: lax.top_k(x, k)[1].astype(jnp.int32),
+    )
+
+
+def _top_ids_by_passes(x: jax.Array, k: int) -> jax.Array:
+    """`top_ids` by k passes over each row: take its largest key (the lowest index
+    among equals), then set that entry's key below every value's."""
+    v = x.shape[1]
+    index = jnp.arange(v, dtype=jnp.int32)
+    keys, ids = _ordered_keys(x), []
+    for _ in range(k):
+        top = keys.max(axis=-1, keepdims=True)
+        ids.append(jnp.min(jnp.where(keys == top, index, v), axis=-1))
+        keys = jnp.where(index == ids[-1][:, None], 0, keys)
+    return jnp.stack(ids, axis=-1)
 
 
 def no_logprobs(rows: int):

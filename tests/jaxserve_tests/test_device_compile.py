@@ -154,6 +154,15 @@ def check(engine: LLMEngine, target: str) -> None:
     if chip.platform != "tpu":
         for name, compiled in programs.items():
             assert "conditional(" not in compiled.as_text(), name
+    # No program sorts the vocabulary for top-k or top-p, nor on a TPU for the top
+    # logprobs (XLA:TPU took 3-21 s to compile each such sort; a GPU's lax.top_k is a
+    # sort that compiles in about a second). (A TPU's scatters sort their indices.)
+    vocab = engine.runner.config.model.vocab_size
+    for name, compiled in programs.items():
+        plain = name.startswith("sample B=") and "logprobs" not in name
+        if plain or (chip.platform == "tpu" and name.startswith(("sample", "prompt logp"))):
+            sorts = re.findall(r"^.* sort\(", compiled.as_text(), re.MULTILINE)
+            assert not [s for s in sorts if re.search(rf"\[[\d,]*,{vocab}\]", s)], name
     kernel = "tpu_custom_call" if chip.platform == "tpu" else "__gpu$xla.gpu.triton"
     forward = programs["forward T=1"].as_text()
     assert kernel in forward  # the Pallas kernels, not the reference

@@ -14,7 +14,7 @@ from jaxserve.runner.input_batch import (
     build_sampling,
     covering,
 )
-from jaxserve.runner.sampler import argmax, sample
+from jaxserve.runner.sampler import _top_ids_by_passes, _top_k_top_p, argmax, sample
 from jaxserve.sampling_params import SamplingParams
 
 V = 50
@@ -154,6 +154,9 @@ def test_top_p_takes_the_nucleus_of_what_top_k_kept():
     assert set(out.token_ids.tolist()) == {0}
 
 
+_cut = jax.jit(lambda x, k, p: _top_k_top_p(x, SimpleNamespace(top_k=k, top_p=p)))
+
+
 def _cut_reference(x, top_k, top_p):
     """top-k, then the top-p nucleus of what it kept, by a float64 sort (-inf: cut)."""
     out = x.copy()
@@ -172,10 +175,7 @@ def test_top_k_top_p_selects_as_a_sort_would():
     """The radix select (no sort of the vocabulary) keeps what a float64 sort keeps:
     ties at the k-th value and at the nucleus' edge kept, -inf entries, -0.0 beside
     0.0, top_k past the vocabulary."""
-    from jaxserve.runner.sampler import _top_k_top_p
-
     rs = np.random.default_rng(0)
-    cut = jax.jit(lambda x, k, p: _top_k_top_p(x, SimpleNamespace(top_k=k, top_p=p)))
     for trial in range(60):
         v = int(rs.choice([7, 64, 1000]))
         x = (rs.normal(size=(8, v)) * rs.choice([0.1, 1.0, 10.0])).astype(np.float32)
@@ -188,19 +188,31 @@ def test_top_k_top_p_selects_as_a_sort_would():
         top_k = rs.integers(0, v + 3, 8).astype(np.int32)
         top_p = rs.uniform(0.05, 1.0, 8).astype(np.float32)
         top_k[::3], top_p[::4] = 0, 1.0
-        got = np.asarray(cut(x, top_k, top_p))
+        got = np.asarray(_cut(x, top_k, top_p))
         np.testing.assert_array_equal(got, _cut_reference(x, top_k, top_p), err_msg=str(trial))
 
 
 def test_top_p_of_one_keeps_the_whole_top_k():
     """top_p=1 cuts nothing. A sort-and-cumsum nucleus cut the tail of top-k once the
     float mass above it rounded to 1 (1 of 200 kept here)."""
-    from jaxserve.runner.sampler import _top_k_top_p
-
     x = np.concatenate([[30.0], np.linspace(0.0, -5.0, 299)]).astype(np.float32)[None]
-    cut = jax.jit(lambda x, k, p: _top_k_top_p(x, SimpleNamespace(top_k=k, top_p=p)))
-    kept = np.isfinite(np.asarray(cut(x, np.array([200], np.int32), np.array([1.0], np.float32))))
+    kept = np.isfinite(np.asarray(_cut(x, np.array([200], np.int32), np.array([1.0], np.float32))))
     assert kept.sum() == 200 and kept[0, :200].all()
+
+
+def test_top_ids_are_lax_top_k_without_a_sort():
+    """The passes a TPU takes (a GPU and a CPU take lax.top_k): ties (the lowest index
+    first), -inf entries, -0.0 below 0.0, as lax.top_k."""
+    rs = np.random.default_rng(1)
+    top = jax.jit(_top_ids_by_passes, static_argnums=1)
+    for trial in range(30):
+        x = rs.normal(size=(8, int(rs.choice([20, 64, 1000])))).astype(np.float32)
+        if trial % 2:
+            x = np.round(x)  # ties, and -0.0 beside 0.0
+        if trial % 3 == 0:
+            x[:, : x.shape[1] // 2] = -np.inf
+        want = np.asarray(jax.lax.top_k(x, 20)[1])
+        np.testing.assert_array_equal(np.asarray(top(x, 20)), want, err_msg=str(trial))
 
 
 def test_seeded_rows_do_not_depend_on_neighbours_or_position():
