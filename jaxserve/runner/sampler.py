@@ -168,8 +168,8 @@ def _largest_key(keys: jax.Array, weights: jax.Array, target: jax.Array) -> jax.
         d = jnp.sum(mass[:, 1:] >= target[:, None], axis=-1, dtype=jnp.uint32)
         return prefix | (d << shift)
 
-    # (A loop of 8 known trips, which XLA:GPU runs without reading a predicate back;
-    # unrolled, the small model's h100 warm-up took 33% longer to compile.)
+    # (A loop of 8 known trips: unrolled, the small model's h100 warm-up took 33%
+    # longer to compile.)
     return lax.fori_loop(0, 8, digit, jnp.zeros(keys.shape[:1], jnp.uint32))
 
 
@@ -386,9 +386,9 @@ def top_ids(x: jax.Array, k: int) -> jax.Array:
     equals); on a TPU without a sort (`_top_ids_by_passes`). XLA:TPU rewrites
     lax.top_k as a sort of the whole row, which it took 3-6 s to compile per program
     (64 rows, a v5e target; 0.2-0.7 s by passes), and which sorts [T, V] for T prompt
-    tokens. XLA:GPU compiles its sort in about a second and the passes slower (the
-    small model's h100 warm-up: 35% more compile time); XLA:CPU has a top-k of its
-    own, 15x faster here than the passes (16 x 152k)."""
+    tokens. XLA:GPU compiles its sort in about a second and the passes slower (with
+    them the small model's h100 warm-up compiled 44% longer); XLA:CPU has a top-k of
+    its own, 15x faster here than the passes (16 x 152k)."""
     return lax.platform_dependent(
         x,
         tpu=functools.partial(_top_ids_by_passes, k=k),
