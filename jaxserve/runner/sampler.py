@@ -399,12 +399,10 @@ def top_ids(x: jax.Array, k: int) -> jax.Array:
 def _top_ids_by_passes(x: jax.Array, k: int) -> jax.Array:
     """`top_ids` by k passes over each row: take its largest key (the lowest index
     among equals), then set that entry's key below every value's."""
-    v = x.shape[1]
-    index = jnp.arange(v, dtype=jnp.int32)
+    index = jnp.arange(x.shape[1], dtype=jnp.int32)
     keys, ids = _ordered_keys(x), []
     for _ in range(k):
-        top = keys.max(axis=-1, keepdims=True)
-        ids.append(jnp.min(jnp.where(keys == top, index, v), axis=-1))
+        ids.append(argmax(keys))
         keys = jnp.where(index == ids[-1][:, None], 0, keys)
     return jnp.stack(ids, axis=-1)
 
