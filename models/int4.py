@@ -12,6 +12,8 @@ from flax import nnx
 from jax import lax
 
 from models.layers import _axes, _param, dot_f32
+from pallas_kernels.cpu import library as cpu_library
+from pallas_kernels.cpu import matmul as cpu_matmul
 from pallas_kernels.quantization import quantize
 
 # On-the-fly int4's group: AWQ's and GPTQ's usual one. A linear whose inputs it does
@@ -105,8 +107,8 @@ class Int4Linear(nnx.Module):
     group of G inputs) in the compute dtype, optionally a zero point per (output,
     group) (asymmetric: AWQ, GPTQ, compressed-tensors), the bias as it was. The
     codes are converted in the step and multiplied in the compute dtype, accumulating
-    in float32 (`product`; on the CPU XLA writes a float copy of the weights first:
-    there is no few-row kernel for them yet).
+    in float32 (`product`; on the CPU, steps of a few rows call the C++ kernel, which
+    reads the packed codes once).
 
     Built from given codes (a checkpoint's: `codes`, `scale`, `zero`, `bias`, `axes`
     the kernel's logical (out, in) names, which the scales and zeros share, their
@@ -117,6 +119,8 @@ class Int4Linear(nnx.Module):
     codes' columns hold (GPTQ desc_act, its groups made contiguous:
     `jaxserve.quantized.formats.contiguous_groups`); the product gathers x by it.
     """
+
+    cpu_kernel = True  # False: XLA's formulation on the CPU too (`without_cpu_kernels`)
 
     def __init__(
         self,
@@ -156,19 +160,36 @@ class Int4Linear(nnx.Module):
 
     def product(self, x: jax.Array) -> jax.Array:  # [M, K] -> float32 [M, N], no bias
         """Up to INT4_GROUPED_MAX_ROWS rows (decode steps) on GPU and TPU the grouped
-        formulation, else the dequantized one (see `int4_dot_grouped`). The CPU
-        takes the dequantized one: XLA:CPU fuses neither, and its batched matmuls of
-        G-long rows are slower than one matmul."""
+        formulation, else the dequantized one (see `int4_dot_grouped`). The CPU takes
+        the C++ kernel up to `cpu_matmul.INT4_MAX_ROWS` rows, where it is loaded and the
+        step has no mesh (`models.layers.rows_dot` says why), else the dequantized
+        formulation: XLA:CPU fuses neither, and its batched matmuls of G-long rows are
+        slower than one matmul."""
         if self.perm is not None:
             x = jnp.take(x, self.perm[...], axis=1)
         args = (self.kernel[...], self.scale[...], None if self.zero is None else self.zero[...])
-        if x.shape[0] > INT4_GROUPED_MAX_ROWS:
+
+        def cpu(x):
+            if (
+                self.cpu_kernel
+                and x.shape[0] <= cpu_matmul.INT4_MAX_ROWS
+                and cpu_library.is_loaded()
+                and jax.sharding.get_abstract_mesh().size <= 1  # no mesh: size 0
+                and cpu_matmul.int4_supports(args[0], args[1])
+            ):
+                return cpu_matmul.matmul_int4(x, *args)
             return int4_dot_dequantized(x, *args)
+
+        many = x.shape[0] > INT4_GROUPED_MAX_ROWS
         return lax.platform_dependent(
             x,
-            cpu=lambda x: int4_dot_dequantized(x, *args),
-            tpu=lambda x: int4_dot_grouped(x, *args, min_rows=2),
-            default=lambda x: int4_dot_grouped(x, *args),
+            cpu=cpu,
+            tpu=lambda x: (
+                int4_dot_dequantized(x, *args) if many else int4_dot_grouped(x, *args, min_rows=2)
+            ),
+            default=lambda x: (
+                int4_dot_dequantized(x, *args) if many else int4_dot_grouped(x, *args)
+            ),
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., K] -> [..., N]

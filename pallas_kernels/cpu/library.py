@@ -45,6 +45,8 @@ TARGETS = {  # FFI target name -> the handler symbol in the library
     "jaxserve_matmul_s8": "JaxserveMatmulS8",
     "jaxserve_matmul_f32": "JaxserveMatmulF32",
     "jaxserve_matmul_bf16": "JaxserveMatmulBf16",
+    "jaxserve_matmul_s4": "JaxserveMatmulS4",
+    "jaxserve_matmul_s4_zero": "JaxserveMatmulS4Zero",
     "jaxserve_attention_f32": "JaxserveAttentionF32",
     "jaxserve_attention_bf16": "JaxserveAttentionBf16",
     "jaxserve_attention_s8": "JaxserveAttentionS8",

@@ -3,6 +3,9 @@
 //
 //   y[M, N] = x[M, K] @ w^T          w [N, K] float32 or bfloat16
 //   y[M, N] = x[M, K] @ dequant(q)^T q [N, K] int8, dequant(q)[n, k] = q[n, k] * scale[n]
+//   y[M, N] = x[M, K] @ dequant(c)^T c [N, K] int4 (packed two a byte, the even column
+//                                    in the low nibble), groups of G inputs:
+//                                    dequant(c)[n, k] = (c[n, k] - zero[n, g]) * scale[n, g]
 //
 // x is float32 and y float32. w and q are [N, K]: each output's weights contiguous (an
 // embedding table used as the tied LM head; an int8 Linear's kernel, stored [out, in]
@@ -18,7 +21,8 @@
 //
 // Threads: chunks of output rows of w (`ParallelFor`, simd.h). Vector width follows
 // the compiler's target (`-march`, native by default): AVX-512 (16 floats), AVX2 + FMA
-// (8), or scalar; int8 with AVX-512 VNNI multiplies in integers.
+// (8), or scalar; int8 with AVX-512 VNNI multiplies in integers, int4 with AVX2 (and
+// so with AVX-512) too.
 
 #include <cmath>
 #include <limits>
@@ -195,6 +199,161 @@ void MatmulNk(ffi::ThreadPool& pool, const Problem<int8_t>& p) {
 }
 #endif
 
+// --------------------------------------------------------- nk, int4 groups, in integers
+
+// x [M, K] @ dequant(c [N, K] int4)^T with a scale (and optionally a zero point, in
+// code units) per output and group of G inputs.
+struct Int4Problem {
+  const float* x;
+  const uint8_t* c;  // packed: column k of row n in byte (n * K + k) / 2, low nibble if even
+  const float* scale;  // [N, K / G]
+  const float* zero;   // [N, K / G] or nullptr
+  float* y;
+  int64_t M, K, N, G;
+};
+
+// The rows of x as the int4 products read them: in 16-bit fixed point (a scale per
+// row, max|x| / 32767, as the VNNI int8 path's), each group's whole blocks of 32
+// columns reordered as a block's 16 packed bytes hold them (its 16 even columns, then
+// its 16 odd ones), the rest of a group (G % 32 columns) in order; and each group's
+// sum of them (for the zero points).
+struct Int4Rows {
+  std::vector<int16_t> xq;   // [M, K]
+  std::vector<float> xs;     // [M]
+  std::vector<int32_t> sum;  // [M, K / G]
+};
+
+Int4Rows PrepareInt4Rows(const Int4Problem& p) {
+  const int64_t K = p.K, G = p.G, groups = K / G;
+  Int4Rows r{std::vector<int16_t>(p.M * K, 0), std::vector<float>(p.M),
+             std::vector<int32_t>(p.M * groups, 0)};
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* x = p.x + m * K;
+    float amax = 0.0f;
+    bool finite = true;
+    for (int64_t k = 0; k < K; ++k) {
+      finite = finite && std::isfinite(x[k]);
+      amax = std::max(amax, std::fabs(x[k]));
+    }
+    if (!finite) {  // the row's products are NaN, as in float arithmetic (xq stays 0)
+      r.xs[m] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    r.xs[m] = std::max(amax / 32767.0f, std::numeric_limits<float>::min());
+    const float inv = 1.0f / r.xs[m];
+    int16_t* xq = r.xq.data() + m * K;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t k0 = g * G, full = k0 + G / 32 * 32;
+      int32_t sum = 0;
+      for (int64_t k = k0; k < k0 + G; ++k) {
+        const float v = std::nearbyint(x[k] * inv);
+        const int16_t q = static_cast<int16_t>(std::min(32767.0f, std::max(-32767.0f, v)));
+        const int64_t j = k - k0;
+        // in a whole block: even columns to its first half, odd ones to its second
+        const int64_t at = k < full ? k0 + j / 32 * 32 + (j % 2) * 16 + (j % 32) / 2 : k;
+        xq[at] = q;
+        sum += q;
+      }
+      r.sum[m * groups + g] = sum;
+    }
+  }
+  return r;
+}
+
+// The signed code of column k of a packed row.
+inline int Int4Code(const uint8_t* row, int64_t k) {
+  const int nibble = (row[k / 2] >> ((k % 2) * 4)) & 0xF;
+  return nibble >= 8 ? nibble - 16 : nibble;
+}
+
+// y[m0:m0+R, n] for R rows of x and row n of c: the row is read once, in order; each
+// group's products are summed in int32 (flushed to float every kFlush4 columns), then
+// scaled, and the zero point's share (zero * the group's sum of x) taken off.
+constexpr int64_t kFlush4 = 4096;  // per lane: 4096 / 8 products of at most 32767 * 8
+
+template <int R>
+inline void NkInt4Row(const Int4Problem& p, const Int4Rows& r, int64_t m0, int64_t n) {
+  const int64_t K = p.K, G = p.G, groups = K / G;
+  const uint8_t* row = p.c + n * K / 2;
+  const float* scale = p.scale + n * groups;
+  const float* zero = p.zero == nullptr ? nullptr : p.zero + n * groups;
+  float rest[R];  // what is summed outside the vectors: the tails and the zero points
+  for (int i = 0; i < R; ++i) rest[i] = 0.0f;
+#if defined(JAXSERVE_X86) && defined(__AVX2__) && defined(__FMA__)
+  __m256 total[R];
+  for (int i = 0; i < R; ++i) total[i] = _mm256_setzero_ps();
+#endif
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t k0 = g * G, full = k0 + G / 32 * 32;
+    const float s = scale[g];
+    int64_t k = k0;
+#if defined(JAXSERVE_X86) && defined(__AVX2__) && defined(__FMA__)
+    while (k < full) {
+      const int64_t stop = std::min(full, k + kFlush4);
+      __m256i acc[R];
+      for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_si256();
+      for (; k < stop; k += 32) {
+        // each byte sign-extended is 16 * odd + (even's low 4 bits, unsigned): the odd
+        // code is its arithmetic shift by 4, the even one its low 4 bits' sign-extension
+        const __m256i v = _mm256_cvtepi8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
+        const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(v, 12), 12);
+        const __m256i odd = _mm256_srai_epi16(v, 4);
+        for (int i = 0; i < R; ++i) {
+          const int16_t* xq = r.xq.data() + (m0 + i) * K + k;
+          const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+          const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
+          acc[i] = _mm256_add_epi32(acc[i], _mm256_add_epi32(_mm256_madd_epi16(even, xe),
+                                                             _mm256_madd_epi16(odd, xo)));
+        }
+      }
+      const __m256 sv = _mm256_set1_ps(s);
+      for (int i = 0; i < R; ++i) total[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), sv, total[i]);
+    }
+#else
+    for (; k < full; k += 32) {
+      int64_t acc[R] = {};
+      for (int64_t j = 0; j < 16; ++j) {
+        const int even = Int4Code(row, k + 2 * j), odd = Int4Code(row, k + 2 * j + 1);
+        for (int i = 0; i < R; ++i) {
+          const int16_t* xq = r.xq.data() + (m0 + i) * K + k;
+          acc[i] += even * xq[j] + odd * xq[16 + j];
+        }
+      }
+      for (int i = 0; i < R; ++i) rest[i] += s * static_cast<float>(acc[i]);
+    }
+#endif
+    for (; k < k0 + G; ++k) {  // the group's columns past its whole blocks, in order
+      const int code = Int4Code(row, k);
+      for (int i = 0; i < R; ++i) rest[i] += s * static_cast<float>(code * r.xq[(m0 + i) * K + k]);
+    }
+    if (zero != nullptr)
+      for (int i = 0; i < R; ++i)
+        rest[i] -= s * zero[g] * static_cast<float>(r.sum[(m0 + i) * groups + g]);
+  }
+  for (int i = 0; i < R; ++i) {
+#if defined(JAXSERVE_X86) && defined(__AVX2__) && defined(__FMA__)
+    const float sum = Sum256(total[i]) + rest[i];
+#else
+    const float sum = rest[i];
+#endif
+    p.y[(m0 + i) * p.N + n] = sum * r.xs[m0 + i];
+  }
+}
+
+void MatmulInt4(ffi::ThreadPool& pool, const Int4Problem& p) {
+  const Int4Rows rows = PrepareInt4Rows(p);
+  const Int4Rows* r = &rows;
+  ForOutputChunks(pool, p.N, [p, r](int64_t n0, int64_t n1) {
+    constexpr int R = 4;
+    for (int64_t n = n0; n < n1; ++n) {
+      int64_t m = 0;
+      for (; m + R <= p.M; m += R) NkInt4Row<R>(p, *r, m, n);
+      for (; m < p.M; ++m) NkInt4Row<1>(p, *r, m, n);
+    }
+  });
+}
+
 // ------------------------------------------------------------------- FFI handlers
 
 // x [M, K], w [N, K], scale [N] or none -> y [M, N].
@@ -225,6 +384,35 @@ ffi::Error Bf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   return MatmulImpl<ffi::BF16, bf16_t>(pool, x, w, nullptr, 0, y);
 }
 
+
+// x [M, K], c [N, K] int4, scale [N, K / G], zero [N, K / G] or none -> y [M, N].
+ffi::Error Int4Call(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer c,
+                    ffi::Buffer<ffi::F32> scale, const float* zero, int64_t zero_count,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), cd = c.dimensions(), sd = scale.dimensions();
+  if (c.element_type() != ffi::DataType::S4 || xd.size() != 2 || cd.size() != 2 ||
+      sd.size() != 2 || xd[1] != cd[1] || sd[0] != cd[0] ||
+      sd[1] == 0 || cd[1] % sd[1] != 0 || (cd[1] / sd[1]) % 2 != 0 ||
+      (zero != nullptr && zero_count != scale.element_count()))
+    return ffi::Error::InvalidArgument(
+        "cpu int4 matmul: want x [M, K], c [N, K], scale and zero [N, K / G] with G even");
+  // (the buffer's size_bytes counts a byte an element: the codes are packed two a byte)
+  Int4Problem p{x.typed_data(), reinterpret_cast<const uint8_t*>(c.untyped_data()),
+                scale.typed_data(), zero, y->typed_data(), xd[0], xd[1], cd[0], cd[1] / sd[1]};
+  MatmulInt4(pool, p);
+  return ffi::Error::Success();
+}
+
+ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer c,
+                    ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  return Int4Call(pool, x, c, scale, nullptr, 0, y);
+}
+
+ffi::Error Int4ZeroImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer c,
+                        ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zero,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  return Int4Call(pool, x, c, scale, zero.typed_data(), zero.element_count(), y);
+}
 }  // namespace
 
 #define JAXSERVE_SCALED(name, impl)                                                           \
@@ -244,3 +432,18 @@ ffi::Error Bf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 JAXSERVE_SCALED(JaxserveMatmulS8, Int8Impl)
 JAXSERVE_PLAIN(JaxserveMatmulF32, F32Impl, ffi::F32)
 JAXSERVE_PLAIN(JaxserveMatmulBf16, Bf16Impl, ffi::BF16)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulS4, Int4Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulS4Zero, Int4ZeroImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -13,6 +13,13 @@ float copy before every dot, and re-reads weight panels in its small-M products)
 With AVX-512 VNNI, int8 weights are multiplied in integers: the rows of x are taken
 in 16-bit fixed point with a scale per row (each value within 1/65534 of its row's
 largest magnitude), about 1% of the int8 weights' own rounding error.
+
+`matmul_int4(x, codes, scale, zero)` = x @ ((codes - zero) * scale)^T for 4-bit codes
+[N, K] (`jnp.int4`, which XLA:CPU keeps packed two a byte) with a scale, and
+optionally a zero point in code units, per output and group of G inputs ([N, K / G]):
+`models.int4.Int4Linear`'s weights. The kernel reads the packed codes once and
+multiplies them in integers with x in the same 16-bit fixed point (AVX2; scalar
+elsewhere), each group's sum scaled as a whole.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ _TARGETS = {
     jnp.dtype(jnp.float32): "f32",
     jnp.dtype(jnp.bfloat16): "bf16",
 }
+
+
+# int4: XLA:CPU writes a float copy of the dequantized weights before every dot.
+INT4_MAX_ROWS = 128
 
 
 def max_rows(dtype) -> int:
@@ -74,3 +85,53 @@ def matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
     )
     args = (x.astype(jnp.float32), w) + (() if scale is None else (scale.astype(jnp.float32),))
     return call(*args)
+
+
+def int4_matmul_reference(
+    x: jax.Array, codes: jax.Array, scale: jax.Array, zero: jax.Array | None = None
+) -> jax.Array:
+    """x [M, K] @ ((codes [N, K] - zero) * scale)^T -> float32 [M, N], scale and zero
+    [N, K / G] (zero None: 0), dequantized and multiplied in float32 by XLA."""
+    n, k = codes.shape
+    w = codes.astype(jnp.float32).reshape(n, scale.shape[1], -1)
+    if zero is not None:
+        w = w - zero.astype(jnp.float32)[..., None]
+    w = (w * scale.astype(jnp.float32)[..., None]).reshape(n, k)
+    return matmul_reference(x, w, None)
+
+
+def int4_supports(codes: jax.Array, scale: jax.Array) -> bool:
+    """Whether the kernel takes these weights: its groups start on whole bytes (an
+    even group size)."""
+    groups = scale.shape[1]
+    return groups > 0 and codes.shape[1] % groups == 0 and (codes.shape[1] // groups) % 2 == 0
+
+
+def matmul_int4(
+    x: jax.Array, codes: jax.Array, scale: jax.Array, zero: jax.Array | None = None
+) -> jax.Array:
+    """`int4_matmul_reference` with the C++ kernel (CPU only; the library must be
+    loaded)."""
+    if x.ndim != 2 or codes.ndim != 2 or codes.dtype != jnp.int4:
+        raise ValueError(
+            f"x must be [M, K] and codes int4 [N, K], got {x.shape} and {codes.dtype} {codes.shape}"
+        )
+    want = (codes.shape[0], scale.shape[1] if scale.ndim == 2 else -1)
+    if (
+        x.shape[1] != codes.shape[1]
+        or scale.shape != want
+        or (zero is not None and zero.shape != scale.shape)
+        or not int4_supports(codes, scale)
+    ):
+        raise ValueError(
+            f"x {x.shape}, codes {codes.shape}, scale {scale.shape} and zero "
+            f"{None if zero is None else zero.shape} do not agree (want x [M, "
+            f"{codes.shape[1]}], scale and zero [{codes.shape[0]}, groups] of an even "
+            "number of inputs each)"
+        )
+    if not library.is_loaded():
+        raise RuntimeError("the CPU kernels are not loaded (pallas_kernels.cpu.library.load)")
+    name = "jaxserve_matmul_s4" if zero is None else "jaxserve_matmul_s4_zero"
+    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], codes.shape[0]), jnp.float32))
+    args = (x.astype(jnp.float32), codes, scale.astype(jnp.float32))
+    return call(*args, *(() if zero is None else (zero.astype(jnp.float32),)))

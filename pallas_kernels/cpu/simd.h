@@ -135,6 +135,16 @@ struct Vec {
 };
 #endif
 
+#if defined(JAXSERVE_X86) && defined(__AVX2__)
+// The sum of a 256-bit vector's 8 floats (AVX2 code beside an AVX-512 Vec).
+inline float Sum256(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 constexpr int kW = Vec::kWidth;
 using bf16_t = uint16_t;  // bfloat16 bits (the upper half of a float32)
 

@@ -24,7 +24,13 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed import meshes
 from jaxserve.runner.model_runner import ModelRunner
 from models.int4 import Int4Linear, int4_dot_dequantized, int4_dot_grouped, int4_group_size
-from models.layers import QuantizedEmbed, QuantizedLinear, linear, lm_head_logits
+from models.layers import (
+    QuantizedEmbed,
+    QuantizedLinear,
+    linear,
+    lm_head_logits,
+    without_cpu_kernels,
+)
 from models.quantize import quantize_weights
 
 DEMO = EMBEDDED_MODELS["demo-model"]
@@ -60,7 +66,8 @@ def reference_weights(codes, scale, zero) -> np.ndarray:
 def test_layer_equals_a_float_layer_of_its_dequantized_codes(group, asym, unsigned):
     """Given codes, scales, zero points and a bias (signed int4 codes, or the formats'
     unsigned [0, 15] in uint8), the layer computes what a float Linear whose kernel is
-    (codes - zero) * scale computes."""
+    (codes - zero) * scale computes (XLA's products: the CPU kernel's, which takes x in
+    16-bit fixed point, are checked in test_cpu_matmul)."""
     rs = np.random.RandomState(group + 2 * asym + unsigned)
     n, k, t = 48, 256, 5
     low, high = (0, 16) if unsigned else (-8, 8)
@@ -75,6 +82,7 @@ def test_layer_equals_a_float_layer_of_its_dequantized_codes(group, asym, unsign
         jnp.asarray(bias),
         axes=("mlp", "embed"),
     )
+    without_cpu_kernels(layer)
     assert layer.kernel.dtype == jnp.int4 and layer.group_size == group
     shift = 8 if unsigned else 0  # unsigned codes without zeros are centred at 8
     w = reference_weights(codes, scale, shift if zero is None else zero)
@@ -111,6 +119,7 @@ def test_bfloat16_layer_dequantizes_in_bfloat16():
         jnp.asarray(scale, jnp.bfloat16),
         jnp.asarray(zero, jnp.int8),
     )
+    without_cpu_kernels(layer)
     w = jnp.asarray(reference_weights(codes, np.asarray(jnp.asarray(scale, jnp.bfloat16)), zero))
     w = w.astype(jnp.bfloat16).astype(jnp.float32)
     x = jnp.asarray(rs.normal(size=(3, 128)), jnp.bfloat16)
