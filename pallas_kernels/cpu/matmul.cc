@@ -293,6 +293,8 @@ inline void NkInt4Row(const Int4Problem& p, const Int4Rows& r, int64_t m0, int64
       __m256i acc[R];
       for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_si256();
       for (; k < stop; k += 32) {
+        // the row 512 bytes ahead (the next outputs' rows: one stream from memory)
+        _mm_prefetch(reinterpret_cast<const char*>(row + k / 2) + 512, _MM_HINT_T0);
         // each byte sign-extended is 16 * odd + (even's low 4 bits, unsigned): the odd
         // code is its arithmetic shift by 4, the even one its low 4 bits' sign-extension
         const __m256i v = _mm256_cvtepi8_epi16(
