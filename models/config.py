@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -86,6 +87,9 @@ class RopeConfig:
         return cls(theta=float(theta), rope_type=rope_type, **kwargs)
 
 
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
     """A sparse mixture-of-experts MLP: each token runs `top_k` of `num_experts` experts.
@@ -94,7 +98,15 @@ class MoeConfig:
     `norm_topk_prob` their weights are renormalised to sum to one (Mixtral always;
     Qwen3-MoE per its config). `sparse_layers` says which layers have the MoE MLP
     (the others a dense MLP of `ModelConfig.intermediate_size`). Qwen2-MoE adds a
-    shared expert, run on every token, of `shared_expert_intermediate_size`.
+    shared expert, run on every token, of `shared_expert_intermediate_size`
+    (DeepSeek's shared experts, ungated, are one MLP of that size too).
+
+    DeepSeek's routers (`models.moe.route_grouped`) choose by `topk_method`:
+    "greedy" is the softmax top k above; "group_limited_greedy" (V2) first keeps the
+    `topk_group` of `n_group` groups of experts whose best expert scores highest;
+    "noaux_tc" (V3) scores by sigmoid, chooses groups (by their two best) and experts
+    on the scores plus a learnt per-expert bias, and weighs them by the scores alone.
+    Both multiply the weights by `routed_scaling_factor`.
     """
 
     num_experts: int
@@ -103,9 +115,13 @@ class MoeConfig:
     norm_topk_prob: bool = True
     sparse_layers: tuple[bool, ...] = ()
     shared_expert_intermediate_size: int | None = None
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
-        for name in ("num_experts", "top_k", "intermediate_size"):
+        for name in ("num_experts", "top_k", "intermediate_size", "n_group", "topk_group"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"moe {name} must be a positive integer, got {value!r}")
@@ -113,6 +129,69 @@ class MoeConfig:
             raise ValueError(
                 f"num_experts_per_tok ({self.top_k}) exceeds num_experts ({self.num_experts})"
             )
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method must be one of {TOPK_METHODS}, got {self.topk_method!r}")
+        if self.topk_method == "greedy":
+            return
+        per_group, groups = divmod(self.num_experts, self.n_group)
+        if groups or self.topk_group > self.n_group:
+            raise ValueError(
+                f"n_group={self.n_group} must divide the {self.num_experts} experts and be "
+                f">= topk_group={self.topk_group}"
+            )
+        if self.top_k > self.topk_group * per_group:
+            raise ValueError(
+                f"num_experts_per_tok={self.top_k} exceeds the {self.topk_group * per_group} "
+                f"experts of the topk_group={self.topk_group} groups a token may use"
+            )
+        if self.topk_method == "noaux_tc" and per_group < 2:
+            raise ValueError(
+                f"n_group={self.n_group} leaves {per_group} expert a group; noaux_tc "
+                "scores a group by its two best experts"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): a token's keys and values are
+    up-projected (`kv_b_proj`) from one latent of `kv_lora_rank` values, beside a
+    rope key of `qk_rope_head_dim` values shared by all heads. A query head is
+    `qk_nope_head_dim` values matched against its key's up-projected part plus
+    `qk_rope_head_dim` roped ones; a value head has `v_head_dim`. `q_lora_rank`: the
+    queries' own low-rank path (q_a_proj, q_a_layernorm, q_b_proj); None: q_proj.
+    `rope_interleave`: the rope dimensions rotate in adjacent pairs (V2 always, V3
+    by its config), not as two halves."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.q_lora_rank is not None and not (
+            isinstance(self.q_lora_rank, int) and self.q_lora_rank > 0
+        ):
+            raise ValueError(
+                f"q_lora_rank must be a positive integer or None, got {self.q_lora_rank!r}"
+            )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_head_dim(self) -> int:
+        """The one KV head the paged cache stores a token as: the latent, then the
+        rope key (`models.deepseek`)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +227,9 @@ class ModelConfig:
     # The rope of sliding-window layers where it differs from `rope` (Gemma 3).
     local_rope: RopeConfig | None = None
     moe: MoeConfig | None = None
+    # DeepSeek's attention; the cache then holds one KV head (num_kv_heads 1) of
+    # mla.cache_head_dim values (head_dim), whatever the checkpoint's config says.
+    mla: MlaConfig | None = None
     # Weights stored quantized ("int8" / "int4": an orbax directory `jaxserve convert
     # --quantization=...` wrote; "awq", "gptq", "compressed-tensors": a 4-bit checkpoint
     # as users download it: its quant_method); None: floating point.
@@ -209,10 +291,26 @@ class ModelConfig:
                 f"moe.sparse_layers has {len(self.moe.sparse_layers)} entries for "
                 f"{self.num_layers} layers"
             )
+        mla = self.mla
+        if mla is not None and (self.num_kv_heads, self.head_dim) != (1, mla.cache_head_dim):
+            raise ValueError(
+                f"multi-head latent attention caches 1 KV head of kv_lora_rank + "
+                f"qk_rope_head_dim = {mla.cache_head_dim} values, got num_kv_heads="
+                f"{self.num_kv_heads}, head_dim={self.head_dim}"
+            )
 
     @property
     def attention_scale(self) -> float:
-        """What q.k is multiplied by before the softmax (and the soft-cap)."""
+        """What q.k is multiplied by before the softmax (and the soft-cap). DeepSeek's:
+        qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared where
+        the rope is scaled (as transformers' `yarn_apply_mscale`)."""
+        if self.mla is not None:
+            scale = self.mla.qk_head_dim**-0.5
+            rope = self.rope
+            if rope.rope_type != "default" and rope.mscale_all_dim and rope.factor > 1:
+                mscale = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+                scale *= mscale * mscale
+            return scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def rope_for_layer(self, layer: int) -> RopeConfig:
@@ -247,6 +345,12 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope, local_rope = _ropes(hf)
+        mla = _mla(archs[0], hf)
+        if mla is None:
+            num_kv_heads = hf.get("num_key_value_heads") or num_heads
+            head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        else:  # the cache's one head (`MlaConfig.cache_head_dim`)
+            num_kv_heads, head_dim = 1, mla.cache_head_dim
         return cls(
             architecture=archs[0],
             vocab_size=hf["vocab_size"],
@@ -254,8 +358,8 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope=rope,
@@ -274,7 +378,8 @@ class ModelConfig:
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
             attn_logit_softcap=hf.get("attn_logit_softcapping"),
             final_logit_softcap=hf.get("final_logit_softcapping"),
-            moe=_moe(hf, num_layers),
+            moe=_deepseek_moe(archs[0], hf, num_layers) if mla else _moe(hf, num_layers),
+            mla=mla,
             **_stored_quantization(hf),
         )
 
@@ -348,9 +453,40 @@ _GEMMA3_TEXT_DEFAULTS = dict(
     bos_token_id=2,
     eos_token_id=1,
 )
+# DeepSeek's own fields (transformers' DeepseekV2Config / DeepseekV3Config defaults).
+_DEEPSEEK_V2_DEFAULTS = dict(
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    moe_intermediate_size=1407,
+    first_k_dense_replace=0,
+    topk_method="greedy",
+    routed_scaling_factor=1.0,
+    norm_topk_prob=False,
+)
+_DEEPSEEK_V3_DEFAULTS = dict(
+    _DEEPSEEK_V2_DEFAULTS,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    moe_intermediate_size=2048,
+    first_k_dense_replace=3,
+    topk_method="noaux_tc",
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    n_group=8,
+    topk_group=4,
+    num_experts_per_tok=8,
+    rope_interleave=True,
+)
 _DEFAULTS = {
     "Gemma2ForCausalLM": _GEMMA2_DEFAULTS,
     "Gemma3ForCausalLM": _GEMMA3_TEXT_DEFAULTS,
+    "DeepseekV2ForCausalLM": _DEEPSEEK_V2_DEFAULTS,
+    "DeepseekV3ForCausalLM": _DEEPSEEK_V3_DEFAULTS,
 }
 
 
@@ -408,6 +544,70 @@ def _moe(hf: dict[str, Any], num_layers: int) -> MoeConfig | None:
             sparse_layers=(True,) * num_layers,
         )
     return None
+
+
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def _mla(arch: str, hf: dict[str, Any]) -> MlaConfig | None:
+    """DeepSeek's attention fields, None for another architecture. V2 always rotates
+    the rope dimensions in pairs."""
+    if arch not in MLA_ARCHITECTURES:
+        return None
+    return MlaConfig(
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+        q_lora_rank=hf["q_lora_rank"],
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+    )
+
+
+def _deepseek_moe(arch: str, hf: dict[str, Any], num_layers: int) -> MoeConfig | None:
+    """DeepSeek's experts: layers from `first_k_dense_replace` on are sparse, with
+    `n_shared_experts` experts' worth of shared MLP. The router is transformers':
+    V3's sigmoid "noaux_tc" (its `topk_method` and `scoring_func` say so, or are
+    absent), V2's softmax "greedy" or "group_limited_greedy". Where transformers and
+    DeepSeek's own code disagree, refused: V2's `norm_topk_prob` (transformers
+    ignores it) and `moe_layer_freq` other than 1 (transformers makes every layer
+    from first_k_dense_replace on sparse)."""
+    if not hf["n_routed_experts"]:
+        return None
+    v3 = arch == "DeepseekV3ForCausalLM"
+    scoring, method = hf.get("scoring_func"), hf["topk_method"]
+    methods = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
+    scoring_func = "sigmoid" if v3 else "softmax"
+    if scoring not in (None, scoring_func):
+        raise ValueError(
+            f"{arch}: scoring_func {scoring!r} is not supported, only {scoring_func!r}"
+        )
+    if method not in methods:
+        raise ValueError(f"{arch}: topk_method {method!r} is not supported, only {methods}")
+    if not v3 and hf["norm_topk_prob"]:
+        raise ValueError(
+            f"{arch}: norm_topk_prob True is not supported (transformers' DeepSeek-V2 "
+            "ignores it, DeepSeek's own code renormalises; released V2 checkpoints set false)"
+        )
+    freq = hf.get("moe_layer_freq") or 1
+    if freq != 1:
+        raise ValueError(
+            f"{arch}: moe_layer_freq {freq} is not supported (transformers makes every "
+            "layer from first_k_dense_replace on sparse)"
+        )
+    size, first_dense = hf["moe_intermediate_size"], hf["first_k_dense_replace"] or 0
+    return MoeConfig(
+        num_experts=hf["n_routed_experts"],
+        top_k=hf.get("num_experts_per_tok") or 1,
+        intermediate_size=size,
+        norm_topk_prob=bool(hf["norm_topk_prob"]),
+        sparse_layers=tuple(i >= first_dense for i in range(num_layers)),
+        shared_expert_intermediate_size=(hf["n_shared_experts"] or 0) * size or None,
+        topk_method=method,
+        n_group=hf.get("n_group") or 1,
+        topk_group=hf.get("topk_group") or 1,
+        routed_scaling_factor=float(hf["routed_scaling_factor"]),
+    )
 
 
 def _sliding_windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:

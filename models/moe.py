@@ -1,5 +1,5 @@
-"""The mixture-of-experts MLP shared by Mixtral, Qwen3-MoE and Qwen2-MoE: router,
-stacked experts, and the grouped expert computation beside its dense reference.
+"""The mixture-of-experts MLP shared by Mixtral, Qwen3-MoE, Qwen2-MoE and DeepSeek:
+routers, stacked experts, and the grouped expert computation beside its dense reference.
 
 Glossary (with `pallas_kernels`' T tokens, D model dim): E experts, k experts per
 token, I an expert's hidden size, A = T * k token-expert assignments, m rows in
@@ -60,6 +60,55 @@ def route(
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return ids.astype(jnp.int32), weights
+
+
+def route_grouped(
+    router_logits: jax.Array,  # [T, E] float32
+    top_k: int,
+    *,
+    topk_method: str,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    correction_bias: jax.Array | None = None,  # [E] (noaux_tc)
+) -> tuple[jax.Array, jax.Array]:  # expert ids [T, k] int32, weights [T, k] float32
+    """DeepSeek's routers, as transformers computes them (`MoeConfig.topk_method`):
+
+    - "greedy" (V2): the top k of the softmax;
+    - "group_limited_greedy" (V2): the experts of the `topk_group` groups with the
+      highest best softmax score, then the top k of those;
+    - "noaux_tc" (V3): sigmoid scores; the choice (groups by the sum of their two
+      best, then experts) is made on the scores plus `correction_bias`, the weights
+      are the unbiased scores, renormalised with `norm_topk_prob`.
+
+    Then times `routed_scaling_factor`. Ties go to the lower index (torch's topk is
+    unordered there).
+    """
+    t, num_experts = router_logits.shape
+    logits = router_logits.astype(jnp.float32)
+    if topk_method == "noaux_tc":
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + correction_bias.astype(jnp.float32)
+    else:
+        scores = choice = jax.nn.softmax(logits, axis=-1)
+    if topk_method != "greedy":
+        grouped = choice.reshape(t, n_group, num_experts // n_group)
+        if topk_method == "noaux_tc":
+            group_scores = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)  # [T, n_group]
+        else:
+            group_scores = jnp.max(grouped, axis=-1)
+        _, groups = lax.top_k(group_scores, topk_group)  # [T, topk_group]
+        keep = jnp.zeros((t, n_group), bool).at[jnp.arange(t)[:, None], groups].set(True)
+        keep = jnp.repeat(keep, num_experts // n_group, axis=-1)  # [T, E]
+        # transformers masks V3's choice with -inf and V2's scores with 0.
+        choice = jnp.where(keep, choice, -jnp.inf if topk_method == "noaux_tc" else 0.0)
+    _, ids = lax.top_k(choice, top_k)
+    # V3 weighs by the unbiased scores; V2 by the scores it chose on.
+    weights = jnp.take_along_axis(scores if topk_method == "noaux_tc" else choice, ids, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), weights * routed_scaling_factor
 
 
 # ----------------------------------------------------------------------------

@@ -225,6 +225,89 @@ REAL_CONFIGS = {
         ),
         14.3e9,
     ),
+    # MLA: the cache's one KV head is kv_lora_rank + qk_rope_head_dim = 576 wide.
+    "DeepSeek-V2-Lite": (
+        dict(
+            architectures=["DeepseekV2ForCausalLM"],
+            vocab_size=102400,
+            hidden_size=2048,
+            intermediate_size=10944,
+            moe_intermediate_size=1408,
+            num_hidden_layers=27,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            n_routed_experts=64,
+            n_shared_experts=2,
+            num_experts_per_tok=6,
+            first_k_dense_replace=1,
+            moe_layer_freq=1,
+            topk_method="greedy",
+            scoring_func="softmax",
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            max_position_embeddings=163840,
+            rope_theta=10000,
+            rope_scaling=dict(
+                type="yarn",
+                factor=40,
+                original_max_position_embeddings=4096,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=0.707,
+                mscale_all_dim=0.707,
+            ),
+            tie_word_embeddings=False,
+        ),
+        15.7e9,
+    ),
+    # The main model (the 14B multi-token-prediction layer is not served).
+    "DeepSeek-V3": (
+        dict(
+            architectures=["DeepseekV3ForCausalLM"],
+            vocab_size=129280,
+            hidden_size=7168,
+            intermediate_size=18432,
+            moe_intermediate_size=2048,
+            num_hidden_layers=61,
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            kv_lora_rank=512,
+            q_lora_rank=1536,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            n_routed_experts=256,
+            n_shared_experts=1,
+            num_experts_per_tok=8,
+            n_group=8,
+            topk_group=4,
+            first_k_dense_replace=3,
+            moe_layer_freq=1,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            num_nextn_predict_layers=1,
+            max_position_embeddings=163840,
+            rope_theta=10000,
+            rope_scaling=dict(
+                type="yarn",
+                factor=40,
+                original_max_position_embeddings=4096,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+            tie_word_embeddings=False,
+        ),
+        671e9,
+    ),
 }
 
 
@@ -241,7 +324,10 @@ def test_real_size_builds_and_traces_abstractly(name):
         abstract_model(config, dtype="bfloat16", attention_backend="reference")
     )
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)  # nothing allocated
-    assert all(x.dtype == jnp.bfloat16 for x in leaves)
+    # bfloat16 throughout, but DeepSeek's routers: float32, as transformers keeps them.
+    others = [x for x in leaves if x.dtype != jnp.bfloat16]
+    assert not others or config.mla is not None
+    assert all(x.dtype == jnp.float32 and x.shape[0] == config.moe.num_experts for x in others)
     count = sum(int(np.prod(x.shape)) for x in leaves)
     assert abs(count - params) / params < 0.01, f"{count:,} parameters, expected ~{params:,.0f}"
 
