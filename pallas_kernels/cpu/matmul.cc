@@ -104,6 +104,28 @@ void MatmulNk(ffi::ThreadPool& pool, const Problem<T>& p) {
   ForOutputChunks(pool, p.N, [p](int64_t n0, int64_t n1) { NkRows(p, n0, n1); });
 }
 
+// ------------------------------------------- rows of x in 16-bit fixed point (integers)
+
+// The scale taking a row of x to 16-bit fixed point, max|x| / 32767 (each value within
+// 1/65534 of the row's largest), floored at the smallest normal float so that 1 / scale
+// stays finite; NaN for a row with a non-finite value: its products are NaN, as in float
+// arithmetic (its fixed-point values are left 0).
+inline float Fixed16Scale(const float* x, int64_t K) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t k = 0; k < K; ++k) {
+    finite = finite && std::isfinite(x[k]);
+    amax = std::max(amax, std::fabs(x[k]));
+  }
+  if (!finite) return std::numeric_limits<float>::quiet_NaN();
+  return std::max(amax / 32767.0f, std::numeric_limits<float>::min());
+}
+
+// v / scale rounded, given inv = 1 / scale.
+inline int16_t ToFixed16(float v, float inv) {
+  return static_cast<int16_t>(std::min(32767.0f, std::max(-32767.0f, std::nearbyint(v * inv))));
+}
+
 // ------------------------------------------- nk, int8, with AVX-512 VNNI: in integers
 
 #if defined(JAXSERVE_X86) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -172,24 +194,11 @@ void MatmulNk(ffi::ThreadPool& pool, const Problem<int8_t>& p) {
   std::vector<int16_t> xq(p.M * Kp, 0);
   std::vector<float> xs(p.M);
   for (int64_t m = 0; m < p.M; ++m) {
-    float amax = 0.0f;
-    bool finite = true;
-    for (int64_t k = 0; k < p.K; ++k) {
-      const float v = p.x[m * p.K + k];
-      finite = finite && std::isfinite(v);
-      amax = std::max(amax, std::fabs(v));
-    }
-    if (!finite) {  // the row's products are NaN, as in float arithmetic (xq stays 0)
-      xs[m] = std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
-    // Floored at the smallest normal float, so that 1 / xs stays finite.
-    xs[m] = std::max(amax / 32767.0f, std::numeric_limits<float>::min());
+    const float* x = p.x + m * p.K;
+    xs[m] = Fixed16Scale(x, p.K);
+    if (std::isnan(xs[m])) continue;
     const float inv = 1.0f / xs[m];
-    for (int64_t k = 0; k < p.K; ++k) {
-      const float v = std::nearbyint(p.x[m * p.K + k] * inv);
-      xq[m * Kp + k] = static_cast<int16_t>(std::min(32767.0f, std::max(-32767.0f, v)));
-    }
+    for (int64_t k = 0; k < p.K; ++k) xq[m * Kp + k] = ToFixed16(x[k], inv);
   }
   const int16_t* xqp = xq.data();
   const float* xsp = xs.data();
@@ -229,25 +238,15 @@ Int4Rows PrepareInt4Rows(const Int4Problem& p) {
              std::vector<int32_t>(p.M * groups, 0)};
   for (int64_t m = 0; m < p.M; ++m) {
     const float* x = p.x + m * K;
-    float amax = 0.0f;
-    bool finite = true;
-    for (int64_t k = 0; k < K; ++k) {
-      finite = finite && std::isfinite(x[k]);
-      amax = std::max(amax, std::fabs(x[k]));
-    }
-    if (!finite) {  // the row's products are NaN, as in float arithmetic (xq stays 0)
-      r.xs[m] = std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
-    r.xs[m] = std::max(amax / 32767.0f, std::numeric_limits<float>::min());
+    r.xs[m] = Fixed16Scale(x, K);
+    if (std::isnan(r.xs[m])) continue;
     const float inv = 1.0f / r.xs[m];
     int16_t* xq = r.xq.data() + m * K;
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t k0 = g * G, full = k0 + G / 32 * 32;
       int32_t sum = 0;
       for (int64_t k = k0; k < k0 + G; ++k) {
-        const float v = std::nearbyint(x[k] * inv);
-        const int16_t q = static_cast<int16_t>(std::min(32767.0f, std::max(-32767.0f, v)));
+        const int16_t q = ToFixed16(x[k], inv);
         const int64_t j = k - k0;
         // in a whole block: even columns to its first half, odd ones to its second
         const int64_t at = k < full ? k0 + j / 32 * 32 + (j % 2) * 16 + (j % 32) / 2 : k;
