@@ -11,8 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from models.layers import _axes, _param, dot_f32
-from pallas_kernels.cpu import library as cpu_library
+from models.layers import _axes, _param, cpu_kernel_takes, dot_f32
 from pallas_kernels.cpu import matmul as cpu_matmul
 from pallas_kernels.quantization import quantize
 
@@ -161,8 +160,8 @@ class Int4Linear(nnx.Module):
     def product(self, x: jax.Array) -> jax.Array:  # [M, K] -> float32 [M, N], no bias
         """Up to INT4_GROUPED_MAX_ROWS rows (decode steps) on GPU and TPU the grouped
         formulation, else the dequantized one (see `int4_dot_grouped`). The CPU takes
-        the C++ kernel up to `cpu_matmul.INT4_MAX_ROWS` rows, where it is loaded and the
-        step has no mesh (`models.layers.rows_dot` says why), else the dequantized
+        the C++ kernel up to `cpu_matmul.INT4_MAX_ROWS` rows where
+        `models.layers.cpu_kernel_takes` says so, else the dequantized
         formulation: XLA:CPU fuses neither, and its batched matmuls of G-long rows are
         slower than one matmul."""
         if self.perm is not None:
@@ -170,13 +169,9 @@ class Int4Linear(nnx.Module):
         args = (self.kernel[...], self.scale[...], None if self.zero is None else self.zero[...])
 
         def cpu(x):
-            if (
-                self.cpu_kernel
-                and x.shape[0] <= cpu_matmul.INT4_MAX_ROWS
-                and cpu_library.is_loaded()
-                and jax.sharding.get_abstract_mesh().size <= 1  # no mesh: size 0
-                and cpu_matmul.int4_supports(args[0], args[1])
-            ):
+            if cpu_kernel_takes(
+                self.cpu_kernel, x.shape[0], cpu_matmul.INT4_MAX_ROWS
+            ) and cpu_matmul.int4_supports(args[0], args[1]):
                 return cpu_matmul.matmul_int4(x, *args)
             return int4_dot_dequantized(x, *args)
 

@@ -217,6 +217,19 @@ def _param(value: jax.Array, axes: tuple[str | None, ...] | None) -> nnx.Param:
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
+def cpu_kernel_takes(cpu_kernel: bool, rows: int, max_rows: int) -> bool:
+    """Whether a CPU step's matmul of `rows` rows calls a few-row C++ kernel: the
+    module's engine uses the kernels (`cpu_kernel`), they are loaded, the rows are
+    within the kernel's `max_rows`, and the step has no mesh (XLA partitions its own
+    dot, not the kernel's custom call)."""
+    return (
+        cpu_kernel
+        and rows <= max_rows
+        and cpu_library.is_loaded()
+        and jax.sharding.get_abstract_mesh().size <= 1  # no mesh: size 0
+    )
+
+
 def rows_dot(
     x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, cpu_kernel: bool = True
 ) -> jax.Array:
@@ -244,12 +257,7 @@ def rows_dot(
         return dot_f32(x.astype(w.dtype), w, dims)
 
     def cpu(x):
-        if (
-            cpu_kernel
-            and x.shape[0] <= cpu_matmul.max_rows(w.dtype)
-            and cpu_library.is_loaded()
-            and jax.sharding.get_abstract_mesh().size <= 1  # no mesh: size 0
-        ):
+        if cpu_kernel_takes(cpu_kernel, x.shape[0], cpu_matmul.max_rows(w.dtype)):
             return cpu_matmul.matmul(x, w, scale)
         if w.dtype == jnp.int8:
             return cpu_matmul.matmul_reference(x, w, scale)
