@@ -60,6 +60,12 @@ def _case(batch: int, context: int, page: int, seed: int = 0):
     )
 
 
+def sig(x: float, digits: int = 3) -> float:
+    """`x` to `digits` significant figures: a CPU smoke run's small rates stay above 0
+    (GB/s rounded to one decimal read 0.0 on a slow machine)."""
+    return float(f"{x:.{digits}g}")
+
+
 def _time(fn, args, iters: int) -> float:
     """Seconds per call, after one untimed call (the compile)."""
     import jax
@@ -119,9 +125,9 @@ def attention_sweep(section, plan, bandwidth: float | None, deadline: float) -> 
                 want = out if want is None else want
                 seconds = _time(fn, case, plan.sweep_iters)
                 row.update(
-                    us=round(seconds * 1e6, 1),
-                    GB_s=round(kv_bytes / seconds / 1e9, 1),
-                    of_bandwidth=round(kv_bytes / seconds / bandwidth, 3) if bandwidth else None,
+                    us=sig(seconds * 1e6),
+                    GB_s=sig(kv_bytes / seconds / 1e9),
+                    of_bandwidth=sig(kv_bytes / seconds / bandwidth) if bandwidth else None,
                     max_diff=float(np.abs(out - want).max()),
                 )
             except Exception as e:  # (a tile that does not fit, a compile error: recorded)

@@ -15,6 +15,7 @@ import shutil
 import time
 import traceback
 
+from device_kernels import sig
 from host_path import cpu_name
 from make_model import write_streamed
 
@@ -456,8 +457,8 @@ def prefill(section: Section, llm, plan: Plan, peak: float | None) -> None:
         ms_per_prompt=round(step * 1e3, 3),
         prompt_tok_s=round(n / step, 1),
         flops_per_prompt={"linear": linear, "attention": attention, "lm_head": lm_head},
-        TFLOP_s=round(flops / step / 1e12, 2),
-        MFU=round(flops / step / peak, 4) if peak else None,
+        TFLOP_s=sig(flops / step / 1e12),
+        MFU=sig(flops / step / peak) if peak else None,
     )
 
 

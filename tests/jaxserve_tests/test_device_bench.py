@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from device_bench import SECTIONS  # noqa: E402
+from device_kernels import sig  # noqa: E402
 from trace_summary import summarize  # noqa: E402
 
 
@@ -150,3 +151,10 @@ def test_trace_summary_by_hand(tmp_path):
     assert s["top_kernels_ms_per_step"] == pytest.approx(
         {"gemm": (30 + 20 + 80) / 2 / 1e3, "attention": 15 / 2 / 1e3}
     )
+
+
+def test_rates_keep_three_significant_figures():
+    """A slow machine's smoke-run rates stay above 0 (the sweep's GB/s, rounded to one
+    decimal, read 0.0 on CI's machine and failed the test above)."""
+    assert sig(0.0123456) == 0.0123 and sig(2e-9) == 2e-9 and sig(123456.7) == 123000.0
+    assert sig(0.0) == 0.0

@@ -5,6 +5,7 @@ updated to one version, a Ray replica takes a path only."""
 
 import asyncio
 import collections
+import threading
 import time
 
 import pytest
@@ -47,6 +48,35 @@ def slowed(engine: LLMEngine, step_s: float = 0.02) -> LLMEngine:
     return engine
 
 
+def held_for_the_update(engine: LLMEngine, tokens: int = 3, read_s: float = 0.5) -> LLMEngine:
+    """Once every stream of `IDS` has `tokens` new tokens, the engine's steps wait until
+    the update's weights are prepared, which takes `read_s` longer than it would: the
+    streams are mid-generation when the swap lands however slow the checkpoint's read
+    (on a loaded machine they had all finished under W first). Counted on the engine's
+    thread, from what its steps return."""
+    counts: collections.Counter = collections.Counter()
+    prepared = threading.Event()
+    step, prepare = engine.step, engine.runner.prepare_weights
+
+    def held_step():
+        if len(counts) == len(IDS) and min(counts.values()) >= tokens:
+            assert prepared.wait(60), "the update's weights were never prepared"
+        outs = list(step())
+        for out in outs:
+            counts[out.request_id] += len(out.outputs[0].delta_token_ids)
+        return outs
+
+    def slow_prepare(*args, **kwargs):
+        time.sleep(read_s)
+        try:
+            return prepare(*args, **kwargs)
+        finally:
+            prepared.set()
+
+    engine.step, engine.runner.prepare_weights = held_step, slow_prepare
+    return engine
+
+
 async def stream(front, rid: str, prompt, seen: dict, started: asyncio.Event | None = None):
     """The request's final output; `seen[rid]` each output's (new tokens, version)."""
     last = None
@@ -74,6 +104,8 @@ def test_an_async_front_updates_while_streams_run(
     """Streams running at the update (or frozen by a "keep" pause) finish as W'
     continues them; each output says which weights sampled it."""
     engine = slowed(engine_of(tiny_model_dir))
+    if not paused:  # (paused, the streams wait for the pause, not for the read)
+        held_for_the_update(engine)
     front = AsyncLLMEngine(engine)
     seen: dict[str, list] = collections.defaultdict(list)
 
@@ -125,8 +157,6 @@ def test_a_checkpoint_is_read_off_the_engine_thread(tiny_model_dir, tiny_model_d
     """`update_weights(path=)` reads, converts and places the checkpoint on a worker
     thread, the steps going on (a large checkpoint held every request up while it was
     read on the engine thread); only the swap runs on the engine's, between steps."""
-    import threading
-
     engine = engine_of(tiny_model_dir)
     front = AsyncLLMEngine(engine)
     started, release, readers = threading.Event(), threading.Event(), []
