@@ -7,15 +7,17 @@ all heads; `kv_b_proj` up-projects c to each head's k_nope and v. Head n's score
 
     q_nope[n] . (W_UK[n] c) + q_pe[n] . k_pe  =  (W_UK[n]^T q_nope[n]) . c + q_pe[n] . k_pe
 
-so attention runs in the *absorbed* form: the cache holds, per token, one KV head
-of kv_lora_rank + qk_rope_head_dim values (K row [c, k_pe], V row [c, 0]: the
-cache's K and V rows are as wide), the queries are projected into latent space
-(W_UK^T q_nope beside q_pe), every head attends over that one head (MQA), and the
-output's latent part is up-projected per head by W_UV before o_proj. The engine
-sees a model of 1 KV head of that width (`ModelConfig.mla`), so the page pool,
-prefix cache, chunked prefill and preemption treat its pages like any other; the
-V row repeats the latent, so a token costs twice the latent's minimum (a page of
-latents alone, with its own kernels, is issue 46's next step).
+so attention runs in the *absorbed* form: the cache holds, per token, one row of
+kv_lora_rank + qk_rope_head_dim values [c, k_pe] that is both the key and the value
+(a shared cache, `pallas_kernels.kv_layout.CacheLayout.shared_kv`: every attention
+backend reads the row once for the scores and the weighted sum), the queries are
+projected into latent space (W_UK^T q_nope beside q_pe), every head attends over
+that one head (MQA), and the output's latent part (its first kv_lora_rank values;
+the rest is the weighted k_pe, dropped) is up-projected per head by W_UV before
+o_proj. The engine sees a model of 1 KV head of that width (`ModelConfig.mla`), so
+the page pool, prefix cache, chunked prefill and preemption treat its pages like
+any other, and a token costs the latent's minimum: kv_lora_rank + qk_rope_head_dim
+values a layer.
 
 The rope dimensions rotate in adjacent pairs (V2; V3 with `rope_interleave`); they
 are de-interleaved into halves first, which for V3 is transformers' own result and
@@ -108,11 +110,11 @@ class MlaAttention(nnx.Module):
         out, kv_cache = self.backend(
             jnp.concatenate([q_latent, q_pe], axis=-1),
             jnp.concatenate([latent, k_pe], axis=-1),
-            jnp.concatenate([latent, jnp.zeros_like(k_pe)], axis=-1),
+            None,  # the key row [c, k_pe] is the value row: a shared cache
             kv_cache,
             md,
             sm_scale=self.sm_scale,
-        )  # [T, N, R + rope]: the rope part of the values is zero
+        )  # [T, N, R + rope]: the weighted latents, then the weighted k_pe (dropped)
         o = _einsum("tnr,nvr->tnv", out[..., :r], w_uv)  # [T, N, V]
         return self.o_proj(o.reshape(t, n * self.v_head_dim)), kv_cache
 

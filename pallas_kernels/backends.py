@@ -49,17 +49,23 @@ class AttentionBackend:
     lane_dense: bool = False  # the cache's layout: see `cache_layout`
 
     def cache_layout(
-        self, page_size: int, num_kv_heads: int, head_dim: int, shards: int = 1
+        self,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        shards: int = 1,
+        shared_kv: bool = False,
     ) -> CacheLayout:
         """How this backend stores one layer's cache (`pallas_kernels.kv_layout`):
-        `shards` is the number of devices its KV heads split over (1: replicated)."""
-        return CacheLayout(num_kv_heads, head_dim, page_size, self.lane_dense, shards)
+        `shards` is the number of devices its KV heads split over (1: replicated);
+        `shared_kv`, one row per KV head that is both its key and its value."""
+        return CacheLayout(num_kv_heads, head_dim, page_size, self.lane_dense, shards, shared_kv)
 
     def __call__(
         self,
         queries: jax.Array,  # [T, N, H]
         keys: jax.Array,  # [T, K, H]
-        values: jax.Array,  # [T, K, H]
+        values: jax.Array | None,  # [T, K, H]; None: each key is its own value
         kv_cache: jax.Array | QuantizedKV,  # `cache_layout`'s: [P, S, 2K, H] or [P, S, W]
         md: AttentionMetadata,
         *,
@@ -70,6 +76,10 @@ class AttentionBackend:
         """Writes this step's K/V into the pages (quantized first for an int8/fp8
         cache, whose scales every backend writes with the reference's scatter),
         then attends over them.
+
+        `values` None: a shared cache (`CacheLayout.shared_kv`, multi-head latent
+        attention's): each KV head's one row is its key and its value, written once
+        and read once; the output has the keys' width.
 
         Traced under a mesh with a `HEAD_AXIS` (`jax.set_mesh`, as the engine's steps
         are), it runs in a `shard_map` over that axis: XLA cannot partition a Pallas
@@ -85,6 +95,7 @@ class AttentionBackend:
             return self._write_and_attend(queries, keys, values, kv_cache, md, **kw)
         split = keys.shape[1] % mesh.shape[HEAD_AXIS] == 0  # then the q heads split too
         heads = P(None, HEAD_AXIS, None) if split else P()
+        vals = P() if values is None else heads
         # Either layout splits the pages' axis 2 (2K rows, or W lanes of equal
         # per-shard runs) and the scales' last ([P, S, 2K] or [P, Ws]).
         cache = P(None, None, HEAD_AXIS) if split else P()
@@ -94,7 +105,7 @@ class AttentionBackend:
         return jax.shard_map(
             functools.partial(self._write_and_attend, **kw),
             mesh=mesh,
-            in_specs=(heads, heads, heads, cache, P()),
+            in_specs=(heads, heads, vals, cache, P()),
             out_specs=(heads, cache),
             # Manual over every mesh axis (Mosaic refuses a partly automatic one); the
             # others ('data') see the step replicated, as the engine places it.
@@ -104,11 +115,14 @@ class AttentionBackend:
     def _write_and_attend(self, queries, keys, values, kv_cache, md, **kw):
         scales = None
         _, k_heads, head_dim = keys.shape  # this device's KV heads
-        layout = self.cache_layout(kv_cache.shape[1], k_heads, head_dim)
+        shared = values is None
+        layout = self.cache_layout(kv_cache.shape[1], k_heads, head_dim, shared_kv=shared)
         if layout.lane_dense and len(kv_cache.shape) == 4:  # handed a logical cache
             layout = dataclasses.replace(layout, lane_dense=False)
         if layout.lane_dense:
             kw["num_kv_heads"] = k_heads
+        if shared:
+            kw["shared_kv"] = True
         if isinstance(kv_cache, QuantizedKV):
             keys, values, new_scales = quantize_kv(keys, values, kv_cache.dtype)
             scales = layout.write_scales(kv_cache.scales, new_scales, md.slot_mapping)
@@ -153,7 +167,7 @@ def traced_device_kind(platform: str) -> str | None:
 def _cpu_attention(queries, kv_cache, *args, **kwargs):
     """The C++ kernel where it is loaded and takes these inputs, else the reference
     (decided when the step is traced)."""
-    if cpu_attention.supports(queries, kv_cache):
+    if cpu_attention.supports(queries, kv_cache, kwargs.get("shared_kv", False)):
         return cpu_attention.ragged_paged_attention(queries, kv_cache, *args, **kwargs)
     return reference.ragged_paged_attention_jit(queries, kv_cache, *args, **kwargs)
 
@@ -161,15 +175,18 @@ def _cpu_attention(queries, kv_cache, *args, **kwargs):
 def _tpu_attention(queries, kv_cache, *args, interpret=False, **kwargs):
     """The TPU kernel with block sizes for the device it is traced for."""
     kind = traced_device_kind("tpu") or "TPU v5 lite"
+    shared = kwargs.get("shared_kv", False)
     sizes = TpuBlockSizes.for_device(
         kind,
         queries.shape[-1],
         num_heads=queries.shape[1],
-        # A lane-dense cache [P, S, W] comes with its K; a logical one has 2K rows.
-        num_kv_heads=kwargs.get("num_kv_heads") or kv_cache.shape[2] // 2,
+        # A lane-dense cache [P, S, W] comes with its K; a logical one has 2K rows (K
+        # shared).
+        num_kv_heads=kwargs.get("num_kv_heads") or kv_cache.shape[2] // (1 if shared else 2),
         page_size=kv_cache.shape[1],
         q_dtype=queries.dtype,
         kv_dtype=kv_cache.dtype,
+        shared_kv=shared,
     )
     return tpu.ragged_paged_attention(
         queries, kv_cache, *args, block_sizes=sizes, interpret=interpret, **kwargs

@@ -2,7 +2,10 @@
 
 Every backend computes with the logical cache of the glossary: pages
 [P, S, 2K, H] (K and V heads interleaved: K head k at row 2k, V at 2k + 1) and,
-for an int8 / fp8 cache, scales [P, S, 2K] float32. The reference, cpu and GPU
+for an int8 / fp8 cache, scales [P, S, 2K] float32. A shared cache (`shared_kv`:
+multi-head latent attention's, where a token's one row is both its key and its
+value) has one row per KV head instead of two: [P, S, K, H] and [P, S, K]; below,
+2K and 2Kd read K and Kd for it. The reference, cpu and GPU
 backends store exactly that. The TPU backend stores it lane-dense:
 
   pages  [P, S, W]    W  = shards * round_up(2Kd * H, 128), Kd = K / shards
@@ -60,6 +63,8 @@ class CacheLayout:
     page_size: int  # S
     lane_dense: bool = False
     shards: int = 1  # devices the KV heads split over
+    # One row per KV head, both its key and its value (MLA's latent): half the rows.
+    shared_kv: bool = False
 
     def __post_init__(self):
         if self.shards < 1 or self.num_kv_heads % self.shards:
@@ -71,24 +76,38 @@ class CacheLayout:
         return dataclasses.replace(self, num_kv_heads=self.num_kv_heads // self.shards, shards=1)
 
     @property
+    def rows_per_head(self) -> int:
+        """Cache rows of one KV head in a slot: its K and V, or the one shared row."""
+        return 1 if self.shared_kv else 2
+
+    @property
+    def rows(self) -> int:
+        """Cache rows of a slot, every shard's (the logical layout's 2K)."""
+        return self.rows_per_head * self.num_kv_heads
+
+    @property
+    def local_rows(self) -> int:
+        """Cache rows of a slot of one shard (2Kd)."""
+        return self.rows // self.shards
+
+    @property
     def row_lanes(self) -> int:
         """Lanes of one slot of one shard (lane-dense): its 2Kd rows of H, padded."""
-        return _round_up(2 * (self.num_kv_heads // self.shards) * self.head_dim, LANES)
+        return _round_up(self.local_rows * self.head_dim, LANES)
 
     @property
     def scale_lanes(self) -> int:
         """Lanes of one page's scales of one shard (lane-dense): S * 2Kd, padded."""
-        return _round_up(self.page_size * 2 * (self.num_kv_heads // self.shards), LANES)
+        return _round_up(self.page_size * self.local_rows, LANES)
 
     def pages_shape(self, num_pages: int) -> tuple[int, ...]:
-        k2, h, s = 2 * self.num_kv_heads, self.head_dim, self.page_size
         if not self.lane_dense:
-            return (num_pages, s, k2, h)
-        return (num_pages, s, self.shards * self.row_lanes)
+            return (num_pages, self.page_size, self.rows, self.head_dim)
+        return (num_pages, self.page_size, self.shards * self.row_lanes)
 
     def scales_shape(self, num_pages: int) -> tuple[int, ...]:
         if not self.lane_dense:
-            return (num_pages, self.page_size, 2 * self.num_kv_heads)
+            return (num_pages, self.page_size, self.rows)
         return (num_pages, self.shards * self.scale_lanes)
 
     def page_bytes(self, itemsize: int, quantized: bool) -> int:
@@ -104,9 +123,9 @@ class CacheLayout:
         if not self.lane_dense:
             return x
         *lead, s, _ = x.shape
-        kd2h = 2 * (self.num_kv_heads // self.shards) * self.head_dim
+        kd2h = self.local_rows * self.head_dim
         x = x.reshape(*lead, s, self.shards, self.row_lanes)[..., :kd2h]
-        return x.reshape(*lead, s, 2 * self.num_kv_heads, self.head_dim)
+        return x.reshape(*lead, s, self.rows, self.head_dim)
 
     def pages_from_logical(self, x: jax.Array) -> jax.Array:
         """[..., S, 2K, H] -> [..., S, W] (this layout), padding lanes zero."""
@@ -123,7 +142,7 @@ class CacheLayout:
         if not self.lane_dense:
             return x
         *lead, _ = x.shape
-        s, kd2 = self.page_size, 2 * (self.num_kv_heads // self.shards)
+        s, kd2 = self.page_size, self.local_rows
         x = x.reshape(*lead, self.shards, self.scale_lanes)[..., : s * kd2]
         x = jnp.moveaxis(x.reshape(*lead, self.shards, s, kd2), -3, -2)
         return x.reshape(*lead, s, self.shards * kd2)

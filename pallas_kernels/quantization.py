@@ -80,7 +80,7 @@ class QuantizedKV:
     or page count treats both kinds of cache alike.
     """
 
-    pages: jax.Array  # [P, S, 2K, H] (lane-dense: [P, S, W]) int8 / fp8
+    pages: jax.Array  # [P, S, 2K, H] (lane-dense: [P, S, W]) int8 / fp8; shared: K rows
     scales: jax.Array  # [P, S, 2K] (lane-dense: [P, Ws]) float32
 
     @property
@@ -123,11 +123,14 @@ def zeros_kv(
 
 def quantize_kv(
     keys: jax.Array,  # [T, K, H]
-    values: jax.Array,  # [T, K, H]
+    values: jax.Array | None,  # [T, K, H]; None: a shared cache (the keys are the values)
     dtype,
-) -> tuple[jax.Array, jax.Array, jax.Array]:  # [T, K, H], [T, K, H], [T, 2K]
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:  # [T, K, H], [T, K, H], [T, 2K]
     """This step's keys and values quantized per (token, head), and their scales
-    interleaved as the cache's rows are (K head k at 2k, V head k at 2k + 1)."""
+    interleaved as the cache's rows are (K head k at 2k, V head k at 2k + 1); for a
+    shared cache the keys alone, scales [T, K]."""
     kq, ks = quantize(keys, dtype)
+    if values is None:
+        return kq, None, ks
     vq, vs = quantize(values, dtype)
     return kq, vq, jnp.stack([ks, vs], axis=2).reshape(keys.shape[0], -1)

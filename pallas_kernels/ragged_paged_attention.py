@@ -11,9 +11,11 @@ Glossary (used in shape comments and einsum strings):
 
 The KV cache of one layer is one array `[P, S, 2K, H]`: K and V heads interleaved
 (index 2k is key head k, 2k+1 is value head k), so a page holds everything a
-token needs in one contiguous run. Page 0 is the null page: padding tokens
-write there and padded page-table entries point there, and nothing reads it
-unmasked.
+token needs in one contiguous run. A shared cache (`shared_kv`: multi-head latent
+attention's latent, whose row is both key and value) is `[P, S, K, H]`, one row a
+head: half the bytes, read once for the scores and the weighted sum. Page 0 is the
+null page: padding tokens write there and padded page-table entries point there, and
+nothing reads it unmasked.
 
 A batch is ragged: sequence b owns query tokens `cu_q_lens[b]:cu_q_lens[b+1]`
 of the flat batch, which are its *last* `q_len` tokens, so its kv length after
@@ -46,9 +48,9 @@ from jax.experimental import pallas as pl
 
 
 def write_kv(
-    kv_cache: jax.Array,  # [P, S, 2K, H]
+    kv_cache: jax.Array,  # [P, S, 2K, H] (shared: [P, S, K, H])
     keys: jax.Array,  # [T, K, H]
-    values: jax.Array,  # [T, K, H]
+    values: jax.Array | None,  # [T, K, H]; None: a shared cache, the keys alone
     slot_mapping: jax.Array,  # [T] int32: page * S + offset; padding -> the null page
 ) -> jax.Array:
     """Scatters this step's keys and values into their pages; returns the cache.
@@ -56,9 +58,15 @@ def write_kv(
     Under a jit whose KV argument is donated, XLA performs the scatter in place.
     Quantized pages take already quantized keys and values (`quantization.quantize_kv`).
     """
+    return write_slots(kv_cache, kv_rows(keys, values), slot_mapping)
+
+
+def kv_rows(keys: jax.Array, values: jax.Array | None) -> jax.Array:  # [T, 2K, H]
+    """A step's cache rows: K and V heads interleaved, or the keys alone (shared)."""
+    if values is None:
+        return keys
     t, _, head_dim = keys.shape
-    new = jnp.stack([keys, values], axis=2).reshape(t, -1, head_dim)  # [T, 2K, H]
-    return write_slots(kv_cache, new, slot_mapping)
+    return jnp.stack([keys, values], axis=2).reshape(t, -1, head_dim)
 
 
 def write_slots(
@@ -93,6 +101,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     pages_per_block: int | None = None,
     queries_per_block: int = 128,
+    shared_kv: bool = False,
 ) -> jax.Array:  # [T, N, H]
     """Causal attention of each query token over its own sequence's paged KV.
 
@@ -111,10 +120,13 @@ def ragged_paged_attention(
         about 64 tokens' worth for the decode rows and 128 for the chunks (the
         fastest on a CPU).
       queries_per_block: query tokens per chunk (static).
+      shared_kv: the cache is [P, S, K, H], each row both a key and its value.
     Returns:
       The attention output; rows of padding tokens are zero.
     """
-    validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales)
+    validate_inputs(
+        queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, shared_kv
+    )
     num_tokens = queries.shape[0]
     page_size = kv_cache.shape[1]
     # Every sequence has at least one query token, so at most T of the B entries are
@@ -137,6 +149,7 @@ def ragged_paged_attention(
             sm_scale=sm_scale,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
+            shared_kv=shared_kv,
         )
 
     seq_ids = jnp.arange(batch, dtype=jnp.int32)
@@ -215,12 +228,14 @@ def _attend(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    shared_kv: bool,
 ) -> jax.Array:  # [X, Q, N, H] float32; rows that see nothing are zero
     """Attention of items of query rows over their own pages, block by block with an
     online softmax."""
     x, rows, num_heads, head_dim = q.shape
-    _, page_size, kv2, _ = kv_cache.shape
-    num_kv_heads = kv2 // 2
+    _, page_size, cache_rows, _ = kv_cache.shape
+    per_head = 1 if shared_kv else 2
+    num_kv_heads = cache_rows // per_head
     group = num_heads // num_kv_heads
     block_tokens = pages_per_block * page_size
     m_rows = rows * group  # the rows of one kv head's matmul: (query row, head in group)
@@ -235,8 +250,8 @@ def _attend(
         kv = kv_cache[block].astype(jnp.float32)  # [X, pages_per_block, S, 2K, H]
         if kv_scales is not None:
             kv = kv * kv_scales[block][..., None]
-        kv = kv.reshape(x, block_tokens, num_kv_heads, 2, head_dim)
-        k, v = kv[..., 0, :], kv[..., 1, :]  # [X, L, K, H]
+        kv = kv.reshape(x, block_tokens, num_kv_heads, per_head, head_dim)
+        k, v = kv[..., 0, :], kv[..., per_head - 1, :]  # [X, L, K, H]
         kv_pos = j * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)  # [L]
         # Zero the slots past the kv length before they meet the softmax weights:
         # a stale or NaN slot must not leak through 0 * NaN.
@@ -286,15 +301,24 @@ def pad_page_table(page_indices: jax.Array, pages_per_block: int) -> jax.Array:
 
 
 def validate_inputs(
-    queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales=None
+    queries,
+    kv_cache,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    kv_scales=None,
+    shared_kv: bool = False,
 ) -> None:
     """Checks shapes and dtypes; raises ValueError naming the argument and what it saw."""
     if queries.ndim != 3:
         raise ValueError(f"queries must be [T, N, H], got shape {queries.shape}")
-    if kv_cache.ndim != 4 or kv_cache.shape[2] % 2:
-        raise ValueError(f"kv_cache must be [P, S, 2K, H], got shape {kv_cache.shape}")
+    per_head = 1 if shared_kv else 2
+    if kv_cache.ndim != 4 or kv_cache.shape[2] % per_head:
+        want = "[P, S, K, H] (shared)" if shared_kv else "[P, S, 2K, H]"
+        raise ValueError(f"kv_cache must be {want}, got shape {kv_cache.shape}")
     _, num_heads, head_dim = queries.shape
-    num_kv_heads = kv_cache.shape[2] // 2
+    num_kv_heads = kv_cache.shape[2] // per_head
     if kv_cache.shape[3] != head_dim:
         raise ValueError(f"kv_cache head_dim {kv_cache.shape[3]} != queries head_dim {head_dim}")
     if num_heads % num_kv_heads:
@@ -339,6 +363,7 @@ def validate_inputs(
         "soft_cap",
         "pages_per_block",
         "queries_per_block",
+        "shared_kv",
     ),
 )
 def ragged_paged_attention_jit(
@@ -355,6 +380,7 @@ def ragged_paged_attention_jit(
     soft_cap=None,
     pages_per_block=None,
     queries_per_block=128,
+    shared_kv=False,
 ):
     """The reference under jit, for tests and benchmarks that call it alone."""
     return ragged_paged_attention(
@@ -370,6 +396,7 @@ def ragged_paged_attention_jit(
         soft_cap=soft_cap,
         pages_per_block=pages_per_block,
         queries_per_block=queries_per_block,
+        shared_kv=shared_kv,
     )
 
 

@@ -16,6 +16,9 @@ slots never leak into the output.
 Triton needs every loaded block to have a power-of-two size: head_dim is padded
 to one (80 -> 128, the padded lanes masked), block_q and block_kv are powers of
 two, and so is the page size (a tile is whole pages or an aligned slice of one).
+A head wider than 128 lanes that is not a power of two is read in power-of-two
+runs instead (`lane_pieces`: DeepSeek's 576 as 512 + 64, not 1024), each dot summed
+over the runs, so no load or dot spends lanes past head_dim by the hundreds.
 
 Shared memory decides the tiles: Triton keeps the program's query blocks and
 each kv tile in it, and a program that asks for more than the device allows per
@@ -36,6 +39,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.ragged_paged_attention import (
     attention_cost,
+    kv_rows,
     pad_page_table,
     validate_inputs,
 )
@@ -48,6 +52,27 @@ _SHARED_MEMORY = (
     (("a100", "a800"), 166_912),  # sm80: 163 KiB
 )
 _OTHER_SHARED_MEMORY = 101_376  # sm86, sm89 (A10, L4, L40, RTX 30xx/40xx): 99 KiB
+
+
+def lane_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
+    """(first lane, lanes) of the power-of-two runs the kernel reads a head in: the
+    whole head padded to a power of two (>= 16 lanes), or for a head wider than 128
+    lanes that is not one, the binary runs of its width rounded up to 16 (576: 512 at
+    0 and 64 at 512; 200: 128, 64, 16)."""
+    padded = max(16, pl.next_power_of_2(head_dim))
+    if head_dim <= 128 or padded == head_dim:
+        return ((0, padded),)
+    width, first, pieces = -(-head_dim // 16) * 16, 0, []
+    for bit in reversed(range(width.bit_length())):
+        if width >> bit & 1:
+            pieces.append((first, 1 << bit))
+            first += 1 << bit
+    return tuple(pieces)
+
+
+def _lanes(first: int, lanes: int, width: int):
+    """An index of `lanes` lanes from `first` of a ref `width` wide: all of it as `:`."""
+    return slice(None) if (first, lanes) == (0, width) else pl.ds(first, lanes)
 
 
 def shared_memory_bytes(
@@ -234,30 +259,38 @@ def _kernel(
     block_kv,
     heads,
     true_head_dim,
+    pieces,
     dot_dtype,
     precision,
+    shared_kv,
 ):
+    # (shared_kv: v_ref (and vs_ref) are k_ref's block again, never read: the key row
+    # is the value row, loaded once)
     if quantized:  # the K and V scales of this kv head, [P, S] each
         ks_ref, vs_ref, pages_ref, kv_lens_ref, cu_ref, num_seqs_ref, _, o_ref = refs
     else:
         pages_ref, kv_lens_ref, cu_ref, num_seqs_ref, _, o_ref = refs
     b, i = pl.program_id(0), pl.program_id(1)
-    page_size, head_dim = k_ref.shape[1], k_ref.shape[2]  # head_dim: padded to a power of 2
+    page_size = k_ref.shape[1]
     pages_per_tile = max(1, block_kv // page_size)
     tiles_per_page = max(1, page_size // block_kv)
     q_start, q_end = cu_ref[b], cu_ref[b + 1]
     q_len = q_end - q_start
     kv_len = kv_lens_ref[b]
 
-    def load(ref, j):  # kv positions [j * block_kv, (j + 1) * block_kv): [block_kv, ...]
+    def load(ref, j, *lanes):
+        """kv positions [j * block_kv, (j + 1) * block_kv) of `ref`: [block_kv, ...], or of
+        its lanes `lanes` = (first, count) only."""
+        at = () if not lanes else (_lanes(*lanes, ref.shape[-1]),)
         if tiles_per_page == 1:  # whole pages
             pages = pages_ref[pl.ds(j * pages_per_tile, pages_per_tile)]
-            return ref[pages].reshape(block_kv, -1)
+            return ref[(pages, slice(None), *at)].reshape(block_kv, -1)
         # A slice of one page (j >= 0: lax's truncating div and rem, which Triton lowers;
         # jnp's floor division does not lower there).
         n = jnp.int32(tiles_per_page)
         page = pages_ref[jax.lax.div(j, n)]
-        return ref[page, pl.ds(jax.lax.rem(j, n) * block_kv, block_kv)].reshape(block_kv, -1)
+        rows = pl.ds(jax.lax.rem(j, n) * block_kv, block_kv)
+        return ref[(page, rows, *at)].reshape(block_kv, -1)
 
     @pl.when((b < num_seqs_ref[0]) & (i * block_q < q_len))
     def _():
@@ -273,30 +306,48 @@ def _kernel(
         num_blocks = last_pos // block_kv + 1
 
         qs = [
-            q_ref[pl.ds(row0, block_q), pl.ds(g, 1), :].reshape(block_q, -1).astype(dot_dtype)
+            [
+                q_ref[pl.ds(row0, block_q), pl.ds(g, 1), _lanes(first, lanes, q_ref.shape[-1])]
+                .reshape(block_q, -1)
+                .astype(dot_dtype)
+                for first, lanes in pieces
+            ]
             for g in range(heads)
-        ]  # heads x [bq, H]
+        ]  # heads x pieces x [bq, lanes]
 
         def body(j, carry):
-            k, v = load(k_ref, j), load(v_ref, j)
-            if quantized:  # dequantize the tile, into the dots' dtype
-                k = (k.astype(jnp.float32) * load(ks_ref, j)).astype(dot_dtype)
-                v = (v.astype(jnp.float32) * load(vs_ref, j)).astype(dot_dtype)
-            else:  # a cache in another float dtype than the queries: the wider of the two
-                k, v = k.astype(dot_dtype), v.astype(dot_dtype)
             kv_pos = j * block_kv + jnp.arange(block_kv)
-            lanes = jnp.arange(head_dim)[None, :] < true_head_dim  # padded lanes read junk
-            k = jnp.where(lanes, k, jnp.zeros_like(k))
-            v = jnp.where((kv_pos < kv_len)[:, None] & lanes, v, jnp.zeros_like(v))
+            live = (kv_pos < kv_len)[:, None]
+            ks, vs = [], []
+            for first, lanes in pieces:
+                k = load(k_ref, j, first, lanes)
+                if quantized:  # dequantize the tile, into the dots' dtype
+                    k = (k.astype(jnp.float32) * load(ks_ref, j)).astype(dot_dtype)
+                else:  # a cache in another float dtype than the queries: the wider of the two
+                    k = k.astype(dot_dtype)
+                if shared_kv:
+                    v = k
+                elif quantized:
+                    v = load(v_ref, j, first, lanes).astype(jnp.float32) * load(vs_ref, j)
+                    v = v.astype(dot_dtype)
+                else:
+                    v = load(v_ref, j, first, lanes).astype(dot_dtype)
+                # padded lanes read junk
+                real = first + jnp.arange(lanes)[None, :] < true_head_dim
+                ks.append(jnp.where(real, k, jnp.zeros_like(k)))
+                vs.append(jnp.where(live & real, v, jnp.zeros_like(v)))
             visible = kv_pos[None, :] <= q_pos[:, None]
             visible &= row_valid[:, None]
             if sliding_window is not None:
                 visible &= kv_pos[None, :] > q_pos[:, None] - sliding_window
             new = []
             for g in range(heads):
-                m, denom, acc = carry[g]
-                s = plgpu.dot(qs[g], k, trans_b=True, precision=precision)
-                s = s.astype(jnp.float32) * sm_scale
+                m, denom, accs = carry[g]
+                s = sum(
+                    plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32)
+                    for q, k in zip(qs[g], ks, strict=True)
+                )
+                s = s * sm_scale
                 if soft_cap is not None:
                     s = soft_cap * jnp.tanh(s / soft_cap)
                 s = jnp.where(visible, s, MASK_VALUE)
@@ -304,33 +355,46 @@ def _kernel(
                 p = jnp.exp(s - m_new[:, None])
                 correction = jnp.exp(m - m_new)
                 denom = denom * correction + p.sum(axis=-1)
-                pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)
-                acc = acc * correction[:, None] + pv.astype(jnp.float32)
-                new.append((m_new, denom, acc))
+                accs = tuple(
+                    acc * correction[:, None]
+                    + plgpu.dot(p.astype(v.dtype), v, precision=precision).astype(jnp.float32)
+                    for acc, v in zip(accs, vs, strict=True)
+                )
+                new.append((m_new, denom, accs))
             return tuple(new)
 
         init = tuple(
             (
                 jnp.full((block_q,), MASK_VALUE, jnp.float32),
                 jnp.zeros((block_q,), jnp.float32),
-                jnp.zeros((block_q, head_dim), jnp.float32),
+                tuple(jnp.zeros((block_q, lanes), jnp.float32) for _, lanes in pieces),
             )
             for _ in range(heads)
         )
         carry = jax.lax.fori_loop(start_block, num_blocks, body, init)
         for g in range(heads):
-            _, denom, acc = carry[g]
-            out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
-            plgpu.store(
-                o_ref.at[pl.ds(row0, block_q), pl.ds(g, 1), :],
-                out.astype(o_ref.dtype)[:, None, :],
-                mask=row_valid[:, None, None],
-            )
+            _, denom, accs = carry[g]
+            for (first, lanes), acc in zip(pieces, accs, strict=True):
+                out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
+                plgpu.store(
+                    o_ref.at[
+                        pl.ds(row0, block_q), pl.ds(g, 1), _lanes(first, lanes, o_ref.shape[-1])
+                    ],
+                    out.astype(o_ref.dtype)[:, None, :],
+                    mask=row_valid[:, None, None],
+                )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_sizes", "interpret"),
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "block_sizes",
+        "interpret",
+        "shared_kv",
+    ),
 )
 def ragged_paged_attention(
     queries: jax.Array,  # [T, N, H]
@@ -346,17 +410,23 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     block_sizes: GpuBlockSizes = GpuBlockSizes(),
     interpret: bool = False,
+    shared_kv: bool = False,  # [P, S, K, H]: each row both key and value
 ) -> jax.Array:  # [T, N, H]
-    validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales)
+    validate_inputs(
+        queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, shared_kv
+    )
     quantized = kv_scales is not None
     t, n, h = queries.shape
     p, s, kv2, _ = kv_cache.shape
-    k_heads = kv2 // 2
+    per_head = 1 if shared_kv else 2
+    k_heads = kv2 // per_head
     group = n // k_heads
     bq = block_sizes.block_q
     # Triton tiles are powers of two: a head_dim such as 80 is read as 128 lanes, the
     # lanes past head_dim masked to zero (queries are zero-padded to match).
     hp = max(16, pl.next_power_of_2(h))
+    pieces = lane_pieces(h)
+    lanes_read = sum(lanes for _, lanes in pieces)  # hp, or h rounded up to 16 in runs
     dot_dtype = _dot_dtype(queries.dtype, kv_cache.dtype, quantized)
     # read where the step is traced: jit keys its programs on this setting
     precision = dot_precision(jax.config.jax_default_matmul_precision)
@@ -364,7 +434,7 @@ def ragged_paged_attention(
         page_size=s,
         pages=page_indices.shape[1],
         group=group,
-        head_dim=hp,
+        head_dim=lanes_read,
         q_dtype=queries.dtype,
         kv_dtype=kv_cache.dtype,
         quantized=quantized,
@@ -376,7 +446,8 @@ def ragged_paged_attention(
     m_pad = pages.shape[1]
     t_pad = t + bq  # room for a last query block that runs past the batch
     q = jnp.pad(queries.reshape(t, k_heads, group, h), ((0, bq), (0, 0), (0, 0), (0, hp - h)))
-    kv = kv_cache.reshape(p, s, k_heads, 2, h)
+    kv = kv_cache.reshape(p, s, k_heads, per_head, h)
+    halves = (0, per_head - 1)  # the K rows' block and the V rows' (shared: K's again)
     kernel = functools.partial(
         _kernel,
         sm_scale=sm_scale,
@@ -386,9 +457,11 @@ def ragged_paged_attention(
         block_kv=block_kv,
         heads=heads,
         true_head_dim=h,
+        pieces=pieces,
         quantized=quantized,
         dot_dtype=dot_dtype,
         precision=precision,
+        shared_kv=shared_kv,
     )
     # Program (b, i, c): sequence b, query block i, head block c, which is query heads
     # [c % head_blocks * heads, ...) of kv head c // head_blocks.
@@ -402,9 +475,9 @@ def ragged_paged_attention(
             pl.BlockSpec(
                 (p, s, None, None), lambda b, i, c, half=half: (0, 0, c // head_blocks, half)
             )
-            for half in (0, 1)
+            for half in halves
         ]
-        scales = [kv_scales.reshape(p, s, k_heads, 2)] * 2
+        scales = [kv_scales.reshape(p, s, k_heads, per_head)] * 2
     out = pl.pallas_call(
         kernel,
         grid=(num_seqs_b, pl.cdiv(t, bq), k_heads * head_blocks),
@@ -415,7 +488,7 @@ def ragged_paged_attention(
                     (p, s, None, None, hp),
                     lambda b, i, c, half=half: (0, 0, c // head_blocks, half, 0),
                 )
-                for half in (0, 1)
+                for half in halves
             ),
             *scale_specs,
             pl.BlockSpec((None, m_pad), lambda b, i, c: (b, 0)),
@@ -439,8 +512,9 @@ def ragged_paged_attention(
             page_size=s,
             kv_bytes_per_position=k_heads
             * head_blocks
-            * (2 * h * jnp.dtype(kv_cache.dtype).itemsize + 8 * quantized),
-            flop_head_dim=hp,
+            * per_head
+            * (h * jnp.dtype(kv_cache.dtype).itemsize + 4 * quantized),
+            flop_head_dim=lanes_read,
             block_q=bq,
             block_kv=block_kv,
             sliding_window=sliding_window,
@@ -466,9 +540,9 @@ def _write_kernel(slots_ref, new_ref, kv_in_ref, kv_out_ref, *, true_head_dim):
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=0)
 def write_kv(
-    kv_cache: jax.Array,  # [P, S, 2K, H]
+    kv_cache: jax.Array,  # [P, S, 2K, H] (shared: [P, S, K, H])
     keys: jax.Array,  # [T, K, H]
-    values: jax.Array,  # [T, K, H]
+    values: jax.Array | None,  # [T, K, H]; None: a shared cache, the keys alone
     slot_mapping: jax.Array,  # [T] int32
     *,
     interpret: bool = False,
@@ -478,14 +552,15 @@ def write_kv(
     One program per (token, interleaved head row): each stores one [H] row
     (padded to a power of two with the extra lanes masked off).
     """
-    t, k_heads, h = keys.shape
+    t, _, h = keys.shape
     hp = max(16, pl.next_power_of_2(h))
-    new = jnp.stack([keys, values], axis=2).reshape(t, 2 * k_heads, 1, 1, h)
+    rows = kv_rows(keys, values)  # [T, 2K, H]
+    new = rows.reshape(t, rows.shape[1], 1, 1, h)
     new = jnp.pad(new.astype(kv_cache.dtype), ((0, 0),) * 4 + ((0, hp - h),))
-    row_bytes = t * 2 * k_heads * h * jnp.dtype(kv_cache.dtype).itemsize
+    row_bytes = rows.size * jnp.dtype(kv_cache.dtype).itemsize
     return pl.pallas_call(
         functools.partial(_write_kernel, true_head_dim=h),
-        grid=(t, 2 * k_heads),
+        grid=(t, rows.shape[1]),
         in_specs=[
             pl.BlockSpec((t,), lambda i, j: (0,)),
             pl.BlockSpec((None, None, 1, 1, hp), lambda i, j: (i, j, 0, 0, 0)),

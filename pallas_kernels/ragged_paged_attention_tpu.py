@@ -55,6 +55,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.kv_layout import CacheLayout, write_rows
 from pallas_kernels.ragged_paged_attention import (
     attention_cost,
+    kv_rows,
     pad_page_table,
     validate_inputs,
 )
@@ -89,6 +90,7 @@ def _kernel(
     quantized,
     num_kv_heads,
     head_dim,
+    rows_per_head,
 ):
     refs = list(refs)
     scales_hbm = refs.pop(0) if quantized else None
@@ -97,7 +99,7 @@ def _kernel(
     stage_vmem = optional.pop(0) if optional else None
     b, i, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_q, heads, group, _ = q_vmem.shape  # heads: kv heads per program
-    page_size, lanes = kv_vmem.shape[1], kv_vmem.shape[2]  # lanes >= 2 * heads * H
+    page_size, lanes = kv_vmem.shape[1], kv_vmem.shape[2]  # lanes >= rows * H
     block_kv = pages_per_block * page_size
     q_start = cu_ref[b]
     q_len = cu_ref[b + 1] - q_start
@@ -171,23 +173,23 @@ def _kernel(
                 slot = jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
 
             def scale_column(row):  # [L, 1]: each slot's scale of KV row `row`
-                hit = lane == slot * (2 * num_kv_heads) + row
+                hit = lane == slot * (rows_per_head * num_kv_heads) + row
                 col = jnp.sum(jnp.where(hit, sc, 0.0), axis=2, keepdims=True)
                 return col.reshape(block_kv, 1)
 
             def one_kv_head(k, _):  # k static: its K and V lanes are static slices
-                kk, vv = (
-                    kv_vmem[:, :, (2 * k + i) * head_dim : (2 * k + i + 1) * head_dim]
-                    for i in (0, 1)
-                )  # [ppb, S, H] each
-                if quantized:  # dequantize in VMEM, into the queries' dtype
-                    row = 2 * (hb * heads + k)  # head k's K scale; its V scale follows
-                    kk = kk.astype(jnp.float32).reshape(block_kv, head_dim)
-                    vv = vv.astype(jnp.float32).reshape(block_kv, head_dim)
-                    kk = (kk * scale_column(row)).astype(q_vmem.dtype)
-                    vv = (vv * scale_column(row + 1)).astype(q_vmem.dtype)
-                else:
-                    kk, vv = kk.reshape(block_kv, head_dim), vv.reshape(block_kv, head_dim)
+                r = rows_per_head  # (1: the key row is the value row, read once)
+                row = r * (hb * heads + k)  # head k's K row (and scale); its V row follows
+
+                def read(i):  # [L, H]: row r * k + i, dequantized into the queries' dtype
+                    x = kv_vmem[:, :, (r * k + i) * head_dim : (r * k + i + 1) * head_dim]
+                    x = x.reshape(block_kv, head_dim)
+                    if quantized:
+                        x = (x.astype(jnp.float32) * scale_column(row + i)).astype(q_vmem.dtype)
+                    return x
+
+                kk = read(0)
+                vv = kk if r == 1 else read(1)
                 vv = jnp.where(v_live, vv, jnp.zeros_like(vv))
 
                 def one_head(g, _):
@@ -248,12 +250,14 @@ def _interpret(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
 
 
-def _validate_dense(queries, kv_cache, kv_scales, num_kv_heads: int | None) -> CacheLayout:
+def _validate_dense(
+    queries, kv_cache, kv_scales, num_kv_heads: int | None, shared_kv: bool
+) -> CacheLayout:
     """The lane-dense cache's layout; raises ValueError naming what does not fit."""
     if num_kv_heads is None:
         raise ValueError("a lane-dense [P, S, W] kv_cache needs num_kv_heads")
     _, n, h = queries.shape
-    layout = CacheLayout(num_kv_heads, h, kv_cache.shape[1], lane_dense=True)
+    layout = CacheLayout(num_kv_heads, h, kv_cache.shape[1], True, shared_kv=shared_kv)
     if kv_cache.shape != layout.pages_shape(kv_cache.shape[0]) or n % num_kv_heads:
         raise ValueError(
             f"kv_cache {kv_cache.shape} is not the lane-dense cache of {num_kv_heads} KV "
@@ -276,6 +280,7 @@ def _validate_dense(queries, kv_cache, kv_scales, num_kv_heads: int | None) -> C
         "block_sizes",
         "interpret",
         "num_kv_heads",
+        "shared_kv",
     ),
 )
 def ragged_paged_attention(
@@ -293,23 +298,28 @@ def ragged_paged_attention(
     block_sizes: TpuBlockSizes = TpuBlockSizes(),
     interpret: bool = False,
     num_kv_heads: int | None = None,  # K: needed for a lane-dense cache
+    shared_kv: bool = False,  # one row per KV head, its key and its value
 ) -> jax.Array:  # [T, N, H]
     if kv_cache.ndim == 4:  # the logical cache: converted (a copy)
-        validate_inputs(queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales)
-        num_kv_heads = kv_cache.shape[2] // 2
-        layout = CacheLayout(num_kv_heads, queries.shape[2], kv_cache.shape[1], lane_dense=True)
+        validate_inputs(
+            queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, shared_kv
+        )
+        num_kv_heads = kv_cache.shape[2] // (1 if shared_kv else 2)
+        layout = CacheLayout(
+            num_kv_heads, queries.shape[2], kv_cache.shape[1], True, shared_kv=shared_kv
+        )
         kv_cache = layout.pages_from_logical(kv_cache)
         if kv_scales is not None:
             kv_scales = layout.scales_from_logical(kv_scales)
-    layout = _validate_dense(queries, kv_cache, kv_scales, num_kv_heads)
+    layout = _validate_dense(queries, kv_cache, kv_scales, num_kv_heads, shared_kv)
     quantized = kv_scales is not None
     t, n, h = queries.shape
     s = layout.page_size
     k_heads = num_kv_heads
     group = n // k_heads
-    rows = kv_rows_per_program(k_heads, kv_cache.dtype)
-    heads = rows // 2
-    lanes = program_lanes(k_heads, h, s, kv_cache.dtype)
+    rows = kv_rows_per_program(k_heads, kv_cache.dtype, shared_kv)
+    heads = rows // layout.rows_per_head
+    lanes = program_lanes(k_heads, h, s, kv_cache.dtype, shared_kv)
     bq = block_sizes.block_q
     ppb = min(block_sizes.resolve_pages_per_block(s), page_indices.shape[1])
     num_seqs_b = page_indices.shape[0]
@@ -329,6 +339,7 @@ def ragged_paged_attention(
         quantized=quantized,
         num_kv_heads=k_heads,
         head_dim=h,
+        rows_per_head=layout.rows_per_head,
     )
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     # A quantized cache adds its scales [P, S, 2K] (an input) and a VMEM block of them.
@@ -370,6 +381,7 @@ def ragged_paged_attention(
                     page_size=s,
                     q_dtype=queries.dtype,
                     kv_dtype=kv_cache.dtype,
+                    shared_kv=shared_kv,
                 )
             ),
         ),
@@ -397,7 +409,7 @@ def ragged_paged_attention(
 def write_kv(
     kv_cache: jax.Array,  # [P, S, W] lane-dense (`kv_layout`), or [P, S, 2K, H]
     keys: jax.Array,  # [T, K, H]
-    values: jax.Array,  # [T, K, H]
+    values: jax.Array | None,  # [T, K, H]; None: a shared cache, the keys alone
     slot_mapping: jax.Array,  # [T] int32: page * S + offset; padding -> the null page
     *,
     interpret: bool = False,
@@ -407,11 +419,11 @@ def write_kv(
     donated (see the module docstring). A logical cache is converted there and back
     (copies). `interpret` is accepted for the backends' common signature."""
     del interpret
-    t, k_heads, h = keys.shape
+    _, k_heads, h = keys.shape
     logical = kv_cache.ndim == 4
-    layout = CacheLayout(k_heads, h, kv_cache.shape[1], lane_dense=True)
+    layout = CacheLayout(k_heads, h, kv_cache.shape[1], True, shared_kv=values is None)
     cache = layout.pages_from_logical(kv_cache) if logical else kv_cache
-    new = jnp.stack([keys, values], axis=2).reshape(t, 1, 2 * k_heads, h)
+    new = kv_rows(keys, values)[:, None]  # [T, 1, 2K, H]
     new = layout.pages_from_logical(new.astype(cache.dtype))[:, 0]  # [T, W]
     s = layout.page_size
     cache = write_rows(cache, new, slot_mapping // s, slot_mapping % s)

@@ -74,6 +74,7 @@ class TpuBlockSizes:
         page_size: int = 16,
         q_dtype=jnp.bfloat16,
         kv_dtype=jnp.bfloat16,
+        shared_kv: bool = False,
     ) -> TpuBlockSizes:
         """The largest block_q (16, else 8) whose VMEM (`kernel_vmem_bytes`) fits the
         generation's capacity (`vmem_capacity`). Without the head counts it sizes for
@@ -98,6 +99,7 @@ class TpuBlockSizes:
                 page_size=page_size,
                 q_dtype=q_dtype,
                 kv_dtype=kv_dtype,
+                shared_kv=shared_kv,
             )
             if needs[block_q] <= capacity:
                 return sizes
@@ -129,15 +131,17 @@ def scratch_vmem_bytes(
     page_size: int,
     q_dtype,
     kv_dtype,
+    shared_kv: bool = False,
 ) -> int:
     """VMEM the attention kernel's scratch buffers take for these shapes (what
     `ragged_paged_attention` allocates), padded to tiles."""
     group = num_heads // num_kv_heads
-    rows = kv_rows_per_program(num_kv_heads, kv_dtype)
-    heads = rows // 2
+    layout = CacheLayout(num_kv_heads, head_dim, page_size, True, shared_kv=shared_kv)
+    rows = kv_rows_per_program(num_kv_heads, kv_dtype, shared_kv)
+    heads = rows // layout.rows_per_head
     hg = heads * group
     quantized = jnp.dtype(kv_dtype).itemsize == 1
-    lanes = program_lanes(num_kv_heads, head_dim, page_size, kv_dtype)
+    lanes = program_lanes(num_kv_heads, head_dim, page_size, kv_dtype, shared_kv)
     buffers = [
         ((block_q, heads, group, head_dim), q_dtype),  # q
         ((hg, block_q, head_dim), q_dtype),  # q, head-major
@@ -148,8 +152,7 @@ def scratch_vmem_bytes(
         ((hg, block_q, head_dim), jnp.float32),  # acc
     ]
     if quantized:
-        scale_lanes = CacheLayout(num_kv_heads, head_dim, page_size, lane_dense=True).scale_lanes
-        buffers.append(((pages_per_block, 1, scale_lanes), jnp.float32))
+        buffers.append(((pages_per_block, 1, layout.scale_lanes), jnp.float32))
     if jnp.dtype(q_dtype).itemsize < 4:
         buffers.append(((block_q, heads, group, head_dim), jnp.float32))  # q/o staging
     return sum(_vmem_bytes(shape, dtype) for shape, dtype in buffers)
@@ -171,21 +174,25 @@ def vmem_limit(need: int) -> int | None:
     return None if need <= _SCOPED_VMEM else -(-need // _MIB) * _MIB
 
 
-def kv_rows_per_program(num_kv_heads: int, kv_dtype) -> int:
-    """KV rows (2 per kv head) one program reads from each page: 8 sublanes' worth
-    (8 rows of float32, 16 of bfloat16, 32 of int8 / fp8) where 2K is a multiple of it,
-    else all 2K rows. In the lane-dense cache a program's rows are rows * H lanes of
-    each slot, a multiple of 128 (H a multiple of 16), so its page DMA starts and ends
-    on lane-tile boundaries; the VMEM block it fills stays within the budget
+def kv_rows_per_program(num_kv_heads: int, kv_dtype, shared_kv: bool = False) -> int:
+    """KV rows (2 per kv head; 1 shared) one program reads from each page: 8 sublanes'
+    worth (8 rows of float32, 16 of bfloat16, 32 of int8 / fp8) where 2K is a multiple
+    of it, else all 2K rows. In the lane-dense cache a program's rows are rows * H
+    lanes of each slot, a multiple of 128 (H a multiple of 16), so its page DMA starts
+    and ends on lane-tile boundaries; the VMEM block it fills stays within the budget
     `for_device` sizes for."""
     tile = 8 * (4 // jnp.dtype(kv_dtype).itemsize)
-    return tile if (2 * num_kv_heads) % tile == 0 else 2 * num_kv_heads
+    rows = (1 if shared_kv else 2) * num_kv_heads
+    return tile if rows % tile == 0 else rows
 
 
-def program_lanes(num_kv_heads: int, head_dim: int, page_size: int, kv_dtype) -> int:
+def program_lanes(
+    num_kv_heads: int, head_dim: int, page_size: int, kv_dtype, shared_kv: bool = False
+) -> int:
     """Lanes of a slot one program copies: its rows' (`kv_rows_per_program`), or the
     whole padded width where it takes all 2K rows."""
-    rows = kv_rows_per_program(num_kv_heads, kv_dtype)
-    if rows == 2 * num_kv_heads:
-        return CacheLayout(num_kv_heads, head_dim, page_size, lane_dense=True).row_lanes
+    layout = CacheLayout(num_kv_heads, head_dim, page_size, True, shared_kv=shared_kv)
+    rows = kv_rows_per_program(num_kv_heads, kv_dtype, shared_kv)
+    if rows == layout.rows:
+        return layout.row_lanes
     return rows * head_dim

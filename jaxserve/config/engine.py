@@ -423,7 +423,11 @@ class EngineConfig:
 
         backend = get_backend(self.attention_backend)
         return backend.cache_layout(
-            self.cache.page_size, model.num_kv_heads, model.head_dim, shards
+            self.cache.page_size,
+            model.num_kv_heads,
+            model.head_dim,
+            shards,
+            shared_kv=model.mla is not None,  # one latent row a token: its key and value
         )
 
     def kv_bytes_per_page(self, per_device: bool = False) -> int:

@@ -1,7 +1,8 @@
 """The device side of KV transfer: one gather of pages to the host, one scatter back.
 
-A page leaves as one array "kv" [L, page, 2K, H] (every layer's slice of it) and,
-for an int8 / fp8 cache, its "scales" [L, page, 2K] beside it: the layout
+A page leaves as one array "kv" [L, page, 2K, H] (every layer's slice of it; K rows
+for a shared latent cache) and, for an int8 / fp8 cache, its "scales" [L, page, 2K]
+beside it: the layout
 `jaxserve.kv.transfer` encodes. Page counts are padded to a power of
 two with the null page (0), so a handful of programs serve every batch: a gather
 reads the null page for padding (ignored), a scatter writes padding into it
@@ -47,7 +48,8 @@ def kv_layout(config: EngineConfig, weights: list[jax.Array]) -> KVLayout:
         flat = np.asarray(w).reshape(-1)
         h.update(str((w.shape, str(w.dtype))).encode())
         h.update(np.ascontiguousarray(flat[:: max(1, flat.size // _SAMPLE)]).tobytes())
-    shape = (m.num_layers, config.cache.page_size, 2 * m.num_kv_heads, m.head_dim)
+    rows = config.cache_layout(m).rows  # 2K (K for a shared latent cache)
+    shape = (m.num_layers, config.cache.page_size, rows, m.head_dim)
     arrays = [ArraySpec("kv", str(np.dtype(kv_element_dtype(config.kv_dtype))), shape)]
     if config.cache.quantized:
         arrays.append(ArraySpec("scales", "float32", shape[:3]))

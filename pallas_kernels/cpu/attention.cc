@@ -7,7 +7,9 @@
 //
 //   q [T, N, H] f32, kv [P, S, 2K, H] (f32, bf16, int8, fp8; K head k at 2k, V head k
 //   at 2k + 1), scales [P, S, 2K] f32 (int8 / fp8 only), kv_lens [B], pages [B, M],
-//   cu_q_lens [B + 1], num_seqs [1] -> out [T, N, H] f32.
+//   cu_q_lens [B + 1], num_seqs [1] -> out [T, N, H] f32. With rows_per_head = 1 the
+//   cache is shared, [P, S, K, H] (scales [P, S, K]): row k is head k's key and its
+//   value (multi-head latent attention's latent), converted once.
 //
 // Sequence b owns query rows cu_q_lens[b] .. cu_q_lens[b + 1], its last q_len tokens:
 // row i sits at position kv_len - q_len + i and attends to kv positions 0 .. itself
@@ -190,6 +192,7 @@ struct Attention {
   const int32_t* cu_q;
   float* out;
   int64_t N, H, S, K, M;
+  int64_t R;  // cache rows per KV head: 2 (K, V) or 1 (shared)
   float sm_scale;
   int32_t window;  // 0: none
   float soft_cap;  // 0: none
@@ -237,16 +240,19 @@ void AttendItem(const Attention& a, const Item& it, std::vector<float>& scratch)
         krows[j] = vrows[j] = zeros;
         continue;
       }
-      const int64_t row = (static_cast<int64_t>(seq_pages[t / a.S]) * a.S + t % a.S) * 2 * a.K;
-      const int64_t key = row + 2 * it.head, value = key + 1;
+      const int64_t row = (static_cast<int64_t>(seq_pages[t / a.S]) * a.S + t % a.S) * a.R * a.K;
+      const int64_t key = row + a.R * it.head, value = key + a.R - 1;
       if constexpr (std::is_same_v<T, float>) {  // read in place
         krows[j] = kv + key * H;
         vrows[j] = kv + value * H;
       } else {
         ConvertRow(kv + key * H, a.scales ? a.scales[key] : 1.0f, kb + j * H, H);
-        ConvertRow(kv + value * H, a.scales ? a.scales[value] : 1.0f, vb + j * H, H);
         krows[j] = kb + j * H;
-        vrows[j] = vb + j * H;
+        vrows[j] = krows[j];  // (shared: the key is the value)
+        if (value != key) {
+          ConvertRow(kv + value * H, a.scales ? a.scales[value] : 1.0f, vb + j * H, H);
+          vrows[j] = vb + j * H;
+        }
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -292,15 +298,17 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Any
                          const float* scales, ffi::Buffer<ffi::S32> kv_lens,
                          ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> cu_q_lens,
                          ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out,
-                         float sm_scale, int32_t sliding_window, float soft_cap) {
+                         float sm_scale, int32_t sliding_window, float soft_cap, int32_t R) {
   auto qd = q.dimensions(), kd = kv.dimensions(), pd = pages.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2 || kd[2] % 2 || kd[3] != qd[2])
-    return ffi::Error::InvalidArgument("cpu attention: want q [T, N, H], kv [P, S, 2K, H]");
-  const int64_t T = qd[0], N = qd[1], H = qd[2], K = kd[2] / 2;
+  if (R != 1 && R != 2)
+    return ffi::Error::InvalidArgument("cpu attention: rows_per_head must be 1 or 2");
+  if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2 || kd[2] % R || kd[3] != qd[2])
+    return ffi::Error::InvalidArgument("cpu attention: want q [T, N, H], kv [P, S, R * K, H]");
+  const int64_t T = qd[0], N = qd[1], H = qd[2], K = kd[2] / R;
   if (N % K || N / K > 64)
     return ffi::Error::InvalidArgument("cpu attention: N must be a multiple of K, N / K <= 64");
   Attention a{q.typed_data(), kv.untyped_data(), scales, kv_lens.typed_data(), pages.typed_data(),
-              cu_q_lens.typed_data(), out->typed_data(), N, H, kd[1], K, pd[1], sm_scale,
+              cu_q_lens.typed_data(), out->typed_data(), N, H, kd[1], K, pd[1], R, sm_scale,
               sliding_window, soft_cap};
   const int32_t b_count = std::min<int32_t>(num_seqs.typed_data()[0], pd[0]);
   std::vector<Item> items;
@@ -321,17 +329,19 @@ template <typename T>
 ffi::Error FloatKv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv,
                    ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> pages,
                    ffi::Buffer<ffi::S32> cu, ffi::Buffer<ffi::S32> n, ffi::ResultBuffer<ffi::F32> out,
-                   float sm_scale, int32_t window, float cap) {
-  return AttentionImpl<T>(pool, q, kv, nullptr, kv_lens, pages, cu, n, out, sm_scale, window, cap);
+                   float sm_scale, int32_t window, float cap, int32_t rows_per_head) {
+  return AttentionImpl<T>(pool, q, kv, nullptr, kv_lens, pages, cu, n, out, sm_scale, window, cap,
+                          rows_per_head);
 }
 
 template <typename T>
 ffi::Error ScaledKv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv,
                     ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> kv_lens,
                     ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> cu, ffi::Buffer<ffi::S32> n,
-                    ffi::ResultBuffer<ffi::F32> out, float sm_scale, int32_t window, float cap) {
+                    ffi::ResultBuffer<ffi::F32> out, float sm_scale, int32_t window, float cap,
+                    int32_t rows_per_head) {
   return AttentionImpl<T>(pool, q, kv, scales.typed_data(), kv_lens, pages, cu, n, out, sm_scale,
-                          window, cap);
+                          window, cap, rows_per_head);
 }
 
 }  // namespace
@@ -351,7 +361,8 @@ ffi::Error ScaledKv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffe
                                     .Ret<ffi::Buffer<ffi::F32>>()      \
                                     .Attr<float>("sm_scale")           \
                                     .Attr<int32_t>("sliding_window")   \
-                                    .Attr<float>("soft_cap"));
+                                    .Attr<float>("soft_cap")           \
+                                    .Attr<int32_t>("rows_per_head"));
 #define JAXSERVE_SCALES .Arg<ffi::Buffer<ffi::F32>>()
 
 JAXSERVE_ATTENTION(JaxserveAttentionF32, FloatKv<float>, )

@@ -26,16 +26,16 @@ _KV_NAMES = {
 MAX_GROUP = 64  # query heads per KV head the kernel's buffers hold
 
 
-def supports(queries: jax.Array, kv_cache: jax.Array) -> bool:
+def supports(queries: jax.Array, kv_cache: jax.Array, shared_kv: bool = False) -> bool:
     """Whether the kernel takes these inputs (else the caller uses the reference)."""
-    group = queries.shape[1] // (kv_cache.shape[2] // 2)
+    group = queries.shape[1] // (kv_cache.shape[2] // (1 if shared_kv else 2))
     return library.is_loaded() and jnp.dtype(kv_cache.dtype) in _KV_NAMES and group <= MAX_GROUP
 
 
 def write_kv(
-    kv_cache: jax.Array,  # [P, S, 2K, H]
+    kv_cache: jax.Array,  # [P, S, 2K, H] (shared: [P, S, K, H])
     keys: jax.Array,  # [T, K, H]
-    values: jax.Array,  # [T, K, H]
+    values: jax.Array | None,  # [T, K, H]; None: a shared cache
     slot_mapping: jax.Array,  # [T] int32
 ) -> jax.Array:
     """The reference's `write_kv` (its oracle), each row copied into its slot in place
@@ -44,8 +44,7 @@ def write_kv(
     reference's scatter is promised in-bounds slots; the engine's always are)."""
     if not library.is_loaded():
         return reference.write_kv(kv_cache, keys, values, slot_mapping)
-    t, _, head_dim = keys.shape
-    rows = jnp.stack([keys, values], axis=2).reshape(t, -1, head_dim).astype(kv_cache.dtype)
+    rows = reference.kv_rows(keys, values).astype(kv_cache.dtype)
     call = jax.ffi.ffi_call(
         "jaxserve_write_slots",
         jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
@@ -68,15 +67,17 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     pages_per_block: int | None = None,
     queries_per_block: int = 128,
+    shared_kv: bool = False,  # [P, S, K, H]: each row both key and value
 ) -> jax.Array:  # [T, N, H]
     del pages_per_block, queries_per_block  # the reference's tiling
     reference.validate_inputs(
-        queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales
+        queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, shared_kv
     )
-    if not supports(queries, kv_cache):
+    per_head = 1 if shared_kv else 2
+    if not supports(queries, kv_cache, shared_kv):
         raise ValueError(
             f"the CPU attention kernel takes none of: kv {kv_cache.dtype}, "
-            f"{queries.shape[1]} query heads over {kv_cache.shape[2] // 2} KV heads "
+            f"{queries.shape[1]} query heads over {kv_cache.shape[2] // per_head} KV heads "
             f"(loaded: {library.is_loaded()})"
         )
     call = jax.ffi.ffi_call(
@@ -95,5 +96,6 @@ def ragged_paged_attention(
         sm_scale=np.float32(sm_scale),
         sliding_window=np.int32(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
+        rows_per_head=np.int32(per_head),
     )
     return out.astype(queries.dtype)

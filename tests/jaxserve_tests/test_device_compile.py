@@ -100,6 +100,34 @@ HYBRID = dict(
     sliding_window=128,
     layer_types=["sliding_attention", "sliding_attention", "full_attention"],
 )
+# DeepSeek-V3's attention at its real width (multi-head latent attention: the cache's
+# one KV head is kv_lora_rank + qk_rope_head_dim = 576 lanes, its V row [latent, 0]),
+# the rest small: q_lora_rank, grouped routing over 8 experts, the first layer dense.
+MLA = dict(
+    architectures=["DeepseekV3ForCausalLM"],
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=512,
+    q_lora_rank=96,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    max_position_embeddings=1024,
+)
 STEP = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024, block_size=16)
 # Real sizes: the same kinds of programs, fewer buckets (each compiles for seconds).
 REAL_STEP = dict(max_num_seqs=2, max_num_batched_tokens=16)
@@ -109,7 +137,7 @@ REAL_STEP = dict(max_num_seqs=2, max_num_batched_tokens=16)
 def model_dirs(tmp_path_factory):
     """name -> a directory holding only config.json (2 layers of the real ones)."""
     dirs = {}
-    for name, hf in [("small", SMALL), ("hybrid", HYBRID), *REAL.items()]:
+    for name, hf in [("small", SMALL), ("hybrid", HYBRID), ("mla", MLA), *REAL.items()]:
         path = tmp_path_factory.mktemp(name)
         (path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, **hf}))
         dirs[name] = str(path)
@@ -247,6 +275,30 @@ def test_hybrid_kv_warmup_compiles_for_the_target(model_dirs, target, args):
     assert local < full
     pages = [jax.tree.leaves(c)[0].shape[0] for c in runner.kv_caches]
     assert pages == [local, local, full]
+    check(engine, target)
+
+
+MLA_CASES = [
+    ("v5e", {}),
+    ("v6e", dict(kv_cache_dtype="int8")),
+    ("h100", dict(kv_cache_dtype="fp8_e4m3")),
+    ("a100", {}),
+    ("v5e-4", dict(tensor_parallel_size=4)),
+    ("h100x4", dict(tensor_parallel_size=4)),
+]
+
+
+@pytest.mark.parametrize(
+    "target,args", MLA_CASES, ids=[f"{t}-{i}" for i, (t, _) in enumerate(MLA_CASES)]
+)
+def test_latent_attention_warmup_compiles_for_the_target(model_dirs, target, args):
+    """DeepSeek's absorbed attention: every head reads the one 576-lane KV head."""
+    engine = build(model_dirs["mla"], target, **args)
+    spec, layout = engine.runner.config.model, engine.runner.cache_layout
+    assert (spec.num_kv_heads, spec.head_dim) == (1, 576)
+    # One row a token, its key and its value: 576 values (640 lanes on a TPU), not 1,152.
+    assert layout.shared_kv and layout.rows == 1
+    assert layout.page_bytes(1, False) == 16 * (640 if target.startswith("v") else 576)
     check(engine, target)
 
 

@@ -288,20 +288,23 @@ def test_routing_matches_transformers_router(name):
 
 
 def test_kv_bytes_per_token_are_the_latents(tmp_path_factory):
-    """The engine sizes its pool by layers x 2 x (kv_lora_rank + qk_rope_head_dim) x
-    bytes per token: one KV head of the latent and the rope key, stored as a K row and
-    a V row (the V row repeats the latent beside zeros, so this first version costs
-    twice the latent's minimum, and a tiny fraction of the expanded heads' K and V)."""
+    """The engine sizes its pool by layers x (kv_lora_rank + qk_rope_head_dim) x bytes
+    per token: one row of the latent and the rope key, the key and the value at once
+    (a shared cache; its first version stored a V row beside it, twice the minimum),
+    a tiny fraction of the expanded heads' K and V. A quantized cache adds one float32
+    scale a row."""
     arch, overrides = CASES["v3_grouped_routing"]
     path = str(tmp_path_factory.mktemp("kv_bytes"))
     make_deepseek(path, arch, overrides)
     m = ModelConfig.from_pretrained(path)
     assert (m.num_kv_heads, m.head_dim) == (1, LATENT + ROPE)
-    per_token = BASE["num_hidden_layers"] * 2 * (LATENT + ROPE) * 4  # float32
+    per_token = BASE["num_hidden_layers"] * (LATENT + ROPE) * 4  # float32
     budget = 40 * PAGE * per_token + 100
     config = engine_config(path, page_size=PAGE, num_pages=None, kv_cache_memory_bytes=budget)
     assert config.kv_bytes_per_page() == PAGE * per_token
     assert config.num_kv_pages() == 40
+    int8 = engine_config(path, page_size=PAGE, kv_cache_dtype="int8")
+    assert int8.kv_bytes_per_page() == PAGE * BASE["num_hidden_layers"] * (LATENT + ROPE + 4)
     expanded = BASE["num_hidden_layers"] * 2 * 4 * (24 + ROPE) * 4  # 4 heads' K, V of 40
     assert per_token < expanded
 
