@@ -186,6 +186,29 @@ CASES: dict[str, tuple[str, dict]] = {
             num_hidden_layers=2,
         ),
     ),
+    # DeepSeek-V3: multi-head latent attention (a latent of 32 + a rope key of 16: the
+    # shared cache's one 48-wide row), q_lora_rank, 2 of 4 expert groups, a shared
+    # expert, layer 0 dense.
+    "deepseek_v3_mla": (
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=24,
+            v_head_dim=20,
+            moe_intermediate_size=24,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+        ),
+    ),
     "qwen3_head_dim_mismatch": (
         "Qwen3ForCausalLM",
         dict(
@@ -218,6 +241,7 @@ def make_hf_model(path, arch: str, overrides: dict, *, seed: int = 0, dtype=torc
         "MixtralForCausalLM": transformers.MixtralConfig,
         "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
         "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
+        "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
     }[arch]
     if arch == "Gemma3ForConditionalGeneration":  # a tiny vision tower beside the text model
         vision = dict(
@@ -247,6 +271,9 @@ def make_hf_model(path, arch: str, overrides: dict, *, seed: int = 0, dtype=torc
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's router correction
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
         if tied_router:
             for name, p in model.named_parameters():
                 if name.endswith("mlp.gate.weight"):

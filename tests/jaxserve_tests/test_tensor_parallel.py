@@ -32,6 +32,9 @@ RUNS = [
     ("mixtral_top2_of_8", {}, "4", "basic"),
     ("qwen3_moe_top3_of_16", {}, "4", "basic"),
     ("qwen2_moe_shared_expert", {}, "2", "basic"),
+    # Latent attention: the heads split, the one-row shared cache replicated.
+    ("deepseek_v3_mla", {}, "2", "stress"),
+    ("deepseek_v3_mla", {}, "4", "async_tier_int8"),
 ]
 
 

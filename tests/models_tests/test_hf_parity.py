@@ -109,7 +109,11 @@ def test_config_features_are_parsed(hf_model_dir):
 # experts 0.041-0.050 (Qwen) and 0.171 (Mixtral: near-tied routers of random
 # weights send a token to another expert; routers stay in float32), top-1 >= 0.925.
 # Separately on gemma2/3: int8 weights alone 0.043, int8 KV 0.011, fp8 e4m3 KV 0.04-0.08.
-MAX_RELATIVE_ERROR = {"dense": 0.1, "moe": 0.25}
+# DeepSeek-V3's grouped routing (2 of 4 groups by their best two sigmoid scores, then
+# 2 of their experts) flips more (2026-11-30): 0.285 on one prompt of four, the others
+# <= 0.036; the int8 KV alone 0.252 on that prompt, <= 0.009 on the rest; without
+# experts 0.031 (test_deepseek_parity).
+MAX_RELATIVE_ERROR = {"dense": 0.1, "moe": 0.25, "grouped": 0.35}
 
 
 @pytest.mark.slow
@@ -125,5 +129,7 @@ def test_quantized_prompt_logits_stay_close_to_transformers(case, hf_model_dir):
         errors.append(np.abs(ours - theirs).max() / np.abs(theirs).max())
         agree.extend(ours.argmax(-1) == theirs.argmax(-1))
     print(f"{case}: max relative error {max(errors):.4f}, top-1 {np.mean(agree):.3f}")
-    bound = MAX_RELATIVE_ERROR["moe" if ModelConfig.from_pretrained(path).moe else "dense"]
+    moe = ModelConfig.from_pretrained(path).moe
+    kind = "dense" if not moe else "grouped" if moe.n_group > 1 else "moe"
+    bound = MAX_RELATIVE_ERROR[kind]
     assert max(errors) < bound and np.mean(agree) >= 0.9, (max(errors), np.mean(agree))
