@@ -61,6 +61,23 @@ def slow_down(monkeypatch, engine, seconds=0.01):
     monkeypatch.setattr(engine, "step", slow)
 
 
+def hold_after(monkeypatch, engine, steps: int) -> threading.Event:
+    """Lets the engine run `steps` steps (10 ms each at least), then holds its next
+    until the returned event is set: a request is then surely still in flight, however
+    slowly its client reads, and whatever the earlier steps streamed has been sent."""
+    step, release, ran = engine.step, threading.Event(), [0]
+
+    def held():
+        if ran[0] >= steps:
+            assert release.wait(60), "the test never released the engine"
+        ran[0] += 1
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(engine, "step", held)
+    return release
+
+
 def wait_idle(engine, timeout=10):
     deadline = time.monotonic() + timeout
     while engine.has_unfinished() or engine.requests:
@@ -571,11 +588,14 @@ def test_an_empty_prompt_is_refused_naming_prompt():
 
 
 def test_client_that_disconnects_frees_its_request(served, base_url, monkeypatch):
+    # The engine holds after 30 of the 100 tokens' steps until the client has left, so
+    # the request is in flight when it goes, however loaded the machine (a 10 ms step
+    # alone let the stream finish first under load).
     engine = served.engine
-    slow_down(monkeypatch, engine)
     aborted = engine.stats().requests_aborted
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 100, "stream": True}
     body["ignore_eos"] = True
+    release = hold_after(monkeypatch, engine, 30)
     with (
         httpx.Client(base_url=base_url, timeout=60) as c,
         c.stream("POST", "/v1/chat/completions", json=body) as r,
@@ -584,15 +604,19 @@ def test_client_that_disconnects_frees_its_request(served, base_url, monkeypatch
             if '"content":"' in line and '"role"' not in line:
                 break
         assert engine.stats().num_running == 1  # still generating when the client leaves
+    release.set()
     wait_idle(engine)
     assert engine.stats().requests_aborted == aborted + 1
     # Not streamed: a client that gives up (its timeout) aborts too.
+    monkeypatch.undo()
+    release = hold_after(monkeypatch, engine, 30)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             f"{base_url}/v1/completions",
             json={"prompt": PROMPT, "max_tokens": 100, "ignore_eos": True},
             timeout=httpx.Timeout(60, read=0.3),
         )
+    release.set()
     wait_idle(engine)
     assert engine.stats().requests_aborted == aborted + 2
 
