@@ -54,6 +54,11 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def rows_per_head(shared_kv: bool) -> int:
+    """Cache rows of one KV head in a slot: its K and V, or the one shared row."""
+    return 1 if shared_kv else 2
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
     """The physical layout of one layer's cache (see the module docstring)."""
@@ -77,8 +82,8 @@ class CacheLayout:
 
     @property
     def rows_per_head(self) -> int:
-        """Cache rows of one KV head in a slot: its K and V, or the one shared row."""
-        return 1 if self.shared_kv else 2
+        """Cache rows of one KV head in a slot (`rows_per_head`)."""
+        return rows_per_head(self.shared_kv)
 
     @property
     def rows(self) -> int:

@@ -42,6 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.kv_layout import rows_per_head
+
 # ----------------------------------------------------------------------------
 # The pure-jnp reference.
 # ----------------------------------------------------------------------------
@@ -234,7 +236,7 @@ def _attend(
     online softmax."""
     x, rows, num_heads, head_dim = q.shape
     _, page_size, cache_rows, _ = kv_cache.shape
-    per_head = 1 if shared_kv else 2
+    per_head = rows_per_head(shared_kv)
     num_kv_heads = cache_rows // per_head
     group = num_heads // num_kv_heads
     block_tokens = pages_per_block * page_size
@@ -313,7 +315,7 @@ def validate_inputs(
     """Checks shapes and dtypes; raises ValueError naming the argument and what it saw."""
     if queries.ndim != 3:
         raise ValueError(f"queries must be [T, N, H], got shape {queries.shape}")
-    per_head = 1 if shared_kv else 2
+    per_head = rows_per_head(shared_kv)
     if kv_cache.ndim != 4 or kv_cache.shape[2] % per_head:
         want = "[P, S, K, H] (shared)" if shared_kv else "[P, S, 2K, H]"
         raise ValueError(f"kv_cache must be {want}, got shape {kv_cache.shape}")

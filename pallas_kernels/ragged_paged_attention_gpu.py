@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kv_layout import rows_per_head
 from pallas_kernels.ragged_paged_attention import (
     attention_cost,
     kv_rows,
@@ -374,8 +375,9 @@ def _kernel(
         carry = jax.lax.fori_loop(start_block, num_blocks, body, init)
         for g in range(heads):
             _, denom, accs = carry[g]
+            denom = jnp.where(denom > 0, denom, 1.0)[:, None]  # (rows that saw nothing: 0)
             for (first, lanes), acc in zip(pieces, accs, strict=True):
-                out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
+                out = acc / denom
                 plgpu.store(
                     o_ref.at[
                         pl.ds(row0, block_q), pl.ds(g, 1), _lanes(first, lanes, o_ref.shape[-1])
@@ -418,7 +420,7 @@ def ragged_paged_attention(
     quantized = kv_scales is not None
     t, n, h = queries.shape
     p, s, kv2, _ = kv_cache.shape
-    per_head = 1 if shared_kv else 2
+    per_head = rows_per_head(shared_kv)
     k_heads = kv2 // per_head
     group = n // k_heads
     bq = block_sizes.block_q

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kv_layout import CacheLayout, write_rows
+from pallas_kernels.kv_layout import CacheLayout, rows_per_head, write_rows
 from pallas_kernels.ragged_paged_attention import (
     attention_cost,
     kv_rows,
@@ -304,7 +304,7 @@ def ragged_paged_attention(
         validate_inputs(
             queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, shared_kv
         )
-        num_kv_heads = kv_cache.shape[2] // (1 if shared_kv else 2)
+        num_kv_heads = kv_cache.shape[2] // rows_per_head(shared_kv)
         layout = CacheLayout(
             num_kv_heads, queries.shape[2], kv_cache.shape[1], True, shared_kv=shared_kv
         )

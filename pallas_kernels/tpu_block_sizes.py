@@ -13,7 +13,7 @@ import functools
 
 import jax.numpy as jnp
 
-from pallas_kernels.kv_layout import CacheLayout
+from pallas_kernels.kv_layout import CacheLayout, rows_per_head
 
 _MIB = 2**20
 # VMEM one kernel may allocate, per generation (device kind, lower case): the deviceless
@@ -182,7 +182,7 @@ def kv_rows_per_program(num_kv_heads: int, kv_dtype, shared_kv: bool = False) ->
     and ends on lane-tile boundaries; the VMEM block it fills stays within the budget
     `for_device` sizes for."""
     tile = 8 * (4 // jnp.dtype(kv_dtype).itemsize)
-    rows = (1 if shared_kv else 2) * num_kv_heads
+    rows = rows_per_head(shared_kv) * num_kv_heads
     return tile if rows % tile == 0 else rows
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from pallas_kernels import ragged_paged_attention as reference
 from pallas_kernels.cpu import library
+from pallas_kernels.kv_layout import rows_per_head
 
 _KV_NAMES = {
     jnp.dtype(jnp.float32): "f32",
@@ -28,7 +29,7 @@ MAX_GROUP = 64  # query heads per KV head the kernel's buffers hold
 
 def supports(queries: jax.Array, kv_cache: jax.Array, shared_kv: bool = False) -> bool:
     """Whether the kernel takes these inputs (else the caller uses the reference)."""
-    group = queries.shape[1] // (kv_cache.shape[2] // (1 if shared_kv else 2))
+    group = queries.shape[1] // (kv_cache.shape[2] // rows_per_head(shared_kv))
     return library.is_loaded() and jnp.dtype(kv_cache.dtype) in _KV_NAMES and group <= MAX_GROUP
 
 
@@ -73,7 +74,7 @@ def ragged_paged_attention(
     reference.validate_inputs(
         queries, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, shared_kv
     )
-    per_head = 1 if shared_kv else 2
+    per_head = rows_per_head(shared_kv)
     if not supports(queries, kv_cache, shared_kv):
         raise ValueError(
             f"the CPU attention kernel takes none of: kv {kv_cache.dtype}, "
