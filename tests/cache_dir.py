@@ -16,6 +16,12 @@ def test_cache_dir() -> str:
 test_cache_dir.__test__ = False  # (not a test: its name only says what it returns)
 
 
+def with_xla_flags(*flags: str) -> str:
+    """This process's XLA_FLAGS (the test processes': `conftest.TEST_XLA_FLAGS`) and
+    `flags`: for a process a test starts with flags of its own (fake devices)."""
+    return " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
+
+
 def env_without_compilation_cache() -> dict[str, str]:
     """This process's environment less JAX's persistent-cache settings: for a process
     a test starts that must compile what it saves (XLA:CPU cannot serialize a program it

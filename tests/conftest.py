@@ -38,6 +38,27 @@ if TEST_CACHE:
     # evicts the least recently used.
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
+# XLA:CPU's LLVM code generation at -O0 in test processes and the processes they start
+# (not in the accelerator suite). The programs are the same HLO, optimized by XLA's own
+# passes as always; LLVM's optimizations of the emitted loops are what a test does not
+# need (the tiny models run in milliseconds either way). Measured cold on 2 cores of a
+# Zen 3 EPYC: the demo model's warm-up 63.3 -> 41.2 s, three engine test files 578 ->
+# 459 s. XLA:GPU's deviceless compiles read the flag too and took ~12% longer with it
+# (153/160 -> 178/173 s, two h100/a100 cases): less than the CPU's gain. XLA_FLAGS set
+# by the caller are kept as they are.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+if not ACCELERATOR:
+    os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
+
+# No source locations in what is lowered (a full traceback of 0 frames, JAX's own
+# settings). A Pallas kernel's Mosaic or Triton module carries its ops' file and line
+# into the program, so a line added above a kernel, or a clone at another path,
+# changed every program holding it: each deviceless record missed and compiled again
+# (a CI run where they all missed took 76 minutes, against 14-18 warm). The kernel's
+# code is still the key; where it sits is not (tests/jaxserve_tests/test_compilation_cache.py).
+os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "1")
+os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
+
 
 # Python's cyclic garbage collector, tuned for test processes: tracing and lowering
 # allocate millions of short-lived objects, and with the default thresholds (700, 10,

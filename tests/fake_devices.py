@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+from cache_dir import with_xla_flags
+
 HERE = os.path.dirname(__file__)
 # The script as `python script args` would run it, with the garbage collector tuned as
 # in the test processes (conftest.py) and jaxserve's command line.
@@ -22,7 +24,9 @@ def run_on_8_devices(script: str, *args) -> str:
     """Runs tests/`script` with `args` in a subprocess with 8 fake CPU devices (the
     device count is fixed when JAX starts); asserts it succeeded, returns its stdout."""
     env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
+        os.environ,
+        XLA_FLAGS=with_xla_flags("--xla_force_host_platform_device_count=8"),
+        JAX_PLATFORMS="cpu",
     )
     proc = subprocess.run(
         [sys.executable, "-c", _LAUNCH, os.path.join(HERE, script), *map(str, args)],

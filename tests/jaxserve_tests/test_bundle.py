@@ -11,7 +11,7 @@ import sys
 
 import jax
 import pytest
-from cache_dir import env_without_compilation_cache
+from cache_dir import env_without_compilation_cache, with_xla_flags
 
 from jaxserve import LLM
 from jaxserve.config import engine_config
@@ -124,7 +124,7 @@ def _run(mode: str, bundle_dir, cache_dir, devices: int = 1, **kw) -> dict:
     # it saves (XLA:CPU cannot serialize a program it loaded from a cache again), and
     # `load` must compile nothing and find no cache.
     env = env_without_compilation_cache()
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = with_xla_flags(f"--xla_force_host_platform_device_count={devices}")
     proc = subprocess.run(
         [
             sys.executable,

@@ -106,9 +106,10 @@ def test_the_command_line_and_llm_set_the_cache_and_an_engine_never_does(tmp_pat
     assert _python(LLM_DEFAULT, tmp_path)[-1] == f"LLM() {tmp_path}"  # the process's kept
 
 
-# A Pallas kernel compiled for a compile-only TPU and GPU three times: as it is, again,
-# and with its source changed (one constant). Each line: the target, whether a record
-# answered, how many programs XLA built, and the flops XLA:TPU read from the kernel.
+# A Pallas kernel compiled for a compile-only TPU and GPU four times: as it is, again,
+# the same code three lines lower in another file, and with its source changed (one
+# constant). Each line: the target, whether a record answered, how many programs XLA
+# built, and the flops XLA:TPU read from the kernel.
 KERNEL_CHANGE = """
 import functools, sys
 import jax, jax.numpy as jnp
@@ -122,10 +123,17 @@ from jaxserve.targets import Target, compiling_for
 use_compilation_cache(sys.argv[1])
 counter = CompileCounter()
 
+KERNEL = '''
 def kernel(scale, x_ref, o_ref):
     o_ref[...] = x_ref[...] * scale
+'''
 
-def program(target, scale):
+def defined(lines_above, file):
+    scope = {}
+    exec(compile("\\n" * lines_above + KERNEL, file, "exec"), scope)
+    return scope["kernel"]
+
+def program(target, scale, kernel):
     dev = Target.parse(target).devices()[0]
     x = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(dev))
     kw = {}
@@ -137,10 +145,11 @@ def program(target, scale):
     with compiling_for(dev):
         return compile_for(jax.jit(call).lower(x), [dev])
 
+here, moved = defined(0, "/a/kernels.py"), defined(3, "/b/kernels.py")
 for target in ("v5e", "h100"):
-    for scale in (1000.0, 1000.0, 3000.0):
+    for scale, kernel in ((1000.0, here), (1000.0, here), (1000.0, moved), (3000.0, here)):
         before = counter.count
-        compiled = program(target, scale)
+        compiled = program(target, scale, kernel)
         cost = compiled.cost_analysis()
         flops = int(cost["flops"]) if cost else None
         print(target, isinstance(compiled, CompiledRecord), counter.count - before, flops)
@@ -151,13 +160,16 @@ for target in ("v5e", "h100"):
 def test_a_changed_kernel_misses_the_records_and_compiles_for_real(tmp_path):
     """Programs for compile-only TPUs and GPUs are answered from records
     (`jaxserve.compile_records`) only for the same module: a kernel's source is part of
-    the key, so an edited kernel compiles again, for real."""
+    the key, so an edited kernel compiles again, for real. Where its code sits (its
+    lines, its file's path) is not: test processes lower without source locations
+    (tests/conftest.py)."""
     lines = [line.split() for line in _python(KERNEL_CHANGE, tmp_path)]
     for target in ("v5e", "h100"):
-        first, again, changed = [line[1:] for line in lines if line[0] == target]
+        first, again, moved, changed = [line[1:] for line in lines if line[0] == target]
         assert first[:2] == ["False", "1"]  # compiled
         assert again[:2] == ["True", "0"]  # the record: nothing built
         assert again[2:] == first[2:]
+        assert moved[:2] == ["True", "0"]  # the same code elsewhere: the record again
         assert changed[:2] == ["False", "1"]  # the edited kernel: compiled again
         if target == "v5e":  # Mosaic's custom call carries the kernel's declared cost
             assert (first[2], changed[2]) == ("1000", "3000")

@@ -20,6 +20,7 @@ import grpc
 import jax
 import numpy as np
 import pytest
+from cache_dir import with_xla_flags
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ports import free_port
 
@@ -42,7 +43,7 @@ HERE = os.path.dirname(os.path.dirname(__file__))
 def test_two_processes_serve_one_model_and_a_lost_follower_fails_cleanly(hf_model_dir):
     path, _ = hf_model_dir("llama2_mha")
     coordinator = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, XLA_FLAGS=with_xla_flags("--xla_force_host_platform_device_count=4"))
     env["JAX_PLATFORMS"] = "cpu"
     script = os.path.join(HERE, "multihost_check.py")
     follower = subprocess.Popen(
@@ -120,7 +121,7 @@ def served_pair(hf_model_dir, tmp_path):
         "--max_num_batched_tokens=32",
         "--block_size=8",
     ]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, XLA_FLAGS=with_xla_flags("--xla_force_host_platform_device_count=4"))
     env["JAX_PLATFORMS"] = "cpu"
     follower = Served([*common, "--process_id=1"], tmp_path / "follower.log", env)
     port = free_port()
