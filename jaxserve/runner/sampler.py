@@ -385,10 +385,10 @@ def top_ids(x: jax.Array, k: int) -> jax.Array:
     """`lax.top_k(x, k)[1]` for x [R, V] (descending, the lowest index first among
     equals); on a TPU without a sort (`_top_ids_by_passes`). XLA:TPU rewrites
     lax.top_k as a sort of the whole row, which it took 3-6 s to compile per program
-    (64 rows, a v5e target; 0.2-0.7 s by passes), and which sorts [T, V] for T prompt
-    tokens. XLA:GPU compiles its sort in about a second and the passes slower (with
-    them the small model's h100 warm-up compiled 44% longer); XLA:CPU has a top-k of
-    its own, 15x faster here than the passes (16 x 152k)."""
+    (64 rows, a v5e target), and which sorts [T, V] for T prompt tokens. XLA:GPU
+    compiles its sort in about a second and the passes slower (unrolled, they made the
+    small model's h100 warm-up compile 44% longer); XLA:CPU has a top-k of its own,
+    15x faster here than the passes (16 x 152k)."""
     return lax.platform_dependent(
         x,
         tpu=functools.partial(_top_ids_by_passes, k=k),
@@ -398,13 +398,20 @@ def top_ids(x: jax.Array, k: int) -> jax.Array:
 
 def _top_ids_by_passes(x: jax.Array, k: int) -> jax.Array:
     """`top_ids` by k passes over each row: take its largest key (the lowest index
-    among equals), then set that entry's key below every value's."""
+    among equals), then set that entry's key below every value's.
+
+    A loop, not k passes unrolled: for a v5e target XLA:TPU compiled the unrolled 20
+    passes 10-43x longer (top_ids alone at [8, 1k], [8, 152k], [64, 32k]; 2 cores of
+    a Zen 3 EPYC), and every sampling and prompt-logprobs program holds them."""
     index = jnp.arange(x.shape[1], dtype=jnp.int32)
-    keys, ids = _ordered_keys(x), []
-    for _ in range(k):
-        ids.append(argmax(keys))
-        keys = jnp.where(index == ids[-1][:, None], 0, keys)
-    return jnp.stack(ids, axis=-1)
+
+    def one(i, carry):
+        keys, ids = carry
+        best = argmax(keys)
+        return jnp.where(index == best[:, None], 0, keys), ids.at[:, i].set(best)
+
+    ids = jnp.zeros((x.shape[0], k), jnp.int32)
+    return lax.fori_loop(0, k, one, (_ordered_keys(x), ids))[1]
 
 
 def no_logprobs(rows: int):
