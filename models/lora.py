@@ -164,8 +164,12 @@ def lora_ragged(x, a, b, slots):
 
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
-    """The LoRA term of each row (see the module docstring for which formulation)."""
-    return lax.platform_dependent(x, a, b, slots, cpu=lora_dense, default=lora_ragged)
+    """The LoRA term of each row (see the module docstring for which formulation).
+    Each formulation is named in the program's op names (what a profile shows, and how
+    the deviceless compiles tell which one a target took)."""
+    dense = jax.named_call(lora_dense, name="lora_dense")
+    ragged = jax.named_call(lora_ragged, name="lora_ragged")
+    return lax.platform_dependent(x, a, b, slots, cpu=dense, default=ragged)
 
 
 def lora_reference(x, a, b, slots) -> np.ndarray:
