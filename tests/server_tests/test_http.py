@@ -50,31 +50,21 @@ def http(base_url):
         yield c
 
 
-def slow_down(monkeypatch, engine, seconds=0.01):
-    """Makes each engine step take at least `seconds`, so a request is surely in flight."""
-    step = engine.step
+def slow_down(monkeypatch, engine, seconds=0.01, hold_after: int | None = None):
+    """Makes each engine step take at least `seconds`, so a request is surely in flight.
+    With `hold_after`: lets the engine run that many steps, then holds its next until
+    the returned event is set, so a request is still in flight however slowly its
+    client reads, and whatever the earlier steps streamed has been sent."""
+    step, release, ran = engine.step, threading.Event(), [0]
 
     def slow():
+        if hold_after is not None and ran[0] >= hold_after:
+            assert release.wait(60), "the test never released the engine"
+        ran[0] += 1
         time.sleep(seconds)
         return step()
 
     monkeypatch.setattr(engine, "step", slow)
-
-
-def hold_after(monkeypatch, engine, steps: int) -> threading.Event:
-    """Lets the engine run `steps` steps (10 ms each at least), then holds its next
-    until the returned event is set: a request is then surely still in flight, however
-    slowly its client reads, and whatever the earlier steps streamed has been sent."""
-    step, release, ran = engine.step, threading.Event(), [0]
-
-    def held():
-        if ran[0] >= steps:
-            assert release.wait(60), "the test never released the engine"
-        ran[0] += 1
-        time.sleep(0.01)
-        return step()
-
-    monkeypatch.setattr(engine, "step", held)
     return release
 
 
@@ -595,7 +585,7 @@ def test_client_that_disconnects_frees_its_request(served, base_url, monkeypatch
     aborted = engine.stats().requests_aborted
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 100, "stream": True}
     body["ignore_eos"] = True
-    release = hold_after(monkeypatch, engine, 30)
+    release = slow_down(monkeypatch, engine, hold_after=30)
     with (
         httpx.Client(base_url=base_url, timeout=60) as c,
         c.stream("POST", "/v1/chat/completions", json=body) as r,
@@ -609,7 +599,7 @@ def test_client_that_disconnects_frees_its_request(served, base_url, monkeypatch
     assert engine.stats().requests_aborted == aborted + 1
     # Not streamed: a client that gives up (its timeout) aborts too.
     monkeypatch.undo()
-    release = hold_after(monkeypatch, engine, 30)
+    release = slow_down(monkeypatch, engine, hold_after=30)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             f"{base_url}/v1/completions",
