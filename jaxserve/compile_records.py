@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import os
 import pickle
-import tempfile
 import zlib
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -33,6 +32,8 @@ from typing import Any
 import jax
 import jaxlib
 from jax.experimental import serialize_executable
+
+from jaxserve.compile_cache import FileCache
 
 SUBDIR = "compile-only"
 MAX_BYTES = 2 << 30  # the records' bound; the least recently used go first
@@ -70,17 +71,16 @@ def compile_for(lowered: jax.stages.Lowered, devices: Sequence) -> Any:
     directory = _directory()
     if directory is None:
         return lowered.compile()
-    key = _key(lowered, devices)
-    path = os.path.join(directory, key)
-    with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError, zlib.error):
-        with open(path, "rb") as f:
-            record = pickle.loads(zlib.decompress(f.read()))
-        if record.get("format") == _FORMAT:
-            os.utime(path)  # recently used
-            return CompiledRecord(record)
+    key, records = _key(lowered, devices), FileCache(directory, MAX_BYTES)
+    data = records.get(key)
+    if data is not None:
+        with contextlib.suppress(EOFError, pickle.UnpicklingError, zlib.error):
+            record = pickle.loads(zlib.decompress(data))
+            if record.get("format") == _FORMAT:
+                return CompiledRecord(record)
     with _no_jax_cache_write():
         compiled = lowered.compile()
-    _write(directory, key, _record_of(compiled))
+    records.put(key, zlib.compress(pickle.dumps(_record_of(compiled)), 1))
     return compiled
 
 
@@ -144,30 +144,6 @@ def _record_of(compiled: jax.stages.Compiled) -> dict[str, Any]:
         "text": compiled.as_text(),
         "payload": pickle.dumps(serialize_executable.serialize(compiled)),
     }
-
-
-def _write(directory: str, key: str, record: dict[str, Any]) -> None:
-    """Writes the record whole or not at all (a reader in another process never
-    sees half of one), then evicts the least recently used past `MAX_BYTES`."""
-    data = zlib.compress(pickle.dumps(record), 1)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, os.path.join(directory, key))
-    entries = []
-    with os.scandir(directory) as it:
-        for entry in it:
-            if not entry.name.startswith(".tmp-"):
-                with contextlib.suppress(FileNotFoundError):
-                    stat = entry.stat()
-                    entries.append((stat.st_mtime, stat.st_size, entry.path))
-    total = sum(size for _, size, _ in entries)
-    for _, size, path in sorted(entries):
-        if total <= MAX_BYTES:
-            break
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-        total -= size
 
 
 def _no_jax_cache_write():

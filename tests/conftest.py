@@ -34,9 +34,14 @@ TEST_CACHE = test_cache_dir()
 if TEST_CACHE:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(TEST_CACHE, "xla"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    # Bounded, JAX locks each entry's read and write (processes run side by side) and
-    # evicts the least recently used.
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+    # Processes side by side share it without a lock (`jaxserve.compile_cache`): JAX's
+    # own bounded cache locked every read and write, and listed the directory at each
+    # write, 1.1-1.7 s over the test runs' 8.8k entries. Processes a test starts that
+    # build an LLM do the same (`use_compilation_cache`).
+    from jaxserve.compile_cache import use_file_cache
+
+    use_file_cache()
 
 # XLA:CPU's LLVM code generation at -O0 in test processes and the processes they start
 # (not in the accelerator suite). The programs are the same HLO, optimized by XLA's own

@@ -9,10 +9,13 @@ from cache_dir import with_xla_flags
 
 HERE = os.path.dirname(__file__)
 # The script as `python script args` would run it, with the garbage collector tuned as
-# in the test processes (conftest.py) and jaxserve's command line.
+# in the test processes (conftest.py) and jaxserve's command line, and the test cache
+# shared as the test processes share it (conftest.py).
 _LAUNCH = """
 import gc, os, runpy, sys
+from jaxserve.compile_cache import use_file_cache
 from server.cli.main import GC_THRESHOLDS
+use_file_cache()
 gc.set_threshold(*GC_THRESHOLDS)
 sys.argv = sys.argv[1:]
 sys.path.insert(0, os.path.dirname(sys.argv[0]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from jaxserve.compile_cache import use_file_cache
 from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.kv import PagePool
 from jaxserve.kv.connector import KVConnector
@@ -35,11 +36,11 @@ def use_compilation_cache(directory: str) -> None:
 
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    # Processes share the cache (servers, CLI runs, tests). Unbounded, JAX
-    # writes entries unlocked and another process can read one half-written,
-    # which crashed a reader (a segfault deserializing it). Bounded, it
-    # evicts the least recently used and locks (filelock) every read and write.
     jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
+    # Processes share it (servers, replicas, CLI runs, tests): entries written whole,
+    # read without a lock (JAX's own cache locks each read and write, and lists the
+    # whole directory at each write).
+    use_file_cache()
 
 
 def kv_keepers(

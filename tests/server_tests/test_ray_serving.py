@@ -16,6 +16,11 @@ from jaxserve.distributed.data_parallel import DataParallelEngine
 from jaxserve.front import EngineFront
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "A B C D E F G H I J K L", "Hello"]
+# A replica that neither steps nor computes for this long is dead. At 5 s, a replica was
+# taken for dead at its first request in a cold CI run: most likely waiting, without
+# CPU, on JAX's cache lock while other test processes wrote entries (each write held
+# it 1-2 s). The cache has no lock now (jaxserve.compile_cache); 10 s keeps a margin.
+STEP_TIMEOUT_S = 10
 
 
 @pytest.mark.slow
@@ -40,7 +45,7 @@ def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(
         http_port=0,
         admin_api_key="adm1n",
         allowed_local_paths=(str(tmp_path_factory.getbasetemp()),),
-        llm_kwargs=dict(data_parallel_size=2, data_parallel_backend="ray", step_timeout_s=5),
+        llm_kwargs=dict(data_parallel_size=2, data_parallel_backend="ray", step_timeout_s=STEP_TIMEOUT_S),
     )
     try:
         front = server.server.state.engine
@@ -106,7 +111,7 @@ def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(
         os.kill(pid, signal.SIGKILL)
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.target))
         check = health_pb2.HealthCheckRequest(service="jaxserve.v1.JaxServe")
-        deadline = time.monotonic() + 5 + 5  # step_timeout_s + slack
+        deadline = time.monotonic() + STEP_TIMEOUT_S + 5  # + slack
         while health.Check(check).status != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() < deadline, "still SERVING after a replica died"
             time.sleep(0.2)
