@@ -54,9 +54,10 @@ class FileCache:
         try:
             with open(path, "rb") as f:
                 value = f.read()
-            os.utime(path)  # recently used
-        except FileNotFoundError:  # never written, or evicted (even while read)
+        except FileNotFoundError:  # never written, or evicted
             return None
+        with contextlib.suppress(OSError):  # (evicted since, or a read-only directory)
+            os.utime(path)  # recently used
         return value
 
     def put(self, key: str, value: bytes) -> None:

@@ -35,13 +35,6 @@ if TEST_CACHE:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(TEST_CACHE, "xla"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
-    # Processes side by side share it without a lock (`jaxserve.compile_cache`): JAX's
-    # own bounded cache locked every read and write, and listed the directory at each
-    # write, 1.1-1.7 s over the test runs' 8.8k entries. Processes a test starts that
-    # build an LLM do the same (`use_compilation_cache`).
-    from jaxserve.compile_cache import use_file_cache
-
-    use_file_cache()
 
 # XLA:CPU's LLVM code generation at -O0 in test processes and the processes they start
 # (not in the accelerator suite). The programs are the same HLO, optimized by XLA's own
@@ -63,6 +56,16 @@ if not ACCELERATOR:
 # code is still the key; where it sits is not (tests/jaxserve_tests/test_compilation_cache.py).
 os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "1")
 os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
+
+# Test processes side by side share the cache without a lock (`jaxserve.compile_cache`):
+# JAX's own bounded cache locked every read and write, and listed the directory at each
+# write, 1.1-1.7 s over the test runs' 8.8k entries. Processes a test starts that build
+# an LLM do the same (`use_compilation_cache`). (It imports jax: after the settings
+# above, which jax reads as it is imported.)
+if TEST_CACHE:
+    from jaxserve.compile_cache import use_file_cache
+
+    use_file_cache()
 
 
 # Python's cyclic garbage collector, tuned for test processes: tracing and lowering

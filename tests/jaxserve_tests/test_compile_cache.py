@@ -136,3 +136,16 @@ def test_jax_writes_and_loads_its_programs_through_the_file_cache(tmp_path):
     assert run() == ["FileCache", built, built]  # every program loaded from the cache
     names = os.listdir(tmp_path)
     assert names and all(n.endswith("-cache") for n in names), names  # no lock file
+
+
+def test_this_test_process_compiles_through_the_file_cache():
+    """tests/conftest.py makes it so (after the settings jax reads as it is imported)."""
+    import jax
+    import jax.numpy as jnp
+    from cache_dir import test_cache_dir
+    from jax._src import compilation_cache
+
+    jax.jit(lambda x: x * 5 - 1)(jnp.ones(3)).block_until_ready()
+    if test_cache_dir():
+        assert isinstance(compilation_cache._cache, FileCache), compilation_cache._cache
+    assert jax.config.jax_traceback_in_locations_limit == 0  # (conftest: no locations)

@@ -45,7 +45,9 @@ def test_grpc_and_http_over_ray_replicas_then_not_serving_when_one_dies(
         http_port=0,
         admin_api_key="adm1n",
         allowed_local_paths=(str(tmp_path_factory.getbasetemp()),),
-        llm_kwargs=dict(data_parallel_size=2, data_parallel_backend="ray", step_timeout_s=STEP_TIMEOUT_S),
+        llm_kwargs=dict(
+            data_parallel_size=2, data_parallel_backend="ray", step_timeout_s=STEP_TIMEOUT_S
+        ),
     )
     try:
         front = server.server.state.engine
