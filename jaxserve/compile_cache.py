@@ -16,7 +16,8 @@ directory is listed at a process's first write and again after each sixteenth of
 bound written since, so a write costs a listing only now and then. Processes that
 evict at the same time remove the same oldest files; a reader whose entry was just
 removed compiles the program again. Entries are named as JAX's own cache names them
-(`<key>-cache`), so a directory either wrote serves the other.
+(`<key>-cache`, beside a `<key>-atime` file of the time it was last used), so a
+directory either wrote serves the other, and both can share it at once.
 """
 
 from __future__ import annotations
@@ -34,13 +35,22 @@ EVICT_EVERY = 16  # of the bound written by this process between two listings
 class FileCache:
     """Entries as files under `directory`: `get(key)`, `put(key, value)` (JAX's cache
     interface). `max_bytes` bounds the entries' total size (None: unbounded);
-    `suffix` ends every entry's file name."""
+    `suffix` ends every entry's file name; `atime_suffix`, where given, names a file
+    beside each entry that holds when it was last used (JAX's own cache orders its
+    evictions by it, and fails a write where one is missing)."""
 
-    def __init__(self, directory: str | os.PathLike, max_bytes: int | None, suffix: str = ""):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        max_bytes: int | None,
+        suffix: str = "",
+        atime_suffix: str = "",
+    ):
         self.directory = os.fspath(directory)
         self._path = self.directory  # (JAX's name for it, in its log lines)
         self.max_bytes = max_bytes
         self.suffix = suffix
+        self.atime_suffix = atime_suffix
         self._written = None  # bytes written since the last listing; None: none yet
         os.makedirs(self.directory, exist_ok=True)
 
@@ -58,13 +68,20 @@ class FileCache:
             return None
         with contextlib.suppress(OSError):  # (evicted since, or a read-only directory)
             os.utime(path)  # recently used
+            self._used(key)
         return value
+
+    def _used(self, key: str) -> None:
+        if self.atime_suffix:  # (JAX's format: nanoseconds, 8 bytes little-endian)
+            with open(os.path.join(self.directory, key + self.atime_suffix), "wb") as f:
+                f.write(time.time_ns().to_bytes(8, "little"))
 
     def put(self, key: str, value: bytes) -> None:
         """Writes the entry unless it is there; never a half of one."""
         path = self._file(key)
         if os.path.exists(path):
             return
+        self._used(key)  # (first: JAX's own cache never finds the entry without it)
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=_TMP)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -101,8 +118,8 @@ class FileCache:
                 break
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
-                if self.suffix:  # JAX's own cache's access time beside it
-                    os.remove(path.removesuffix(self.suffix) + "-atime")
+                if self.atime_suffix:
+                    os.remove(path.removesuffix(self.suffix) + self.atime_suffix)
             total -= size
 
     def clear(self) -> None:  # (JAX's interface: drops nothing it did not make)
@@ -128,7 +145,7 @@ def use_file_cache() -> bool:
         from jax._src import config
 
         bound = config.compilation_cache_max_size.value
-        cache = FileCache(path, None if bound < 0 else bound, suffix="-cache")
+        cache = FileCache(path, None if bound < 0 else bound, "-cache", "-atime")
         if config.compilation_cache_check_contents.value:
             return compilation_cache.VerificationCache(cache), path
         return cache, path

@@ -71,16 +71,36 @@ def test_a_failed_write_leaves_neither_an_entry_nor_its_temporary_file(tmp_path,
 
 
 def test_the_least_recently_used_go_past_the_bound_and_a_read_counts_as_use(tmp_path):
-    cache = FileCache(tmp_path, 10_000, suffix="-cache")
+    cache = FileCache(tmp_path, 10_000, "-cache", "-atime")
     for i, key in enumerate("abc"):
         cache.put(key, b"x" * 3000)
         os.utime(tmp_path / f"{key}-cache", (100 + i, 100 + i))  # a, then b, then c
-        (tmp_path / f"{key}-atime").write_bytes(b"\0" * 8)  # as JAX's own cache has
     assert cache.get("a") == b"x" * 3000  # now the most recent
     cache.put("d", b"x" * 3000)  # 12,000 bytes: one goes, the oldest: b, its atime too
-    assert sorted(os.listdir(tmp_path)) == ["a-atime", "a-cache", "c-atime", "c-cache", "d-cache"]
+    assert sorted(os.listdir(tmp_path)) == [
+        f"{k}-{part}" for k in "acd" for part in ("atime", "cache")
+    ]
     cache.put("e", b"x" * 3000)  # then c
-    assert sorted(os.listdir(tmp_path)) == ["a-atime", "a-cache", "d-cache", "e-cache"]
+    assert sorted(os.listdir(tmp_path)) == [
+        f"{k}-{part}" for k in "ade" for part in ("atime", "cache")
+    ]
+
+
+def test_jax_own_cache_shares_the_directory(tmp_path):
+    """JAX's own bounded cache, in a process that did not take FileCache, reads its
+    entries and writes beside them (it failed every write, a FileNotFoundError, where
+    an entry had no access-time file), and FileCache reads what JAX wrote."""
+    from jax._src.lru_cache import LRUCache
+
+    ours, jax_own = (
+        FileCache(tmp_path, 1 << 20, "-cache", "-atime"),
+        LRUCache(str(tmp_path), max_size=1 << 20),
+    )
+    ours.put("a", b"ours")
+    jax_own.put("b", b"jax's")  # (its eviction reads every entry's access time)
+    assert jax_own.get("a") == b"ours"
+    assert ours.get("b") == b"jax's"
+    assert sorted(os.listdir(tmp_path)) == [".lockfile", "a-atime", "a-cache", "b-atime", "b-cache"]
 
 
 def test_a_temporary_file_a_killed_writer_left_is_removed_once_stale(tmp_path):
@@ -135,7 +155,7 @@ def test_jax_writes_and_loads_its_programs_through_the_file_cache(tmp_path):
     assert kind == "FileCache" and int(built) > 0 and hits == "0"
     assert run() == ["FileCache", built, built]  # every program loaded from the cache
     names = os.listdir(tmp_path)
-    assert names and all(n.endswith("-cache") for n in names), names  # no lock file
+    assert names and all(n.endswith(("-cache", "-atime")) for n in names), names  # no lock
 
 
 def test_this_test_process_compiles_through_the_file_cache():
