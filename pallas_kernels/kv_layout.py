@@ -174,8 +174,6 @@ class CacheLayout:
         s = self.page_size
         page, offset = slot_mapping // s, slot_mapping % s
         if not self.lane_dense:  # the reference's scatter, as before
-            from pallas_kernels.ragged_paged_attention import write_slots
-
             return write_slots(scales, new, slot_mapping)
         kd2 = new.shape[1]
         if new.shape[0] == 1:  # see `write_rows`
@@ -183,6 +181,24 @@ class CacheLayout:
             return jax.lax.dynamic_update_slice(scales, new.astype(scales.dtype), start)
         lanes = offset[:, None] * kd2 + jnp.arange(kd2, dtype=jnp.int32)
         return scales.at[page[:, None], lanes].set(new, mode="promise_in_bounds")
+
+
+def write_slots(
+    cache: jax.Array,  # [P, S, ...]: pages, or a quantized cache's scales [P, S, 2K]
+    new: jax.Array,  # [T, ...]
+    slot_mapping: jax.Array,  # [T] int32
+) -> jax.Array:
+    """Sets slot `slot_mapping[t]` (page * S + offset) of `cache` to `new[t]`."""
+    num_pages, page_size, *rest = cache.shape
+    flat = cache.reshape(num_pages * page_size, *rest)
+    new = new.astype(cache.dtype)
+    if new.shape[0] == 1:
+        # XLA rewrites a one-row scatter as a bounds-checked update that reads the old
+        # row, which it cannot do in place: it would copy the whole cache every step.
+        flat = jax.lax.dynamic_update_slice_in_dim(flat, new, slot_mapping[0], axis=0)
+    else:
+        flat = flat.at[slot_mapping].set(new, mode="promise_in_bounds")
+    return flat.reshape(cache.shape)
 
 
 def write_rows(

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kv_layout import rows_per_head
+from pallas_kernels.kv_layout import rows_per_head, write_slots
 
 # ----------------------------------------------------------------------------
 # The pure-jnp reference.
@@ -69,24 +69,6 @@ def kv_rows(keys: jax.Array, values: jax.Array | None) -> jax.Array:  # [T, 2K, 
         return keys
     t, _, head_dim = keys.shape
     return jnp.stack([keys, values], axis=2).reshape(t, -1, head_dim)
-
-
-def write_slots(
-    cache: jax.Array,  # [P, S, ...]: pages, or a quantized cache's scales [P, S, 2K]
-    new: jax.Array,  # [T, ...]
-    slot_mapping: jax.Array,  # [T] int32
-) -> jax.Array:
-    """Sets slot `slot_mapping[t]` (page * S + offset) of `cache` to `new[t]`."""
-    num_pages, page_size, *rest = cache.shape
-    flat = cache.reshape(num_pages * page_size, *rest)
-    new = new.astype(cache.dtype)
-    if new.shape[0] == 1:
-        # XLA rewrites a one-row scatter as a bounds-checked update that reads the old
-        # row, which it cannot do in place: it would copy the whole cache every step.
-        flat = lax.dynamic_update_slice_in_dim(flat, new, slot_mapping[0], axis=0)
-    else:
-        flat = flat.at[slot_mapping].set(new, mode="promise_in_bounds")
-    return flat.reshape(cache.shape)
 
 
 def ragged_paged_attention(
