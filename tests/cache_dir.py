@@ -17,8 +17,8 @@ test_cache_dir.__test__ = False  # (not a test: its name only says what it retur
 
 
 def with_xla_flags(*flags: str) -> str:
-    """This process's XLA_FLAGS (the test processes': `conftest.TEST_XLA_FLAGS`) and
-    `flags`: for a process a test starts with flags of its own (fake devices)."""
+    """This process's XLA_FLAGS and `flags`: for a process a test starts with flags of
+    its own (fake devices)."""
     return " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
 
 
