@@ -1,7 +1,7 @@
 """Processes sharing one persistent compilation cache: JAX's own bounded file cache
 against `jaxserve.compile_cache.FileCache`, on the same directory contents.
 
-  python benchmarks/compile_cache.py [--entries=8800] [--writers=2] [--puts=20]
+  python benchmarks/compile_cache.py [--entries=8800] [--writers=2] [--puts=10]
 
 Each run fills a new directory with --entries entries (4 KiB each, with JAX's
 access-time files: a listing's cost is in the count, not the size), then starts
@@ -49,16 +49,22 @@ def _fill(directory: str, entries: int) -> None:
 def _writer(kind, directory, writer, puts, put_bytes, gets, entries, start, out) -> None:
     cache, rng, value = _cache(kind, directory), random.Random(writer), os.urandom(put_bytes)
     start.wait()
-    put_s, get_s = [], []
+    put_s, get_s, failed = [], [], 0
     for i in range(puts):
         t = time.perf_counter()
-        cache.put(f"new{writer}-{i}", value)
+        try:
+            cache.put(f"new{writer}-{i}", value)
+        except Exception:  # JAX's lock not had within its 10 s: JAX warns, stores nothing
+            failed += 1
         put_s.append(time.perf_counter() - t)
         for _ in range(gets):
             t = time.perf_counter()
-            assert cache.get(f"old{rng.randrange(entries)}") is not None
+            try:
+                cache.get(f"old{rng.randrange(entries)}")
+            except Exception:  # (the same: JAX compiles the program again)
+                failed += 1
             get_s.append(time.perf_counter() - t)
-    out.put((put_s, get_s))
+    out.put((put_s, get_s, failed))
 
 
 def run(kind: str, args) -> dict:
@@ -104,6 +110,7 @@ def run(kind: str, args) -> dict:
         "put_ms_max": round(1e3 * max(puts), 1),
         "get_ms_mean": round(1e3 * sum(gets) / len(gets), 2),
         "get_ms_max": round(1e3 * max(gets), 1),
+        "failed_ops": sum(r[2] for r in results),  # a lock not had in time
     }
 
 
@@ -111,7 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--entries", type=int, default=8800)
     parser.add_argument("--writers", type=int, default=2)
-    parser.add_argument("--puts", type=int, default=20)
+    parser.add_argument("--puts", type=int, default=10)
     parser.add_argument("--put_kib", type=int, default=512)
     parser.add_argument("--gets_per_put", type=int, default=4)
     args = parser.parse_args()
