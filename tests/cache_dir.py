@@ -3,6 +3,8 @@
 Outside the clone, so a second run on the same machine, from any clone, finds them."""
 
 import os
+import subprocess
+import sys
 
 DEFAULT = "~/.cache/jaxserve-tests"
 
@@ -27,3 +29,18 @@ def env_without_compilation_cache() -> dict[str, str]:
     a test starts that must compile what it saves (XLA:CPU cannot serialize a program it
     loaded from a cache again), or that tests who sets the cache."""
     return {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+
+
+def python_with_its_own_cache(code: str, directory) -> list[str]:
+    """The lines `code` prints, run in a fresh process with `directory` as its argument,
+    and with no cache but the one it sets (the test runs' own, which tests/conftest.py
+    puts in the environment, left out)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env_without_compilation_cache(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines()

@@ -5,11 +5,9 @@ and `LLM()` set it (the default directory, unless the process set one; None: non
 constructing an engine never does."""
 
 import os
-import subprocess
-import sys
 
 import pytest
-from cache_dir import env_without_compilation_cache
+from cache_dir import python_with_its_own_cache as _python
 
 SNIPPET = """
 import sys
@@ -19,21 +17,6 @@ llm = LLM("demo-model-tiny", max_num_seqs=4, max_num_batched_tokens=64,
 c = llm.engine.runner.compiles
 print("built", c.count, "from_cache", c.cache_hits)
 """
-
-
-def _python(code: str, directory) -> list[str]:
-    """The lines `code` prints, run in a fresh process with `directory` as its argument,
-    and with no cache but the one it sets (the test runs' own, which tests/conftest.py
-    puts in the environment, left out)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(directory)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env_without_compilation_cache(),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.splitlines()
 
 
 def _start(cache_dir):

@@ -4,12 +4,10 @@ cache through it (`use_file_cache`)."""
 
 import multiprocessing
 import os
-import subprocess
-import sys
 import time
 
 import pytest
-from cache_dir import env_without_compilation_cache
+from cache_dir import python_with_its_own_cache
 
 from jaxserve.compile_cache import FileCache
 
@@ -141,15 +139,7 @@ print(type(compilation_cache._cache).__name__, counter.count, counter.cache_hits
 
 def test_jax_writes_and_loads_its_programs_through_the_file_cache(tmp_path):
     def run():
-        proc = subprocess.run(
-            [sys.executable, "-c", JAX_CACHE, str(tmp_path)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env_without_compilation_cache(),
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stdout.split()
+        return python_with_its_own_cache(JAX_CACHE, tmp_path)[-1].split()
 
     kind, built, hits = run()
     assert kind == "FileCache" and int(built) > 0 and hits == "0"
