@@ -14,7 +14,9 @@ parameters like the weights (the step's inputs, placed once, sharded as their
 base layer: a column-parallel layer's B splits on its outputs, a row-parallel
 layer's A on its inputs), so writing an adapter into a slot changes data, never a
 program. Both are laid out so that all slots side by side are one matrix without a
-copy (A as [(S + 1) r, in], B as [(S + 1) r, out]).
+copy (A as [(S + 1) r, in], B as [(S + 1) r, out]). The base projection may be
+float, int8, 4-bit or fp8 (`BASES`): a quantized base stays as it is, and the
+adapters are in the model's dtype (QLoRA-style serving).
 
 Each step where a token has an adapter binds one slot per token row (`bind_slots`,
 [T] int32; a step where none has runs the base model's program, compiled apart:
@@ -45,6 +47,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from models.fp8 import Fp8Linear
+from models.int4 import Int4Linear
 from models.layers import QuantizedLinear, RowsLinear, _axes
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -54,21 +58,43 @@ class LoRAWeight(nnx.Param):
     """A projection's LoRA matrices stacked by slot (A or B)."""
 
 
-class LoRALinear(nnx.Module):
-    """A projection (`nnx.Linear`, `RowsLinear` or int8 `QuantizedLinear`) plus the
-    LoRA term of each token's slot. `slots` is set on the merged model of one step
-    (`bind_slots`); unset, the layer is its base layer."""
+# The projections an adapter can wrap. Those whose kernel is [out, in]: the rows
+# layouts and the quantized ones (QLoRA-style serving: the base stays int8, 4-bit or
+# fp8, the adapters are in the model's dtype).
+OUT_IN = (RowsLinear, Int4Linear, Fp8Linear)  # (QuantizedLinear is a RowsLinear)
+BASES = (nnx.Linear, *OUT_IN)
 
-    def __init__(self, base: nnx.Module, *, num_slots: int, rank: int, abstract: bool = False):
+
+class LoRALinear(nnx.Module):
+    """A projection (one of BASES: `nnx.Linear`, `RowsLinear`, int8 `QuantizedLinear`,
+    4-bit `Int4Linear`, fp8 `Fp8Linear`) plus the LoRA term of each token's slot.
+    `slots` is set on the merged model of one step (`bind_slots`); unset, the layer is
+    its base layer. `dtype`: the adapters' (the model's compute dtype); None: a float
+    base's kernel's, an int8 or 4-bit base's scales'."""
+
+    def __init__(
+        self,
+        base: nnx.Module,
+        *,
+        num_slots: int,
+        rank: int,
+        abstract: bool = False,
+        dtype=None,
+    ):
+        if not isinstance(base, BASES):
+            raise TypeError(f"LoRA cannot wrap a {type(base).__name__}; it wraps {BASES}")
         self.base = base
-        if isinstance(base, RowsLinear):  # kernel [out, in] (QuantizedLinear included)
+        if isinstance(base, OUT_IN):
             d_out, d_in = base.kernel.shape
             axes = _axes(base.kernel, reverse=True)
         else:  # nnx.Linear: kernel [in, out]
             d_in, d_out = base.kernel.shape
             axes = _axes(base.kernel)
-        # The adapters compute in the model's dtype (an int8 layer's: its scales').
-        dtype = base.scale.dtype if isinstance(base, QuantizedLinear) else base.kernel.dtype
+        if dtype is None:
+            if isinstance(base, Fp8Linear):  # (its scales are float32 whatever the model's)
+                raise ValueError("LoRA on an fp8 projection needs the model's dtype")
+            quantized = isinstance(base, (QuantizedLinear, Int4Linear))
+            dtype = base.scale.dtype if quantized else base.kernel.dtype
         in_axis, out_axis = axes if axes is not None else (None, None)
 
         def zeros(shape, names):
@@ -92,17 +118,18 @@ class LoRALinear(nnx.Module):
         return y + delta.astype(y.dtype)
 
 
-def add_lora(model: nnx.Module, *, num_slots: int, rank: int, abstract: bool = False):
+def add_lora(model: nnx.Module, *, num_slots: int, rank: int, abstract: bool = False, dtype=None):
     """Wraps, in place, every projection named in LORA_TARGETS in a `LoRALinear` of
-    `num_slots` slots (plus slot 0) of rank `rank`, its matrices zeros (with
+    `num_slots` slots (plus slot 0) of rank `rank` and `dtype`, its matrices zeros (with
     `abstract`, ShapeDtypeStructs: a model built for a compile-only target); returns
     the model."""
-    kinds = (nnx.Linear, RowsLinear)  # (QuantizedLinear is a RowsLinear)
     for _, module in list(nnx.iter_modules(model)):
         for name in LORA_TARGETS:
             child = getattr(module, name, None)
-            if isinstance(child, kinds):
-                wrapped = LoRALinear(child, num_slots=num_slots, rank=rank, abstract=abstract)
+            if isinstance(child, BASES):
+                wrapped = LoRALinear(
+                    child, num_slots=num_slots, rank=rank, abstract=abstract, dtype=dtype
+                )
                 setattr(module, name, wrapped)
     return model
 

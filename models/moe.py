@@ -36,6 +36,7 @@ schedule).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
-from models.layers import ACTIVATIONS, INIT, dot_f32, linear
+from models.int4 import INT4_GROUP_SIZE, int4_group_size
+from models.layers import ACTIVATIONS, INIT, _axes, _param, dot_f32, linear
+from pallas_kernels.quantization import quantize
 
 
 def route(
@@ -121,9 +124,37 @@ def route_grouped(
 # E in group_sizes (one device's experts); rows of the other groups come out zero.
 
 
+class Int4Stack(NamedTuple):
+    """One projection of E experts in 4 bits (`Int4Experts`), in the float experts'
+    orientation: codes [E, K, N] int4 (K inputs, N outputs), a scale [E, K / G, N] per
+    (expert, group of G inputs, output) in the compute dtype; symmetric (no zero
+    points), as on-the-fly int4 quantizes. A grouped matmul takes it for `rhs`."""
+
+    codes: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.codes.shape
+
+    def dequantize(self) -> jax.Array:  # [E, K, N] in the scale's dtype
+        e, k, n = self.codes.shape
+        groups = self.scale.shape[1]
+        w = self.codes.astype(self.scale.dtype).reshape(e, groups, k // groups, n)
+        return (w * self.scale[:, :, None, :]).reshape(e, k, n)
+
+
+def dequantized(w: jax.Array | Int4Stack) -> jax.Array:
+    """A projection's stacked matrices [E, K, N] as floats (4-bit ones dequantized)."""
+    return w.dequantize() if isinstance(w, Int4Stack) else w
+
+
 def gmm_ragged_dot(
-    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, first_group=0
+    lhs: jax.Array, rhs: jax.Array | Int4Stack, group_sizes: jax.Array, first_group=0
 ) -> jax.Array:
+    # 4-bit experts: dequantized whole, then XLA's ragged dot (a first form: it writes
+    # the float weights out; the codes into the dot itself would read a quarter).
+    rhs = dequantized(rhs)
     num_local = rhs.shape[0]
     if num_local == group_sizes.shape[0]:
         return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
@@ -144,14 +175,17 @@ def tile_rows(num_rows: int, num_groups: int) -> int:
     return min(128, max(8, 1 << (per_group - 1).bit_length()))
 
 
-def gmm_tiles(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, first_group=0) -> jax.Array:
+def gmm_tiles(
+    lhs: jax.Array, rhs: jax.Array | Int4Stack, group_sizes: jax.Array, first_group=0
+) -> jax.Array:
     """The grouped matmul as a loop over tiles of m rows, each within one group.
 
     Group e's rows are cut into ceil(size_e / m) tiles; tile b of the loop finds its
     group by a search over the cumulative tile counts, reads that group's matrix
     and m rows starting inside the group (the rows past the group's end are
     computed and dropped). The trip count is the number of tiles, at most
-    A / m + E, and empty groups have none.
+    A / m + E, and empty groups have none. 4-bit experts: a tile dequantizes its own
+    expert's codes alone.
     """
     num_rows, _ = lhs.shape
     num_local, _, n = rhs.shape
@@ -167,13 +201,27 @@ def gmm_tiles(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, first_grou
     k = rhs.shape[1]
     # Matrices stacked as rows: a contiguous dynamic slice reads one expert's matrix
     # (~25% faster on XLA:CPU than indexing the 3-D array, which copies it out).
-    rhs = rhs.reshape(num_local * k, n)
+    if isinstance(rhs, Int4Stack):
+        groups = rhs.scale.shape[1]
+        codes = rhs.codes.reshape(num_local * k, n)
+        scales = rhs.scale.reshape(num_local * groups, n)
+
+        def matrix(e):  # [K, N]
+            c = lax.dynamic_slice_in_dim(codes, e * k, k).astype(scales.dtype)
+            s = lax.dynamic_slice_in_dim(scales, e * groups, groups)
+            return (c.reshape(groups, k // groups, n) * s[:, None, :]).reshape(k, n)
+
+    else:
+        flat = rhs.reshape(num_local * k, n)
+
+        def matrix(e):  # [K, N]
+            return lax.dynamic_slice_in_dim(flat, e * k, k)
 
     def body(b, out):
         e = jnp.sum(tile_ends <= b, dtype=jnp.int32)  # its group (searchsorted, for few E)
         row0 = starts[e] + (b - (tile_ends[e] - tiles[e])) * m
         rows = lax.dynamic_slice_in_dim(lhs, row0, m)  # [m, K]
-        w = lax.dynamic_slice_in_dim(rhs, e * k, k)  # [K, N]: only this expert
+        w = matrix(e)  # only this expert
         res = dot_f32(rows, w, (((1,), (0,)), ((), ())))  # [m, N]
         valid = (row0 + jnp.arange(m)) < ends[e]
         old = lax.dynamic_slice_in_dim(out, row0, m)
@@ -190,9 +238,9 @@ def moe_grouped(
     x: jax.Array,  # [T, D]
     expert_ids: jax.Array,  # [T, k] int32
     weights: jax.Array,  # [T, k]
-    w_gate: jax.Array,  # [E, D, I]
-    w_up: jax.Array,  # [E, D, I]
-    w_down: jax.Array,  # [E, I, D]
+    w_gate: jax.Array | Int4Stack,  # [E, D, I]
+    w_up: jax.Array | Int4Stack,  # [E, D, I]
+    w_down: jax.Array | Int4Stack,  # [E, I, D]
     act,
     gmm=gmm_ragged_dot,
     expert_axis: str | None = None,
@@ -239,8 +287,10 @@ def moe_dense(
 ) -> jax.Array:  # [T, D]
     """The reference (and the benchmark's baseline): every expert on every token, the
     outputs combined with the router weights (zero for experts not chosen). Computed
-    in float32 (XLA:CPU has no bf16 x bf16 -> f32 kernel for some of these dots)."""
+    in float32 (XLA:CPU has no bf16 x bf16 -> f32 kernel for some of these dots);
+    4-bit experts dequantized."""
     t = x.shape[0]
+    w_gate, w_up, w_down = map(dequantized, (w_gate, w_up, w_down))
     num_experts = w_gate.shape[0]
     # Batched over experts (E is a batch dimension of every dot): XLA:CPU runs that as E
     # matmuls on the weights as stored, where "td,edi->tei" would transpose them first.
@@ -298,8 +348,12 @@ class Experts(nnx.Module):
             axes = ("expert", in_axis, out_axis)
             setattr(self, name, nnx.Param(value, out_sharding=axes, eager_sharding=False))
 
+    def matrices(self) -> tuple:
+        """(gate, up, down) as the grouped matmuls take them."""
+        return tuple(getattr(self, n)[...] for n in self.names)
+
     def __call__(self, x, expert_ids, weights, impl: str = "auto"):
-        w_gate, w_up, w_down = (getattr(self, n)[...] for n in self.names)
+        w_gate, w_up, w_down = self.matrices()
         impl = resolve_impl(impl)
         fn = functools.partial(MOE_IMPLS[impl], act=self.act)
         mesh = jax.sharding.get_abstract_mesh()
@@ -316,6 +370,39 @@ class Experts(nnx.Module):
                 check_vma=False,
             )
         return fn(x, expert_ids, weights, w_gate, w_up, w_down)
+
+
+class Int4Experts(Experts):
+    """`Experts` whose weights are 4-bit (`quantization="int4"`): each of (gate, up,
+    down) as int4 codes under its name and a scale per (expert, group of G inputs,
+    output) under `<name>_scale` (`Int4Stack`), sharded as the float weights were
+    (the groups splitting where the inputs do). Built from float experts
+    (`from_experts`): symmetric absmax per group of INT4_GROUP_SIZE inputs, or of
+    the largest divisor under it (`int4_group_size`), as `Int4Linear.from_linear`."""
+
+    def __init__(self, names: tuple[str, str, str], act, stacks: dict, axes: dict):
+        self.names, self.act = names, act
+        for name in names:
+            setattr(self, name, _param(stacks[name].codes, axes[name]))
+            setattr(self, f"{name}_scale", _param(stacks[name].scale, axes[name]))
+
+    @classmethod
+    def from_experts(cls, experts: Experts, group_size: int = INT4_GROUP_SIZE) -> Int4Experts:
+        stacks, axes = {}, {}
+        for name in experts.names:
+            param = getattr(experts, name)
+            w = param[...]  # [E, K, N]
+            e, k, n = w.shape
+            g = int4_group_size(k, group_size)
+            codes, scale = quantize(w.reshape(e, k // g, g, n), jnp.int4, axis=2)
+            stacks[name] = Int4Stack(codes.reshape(e, k, n), scale.astype(w.dtype))
+            axes[name] = _axes(param)
+        return cls(experts.names, experts.act, stacks, axes)
+
+    def matrices(self) -> tuple:
+        return tuple(
+            Int4Stack(getattr(self, n)[...], getattr(self, f"{n}_scale")[...]) for n in self.names
+        )
 
 
 class SparseMoeBlock(nnx.Module):

@@ -336,11 +336,12 @@ def save_tokenizer(path, *, vocab_size: int, added: dict[str, bool] | None = Non
     fast.save_pretrained(path)
 
 
-def hf_greedy(model, weights: dict, prompt: list[int], max_tokens: int):
+def hf_greedy(model, weights: dict | None, prompt: list[int], max_tokens: int):
     """transformers' greedy tokens after `prompt` with `weights` loaded into `model`
-    (a quantized checkpoint's dequantized weights), and its first step's
-    log-probabilities [V] (numpy, float64)."""
-    model.load_state_dict(weights)
+    (a quantized checkpoint's dequantized weights; None: its own, e.g. a PEFT model's),
+    and its first step's log-probabilities [V] (numpy, float64)."""
+    if weights is not None:
+        model.load_state_dict(weights)
     ids, first = list(prompt), None
     with torch.no_grad():
         for _ in range(max_tokens):
@@ -349,6 +350,20 @@ def hf_greedy(model, weights: dict, prompt: list[int], max_tokens: int):
                 first = torch.log_softmax(logits, -1).numpy()
             ids.append(int(logits.argmax()))
     return ids[len(prompt) :], first
+
+
+def check_like_reference(outs, want, case: str) -> None:
+    """Served outputs (greedy, `logprobs` >= 5) against `hf_greedy`'s (tokens,
+    first-step log-probabilities) per prompt: the same tokens, and the first step's
+    top logprobs within 2e-2 (a quantized model's kernels against transformers' float
+    dequantized weights)."""
+    for out, (tokens, first) in zip(outs, want, strict=True):
+        got = out.outputs[0]
+        assert got.token_ids == tokens, (case, got.token_ids, tokens)
+        top = got.logprobs[0]
+        assert len(top) >= 5
+        for token, lp in top.items():
+            assert abs(lp.logprob - first[token]) < 2e-2, (case, token, lp.logprob, first[token])
 
 
 def tiny_causal_lms(archs, shapes: dict) -> dict:

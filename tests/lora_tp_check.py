@@ -6,9 +6,9 @@ Usage: python lora_tp_check.py MODEL_DIR TP
 Three adapters (ranks 2, 4 and 8; attention only, MLP only, every projection) and
 the base model serve the same prompts (shared prefixes) with greedy decoding, on one
 device and on TP devices, with two slots (the adapters swap), chunked prefill and
-preemption, in float32 and with int8 base weights: the tokens must be equal and the
-logprobs close. Every step is waited for (the engine fetches each step's tokens),
-which keeps the CPU collectives from deadlocking.
+preemption, in float32 and with int8, int4 and fp8 base weights: the tokens must be
+equal and the logprobs close. Every step is waited for (the engine fetches each step's
+tokens), which keeps the CPU collectives from deadlocking.
 """
 
 import os
@@ -79,13 +79,13 @@ def check_shardings(runner):
 
 def main():
     model_dir, tp = sys.argv[1], int(sys.argv[2])
-    for quantization in (None, "int8"):
+    for quantization in (None, "int8", "int4", "fp8"):
         want = serve(model_dir, 1, quantization)
         got = serve(model_dir, tp, quantization)
         for (t1, lp1), (t2, lp2) in zip(want, got, strict=True):
             assert t1 == t2, (t1, t2)
             np.testing.assert_allclose(lp1, lp2, atol=1e-3)
-        name = "lora int8" if quantization else "lora"
+        name = f"lora {quantization}" if quantization else "lora"
         print(f"{name} tp={tp}: ok", flush=True)
 
 

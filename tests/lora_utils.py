@@ -49,7 +49,12 @@ def make_adapter(
     as PEFT initializes it, its B random (PEFT's zeros would change nothing), so that
     it moves the logits visibly. Returns the PEFT model (eval), for comparisons."""
     torch.manual_seed(seed)
-    base = base_model(base_dir)
+    return peft_adapter(base_model(base_dir), out_dir, scale=scale, **lora)
+
+
+def peft_adapter(base, out_dir: str, *, scale: float = 0.3, **lora) -> PeftModel:
+    """`make_adapter` over the transformers model `base` (which PEFT wraps in place):
+    saved to `out_dir`, returned in eval mode. Seed torch before."""
     # Mixtral's MLP is all experts (no gate/up/down linears): its MLP adapters adapt
     # o_proj instead.
     names = {n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, nn.Linear)}
@@ -92,3 +97,43 @@ def check_greedy(model, prompt: list[int], tokens: list[int], logprobs: list[flo
             f"{lp[j].argmax()} ({top:.5f})"
         )
         np.testing.assert_allclose(ours, lp[j, token], atol=2e-4, err_msg=f"logprob of token {j}")
+
+
+def check_adapter_over_quantized(
+    path: str, base, prompts, max_tokens: int, out_dir, case: str, **kw
+) -> None:
+    """QLoRA-style serving: a PEFT adapter (ADAPTERS' "all_r8_rslora", every projection)
+    over the quantized model at `path` serves as PEFT over `base`, the transformers
+    model holding the quantized weights dequantized: the same greedy tokens, first-step
+    logprobs within 2e-2; requests without the adapter, in the same batches, serve as
+    `base` alone. `kw`: more `LLM` arguments."""
+    import copy
+
+    from engine_utils import SMALL_LLM
+    from hf_models import check_like_reference, hf_greedy
+
+    from jaxserve import LLM, LoRARequest, SamplingParams
+
+    torch.manual_seed(7)
+    adapter = os.path.join(str(out_dir), "adapter")
+    peft = peft_adapter(copy.deepcopy(base), adapter, **ADAPTERS["all_r8_rslora"])
+    want = [hf_greedy(peft, None, p, max_tokens) for p in prompts]
+    with peft.disable_adapter():
+        plain = [hf_greedy(peft, None, p, max_tokens) for p in prompts]
+    assert [t for t, _ in want] != [t for t, _ in plain]  # (the adapter moves the tokens)
+    llm = LLM(
+        path, skip_tokenizer_init=True, enable_lora=True, max_loras=1, max_lora_rank=8,
+        **{**SMALL_LLM, **kw},
+    )  # fmt: skip
+    lora = LoRARequest("qlora", 1, adapter)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    n = len(prompts)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts * 2],
+        params,
+        lora_request=[lora] * n + [None] * n,
+        use_tqdm=False,
+    )
+    check_like_reference(outs[:n], want, f"{case} with the adapter")
+    check_like_reference(outs[n:], plain, case)
+    llm.close()

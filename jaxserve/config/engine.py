@@ -313,11 +313,6 @@ class EngineConfig:
                 f"enable_lora with num_processes={self.parallel.num_processes}: adapter "
                 "loads are not sent to the followers yet"
             )
-        if self.four_bit or self.fp8_weights:
-            raise ValueError(
-                f"enable_lora with quantization={self.quantization!r}: adapters on 4-bit "
-                "or fp8 weights are not supported yet; use quantization='int8' or none"
-            )
 
     def _check_quantized_splits(self) -> None:
         """4-bit and fp8 weights under tensor parallelism: a split of a linear's weights

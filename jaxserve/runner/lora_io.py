@@ -37,7 +37,13 @@ def add_adapters(model: nnx.Module, config: EngineConfig, mesh: Mesh | None, com
     uncommitted, as the weights; for a compile-only device: ShapeDtypeStructs)."""
     lora = config.lora
     abstract = compile_device is not None
-    add_lora(model, num_slots=lora.max_loras, rank=lora.max_lora_rank, abstract=abstract)
+    add_lora(
+        model,
+        num_slots=lora.max_loras,
+        rank=lora.max_lora_rank,
+        abstract=abstract,
+        dtype=jnp.dtype(config.dtype),  # (a quantized base's adapters: the model's dtype)
+    )
     if mesh is None and not abstract:
         return model
     state = nnx.state(model, LoRAWeight)

@@ -4,11 +4,13 @@ variant (Hugging Face's block-wise `weight_scale_inv` 128x128, its per-tensor sc
 fbgemm's per channel, compressed-tensors float8 per channel (W8A8 with dynamic
 activations, as the package itself writes it) and per block) give the greedy tokens,
 and first-step logprobs within 2e-2, of transformers running the dequantized weights;
-on-the-fly `quantization="fp8"`; the layer against a float layer of its dequantized
-weights; the refusals (another quantization asked for, static activation scales, LoRA,
-update_weights, a tensor-parallel split through a scale block, MoE experts); and the
+on-the-fly `quantization="fp8"`; LoRA adapters over them as PEFT's over the
+dequantized weights; the layer against a float layer of its dequantized weights; the
+refusals (another quantization asked for, static activation scales, update_weights, a
+tensor-parallel split through a scale block, MoE experts); and the
 warm-up programs compiled deviceless for an H100 and a v5e, the weights still e4m3."""
 
+import copy
 import json
 import os
 
@@ -20,7 +22,8 @@ import pytest
 import torch
 from engine_utils import SMALL_LLM, engine_config
 from flax import nnx
-from hf_models import BASE, hf_greedy, tiny_causal_lms
+from hf_models import BASE, check_like_reference, hf_greedy, tiny_causal_lms
+from lora_utils import check_adapter_over_quantized
 from safetensors.torch import save_file
 
 from jaxserve import LLM, SamplingParams
@@ -83,6 +86,7 @@ CT_CASES = [
     ("ctpkg_fp8_dynamic_qwen2", "Qwen2ForCausalLM", "FP8_DYNAMIC"),
     ("ctpkg_fp8_block_llama", "LlamaForCausalLM", "FP8_BLOCK"),
 ]
+LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
 
 
 def to_torch(a: np.ndarray) -> torch.Tensor:
@@ -176,13 +180,7 @@ def checkpoints(float_models, tmp_path_factory):
 def check_served(llm: LLM, want, case: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for out, (tokens, first) in zip(outs, want, strict=True):
-        got = out.outputs[0]
-        assert got.token_ids == tokens, (case, got.token_ids, tokens)
-        top = got.logprobs[0]
-        assert len(top) >= 5
-        for token, lp in top.items():
-            assert abs(lp.logprob - first[token]) < 2e-2, (case, token, lp.logprob, first[token])
+    check_like_reference(outs, want, case)
 
 
 # ----------------------------------------------------------------------------
@@ -437,13 +435,20 @@ def test_static_activation_scales_are_refused_naming_the_field(qc, message, tmp_
         engine_config(str(tmp_path))
 
 
-def test_lora_and_moe_are_refused(checkpoints, hf_model_dir, tmp_path):
-    block_dir, _ = checkpoints["block128_llama"]
-    with pytest.raises(ValueError, match="enable_lora with quantization='fp8': .* fp8"):
-        engine_config(block_dir, enable_lora=True)
-    path, _ = hf_model_dir("llama2_mha")
-    with pytest.raises(ValueError, match="enable_lora with quantization='fp8'"):
-        engine_config(path, quantization="fp8", enable_lora=True)
+@pytest.mark.parametrize("case", ["block128_llama", "channel_qwen2"])
+def test_lora_adapters_over_fp8_checkpoints_serve_as_peft_over_the_dequantized_weights(
+    case, float_models, tmp_path
+):
+    """QLoRA-style serving: the base stays e4m3 (blocks, channels), the adapter in float
+    beside it."""
+    _, arch, qc = next(c for c in CASES if c[0] == case)
+    base = copy.deepcopy(float_models[arch])
+    reference = write_checkpoint(tmp_path / "ckpt", base, qc)
+    base.load_state_dict(reference)
+    check_adapter_over_quantized(str(tmp_path / "ckpt"), base, PROMPTS, MAX_TOKENS, tmp_path, case)
+
+
+def test_moe_is_refused(hf_model_dir, tmp_path):
     moe_dir, _ = hf_model_dir("mixtral_top2_of_8")
     with open(f"{moe_dir}/config.json") as f:
         config = json.load(f)
@@ -486,20 +491,24 @@ def test_new_weights_for_an_fp8_checkpoint_are_refused_and_it_serves_on(checkpoi
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("target", ["h100", "v5e"])
-def test_fp8_steps_compile_for_a_gpu_and_a_tpu(target, tmp_path):
+@pytest.mark.parametrize(
+    "target,args",
+    [("h100", {}), ("v5e", {}), ("a100", LORA), ("v6e", LORA)],
+    ids=["h100", "v5e", "a100-lora", "v6e-lora"],
+)
+def test_fp8_steps_compile_for_a_gpu_and_a_tpu(target, args, tmp_path):
     """An fp8 block checkpoint's warm-up programs (only its config.json is read)
-    compile deviceless for the target, the weights still e4m3 (f8e4m3fn) in the
-    compiled decode step: they reach the device a byte a weight. On the H100 the decode
-    step reads about half bfloat16's bytes (XLA's cost model: the codes converted inside
-    the matmuls, each block column's partial sums scaled)."""
+    compile deviceless for the target, with LoRA adapters too, the weights still e4m3
+    (f8e4m3fn) in the compiled decode step: they reach the device a byte a weight. On
+    the H100 the decode step reads about half bfloat16's bytes (XLA's cost model: the
+    codes converted inside the matmuls, each block column's partial sums scaled)."""
     from test_device_compile import SMALL, build, check
 
     from jaxserve.preflight import program_cost
 
     config = dict(SMALL, num_hidden_layers=2, quantization_config=hf_fp8((128, 128)))
     (tmp_path / "config.json").write_text(json.dumps(config))
-    engine = build(str(tmp_path), target)
+    engine = build(str(tmp_path), target, **args)
     check(engine, target)
     decode = engine.compiled["forward T=1"]
     assert "f8e4m3fn[" in decode.as_text()

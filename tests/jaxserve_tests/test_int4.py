@@ -1,8 +1,9 @@
 """4-bit weights (`quantization="int4"`, `models.int4.Int4Linear`): the layer against
 a float layer of its dequantized codes, the engine against a float engine serving the
-dequantized int4 weights, `jaxserve convert --quantization=int4` and back, the weight
-bytes, and the refusals (groups that do not divide a linear, a tensor-parallel split
-inside a group, LoRA)."""
+dequantized int4 weights, LoRA adapters over int4 weights as PEFT's over the
+dequantized ones, `jaxserve convert --quantization=int4` and back, the weight bytes,
+and the refusals (groups that do not divide a linear, a tensor-parallel split inside a
+group)."""
 
 import json
 import os
@@ -16,6 +17,7 @@ import pytest
 from engine_utils import SMALL_LLM, engine_config, prompt_logits
 from fake_devices import run_on_8_devices
 from flax import nnx
+from lora_utils import base_model, check_adapter_over_quantized
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.assets import EMBEDDED_MODELS
@@ -31,15 +33,16 @@ from models.layers import (
     lm_head_logits,
     without_cpu_kernels,
 )
+from models.moe import Int4Experts
 from models.quantize import quantize_weights
 
 DEMO = EMBEDDED_MODELS["demo-model"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def prompts(n: int = 4, seed: int = 0) -> list[dict]:
+def prompts(n: int = 4, seed: int = 0, vocab: int = 320) -> list[dict]:
     rs = np.random.RandomState(seed)
-    return [{"prompt_token_ids": rs.randint(3, 320, size=5 + 7 * i).tolist()} for i in range(n)]
+    return [{"prompt_token_ids": rs.randint(3, vocab, size=5 + 7 * i).tolist()} for i in range(n)]
 
 
 def tokens(llm: LLM, requests: list[dict]) -> list[list[int]]:
@@ -185,18 +188,22 @@ def test_arrays_that_do_not_fit_are_refused_naming_their_shapes(scale_shape, zer
 # ----------------------------------------------------------------------------
 
 
-def dequantized_model_dir(model_dir: str, out: str) -> str:
+def dequantized_model_dir(model_dir: str, out: str) -> dict:
     """A float copy of `model_dir` whose weights are its int4 engine's, dequantized: the
-    projections (codes * scale), the embedding and LM head (int8 rows * scale)."""
+    projections (codes * scale), an MoE layer's experts (the same), the embedding and
+    LM head (int8 rows * scale). Returns how many of each quantized layer it found."""
     config = ModelConfig.from_pretrained(model_dir)
     quantized = load_model(model_dir, config, quantization="int4")
     model = load_model(model_dir, config)
-    counts = {Int4Linear: 0, QuantizedLinear: 0, QuantizedEmbed: 0}
+    counts = {Int4Linear: 0, QuantizedLinear: 0, QuantizedEmbed: 0, Int4Experts: 0}
     modules = dict(nnx.iter_modules(model))
     for path, q in nnx.iter_modules(quantized):
         if type(q) in counts:
             counts[type(q)] += 1
-        if isinstance(q, Int4Linear):
+        if isinstance(q, Int4Experts):
+            for name, stack in zip(q.names, q.matrices(), strict=True):
+                getattr(modules[path], name)[...] = stack.dequantize().astype(jnp.float32)
+        elif isinstance(q, Int4Linear):
             w = reference_weights(np.asarray(q.kernel[...]), np.asarray(q.scale[...]), None)
             modules[path].kernel[...] = jnp.asarray(w.T, jnp.float32)
         elif isinstance(q, QuantizedLinear):  # the untied LM head
@@ -205,16 +212,20 @@ def dequantized_model_dir(model_dir: str, out: str) -> str:
         elif isinstance(q, QuantizedEmbed):
             w = np.asarray(q.embedding[...], np.float32) * np.asarray(q.scale[...])[:, None]
             modules[path].embedding[...] = jnp.asarray(w)
-    layers = config.num_layers
-    assert counts == {Int4Linear: 7 * layers, QuantizedLinear: 1, QuantizedEmbed: 1}, counts
     shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors*"))
     save_weights(model, out)
-    return out
+    return counts
 
 
 @pytest.fixture(scope="module")
 def dequantized_dir(tiny_model_dir, tmp_path_factory):
-    return dequantized_model_dir(tiny_model_dir, str(tmp_path_factory.mktemp("int4") / "float"))
+    out = str(tmp_path_factory.mktemp("int4") / "float")
+    counts = dequantized_model_dir(tiny_model_dir, out)
+    layers = ModelConfig.from_pretrained(tiny_model_dir).num_layers
+    assert counts == {
+        Int4Linear: 7 * layers, QuantizedLinear: 1, QuantizedEmbed: 1, Int4Experts: 0
+    }, counts  # fmt: skip
+    return out
 
 
 def test_int4_engine_equals_a_float_engine_of_its_dequantized_weights(
@@ -243,6 +254,29 @@ def test_int4_engine_equals_a_float_engine_of_its_dequantized_weights(
     # ... and differ from the float model's, which the int4 rounding moved.
     plain = prompt_logits(ModelRunner(engine_config(tiny_model_dir)), ids, list(range(1, 8)))
     assert np.abs(plain - got).max() > 1e-3
+
+
+@pytest.mark.parametrize("case", ["mixtral_top2_of_8", "qwen2_moe_shared_expert"])
+def test_int4_moe_engine_equals_a_float_engine_of_its_dequantized_weights(
+    case, hf_model_dir, tmp_path
+):
+    """An MoE model's experts are 4-bit too (`Int4Experts`; the routers stay float):
+    greedy tokens and logits as a float engine serving the dequantized weights."""
+    path, _ = hf_model_dir(case)
+    dense_dir = str(tmp_path / "float")
+    assert dequantized_model_dir(path, dense_dir)[Int4Experts] > 0
+    kw = dict(native_cpu_kernels=False, max_num_batched_tokens=16)
+    int4 = LLM(path, **{**SMALL_LLM, **kw}, quantization="int4", skip_tokenizer_init=True)
+    dense = LLM(dense_dir, **{**SMALL_LLM, **kw}, skip_tokenizer_init=True)
+    requests = prompts(vocab=ModelConfig.from_pretrained(path).vocab_size)
+    assert tokens(int4, requests) == tokens(dense, requests)
+    ids = requests[-1]["prompt_token_ids"]
+    runners = [
+        ModelRunner(engine_config(d, native_cpu_kernels=False, **q))
+        for d, q in ((path, dict(quantization="int4")), (dense_dir, {}))
+    ]
+    got, ref = (prompt_logits(r, ids, list(range(1, 8))) for r in runners)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_int4_with_the_cpu_kernels_generates_and_stays_close(tiny_model_dir, dequantized_dir):
@@ -342,9 +376,17 @@ def test_a_tensor_parallel_split_inside_a_group_is_refused_naming_both(tiny_mode
     engine_config(DEMO, quantization="int8", tensor_parallel_size=4)  # per channel: any split
 
 
-def test_lora_on_int4_weights_is_refused():
-    with pytest.raises(ValueError, match="enable_lora with quantization='int4'"):
-        engine_config(DEMO, quantization="int4", enable_lora=True)
+def test_lora_adapters_over_int4_weights_serve_as_peft_over_the_dequantized_weights(
+    tiny_model_dir, dequantized_dir, tmp_path
+):
+    """QLoRA-style serving of on-the-fly int4 weights (int8 embedding and LM head), the
+    CPU's few-row kernels off on both sides as above."""
+    base = base_model(dequantized_dir)
+    ids = [[5, 17, 99, 3, 42, 8], [11, 60, 7, 21, 30, 2, 64, 90, 13, 1, 77]]
+    check_adapter_over_quantized(
+        tiny_model_dir, base, ids, 8, tmp_path, "int4", quantization="int4",
+        native_cpu_kernels=False,
+    )  # fmt: skip
 
 
 @pytest.mark.sharded
@@ -362,14 +404,17 @@ def test_tensor_parallel_int4_engine_equals_one_device():
         ("v5e", {}),
         ("v6e", {}),
         ("h100x2", dict(tensor_parallel_size=2)),
+        ("a100", dict(enable_lora=True, max_loras=2, max_lora_rank=8)),
+        ("v5e", dict(enable_lora=True, max_loras=2, max_lora_rank=8)),
     ],
-    ids=["h100", "a100", "v5e", "v6e", "h100x2"],
+    ids=["h100", "a100", "v5e", "v6e", "h100x2", "a100-lora", "v5e-lora"],
 )
 def test_int4_steps_compile_for_a_gpu_and_a_tpu(tmp_path, target, args):
-    """Every warm-up program of a small int4 engine compiles for the target (Triton and
-    XLA:GPU, Mosaic and XLA:TPU), the weights still int4 (s4) in the compiled decode
-    step: they reach the device packed. On the GPU the decode step reads fewer bytes
-    than bfloat16's (the grouped product: the codes go into the matmuls as they are)."""
+    """Every warm-up program of a small int4 engine (with LoRA adapters too) compiles
+    for the target (Triton and XLA:GPU, Mosaic and XLA:TPU), the weights still int4
+    (s4) in the compiled decode step: they reach the device packed. On the GPU the
+    decode step reads fewer bytes than bfloat16's (the grouped product: the codes go
+    into the matmuls as they are)."""
     from test_device_compile import SMALL, build, check
 
     from jaxserve.preflight import program_cost
@@ -382,3 +427,26 @@ def test_int4_steps_compile_for_a_gpu_and_a_tpu(tmp_path, target, args):
     if target == "h100":
         bf16 = build(str(tmp_path), target).compiled["forward T=1"]
         assert program_cost(decode)[1] < 0.4 * program_cost(bf16)[1]  # measured 0.30
+
+
+@pytest.mark.parametrize(
+    "target,args", [("v5e", {}), ("h100x2", dict(tensor_parallel_size=2))], ids=["v5e", "h100x2"]
+)
+def test_int4_moe_steps_compile_for_a_gpu_and_a_tpu(tmp_path, target, args):
+    """A small Mixtral's int4 warm-up programs (experts split over two H100s: expert
+    parallelism) compile for the target, the experts' codes still s4 in the decode
+    step."""
+    from test_device_compile import SMALL, build, check
+
+    config = dict(
+        SMALL,
+        architectures=["MixtralForCausalLM"],
+        num_hidden_layers=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = build(str(tmp_path), target, quantization="int4", **args)
+    check(engine, target)
+    experts = f"s4[{8 // engine.config.parallel.tensor_parallel_size},256,512]"
+    assert experts in engine.compiled["forward T=1"].as_text()

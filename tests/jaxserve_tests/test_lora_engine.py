@@ -205,7 +205,8 @@ def test_tensor_parallel_lora_equals_one_device(tmp_path):
     arch, base = CASES["llama2_mha"]
     make_hf_model(tmp_path, arch, base)
     stdout = run_on_8_devices("lora_tp_check.py", tmp_path, "2")
-    assert "lora tp=2: ok" in stdout and "lora int8 tp=2: ok" in stdout, stdout
+    for base in ("", " int8", " int4", " fp8"):
+        assert f"lora{base} tp=2: ok" in stdout, stdout
 
 
 # Runs in a fresh process: `make` warms up (the LoRA slot write among the programs) and

@@ -2,9 +2,11 @@
 served without a quantization argument: a tiny random Llama and Qwen2 whose linears are
 packed in each format's storage (`jaxserve.quantized.formats.pack`) give the greedy
 tokens, and first-step logprobs within 2e-2, of transformers running the dequantized
-weights; and the refusals (another quantization asked for, formats not served yet,
-LoRA, a tensor-parallel split inside a checkpoint's group)."""
+weights; LoRA adapters over them as PEFT's over the dequantized weights; and the
+refusals (another quantization asked for, formats not served yet, a tensor-parallel
+split inside a checkpoint's group)."""
 
+import copy
 import json
 
 import jax.numpy as jnp
@@ -13,7 +15,8 @@ import pytest
 import torch
 from engine_utils import SMALL_LLM, engine_config
 from flax import nnx
-from hf_models import BASE, hf_greedy, tiny_causal_lms
+from hf_models import BASE, check_like_reference, hf_greedy, tiny_causal_lms
+from lora_utils import check_adapter_over_quantized
 from safetensors.numpy import save_file
 
 from jaxserve import LLM, SamplingParams
@@ -120,13 +123,20 @@ def test_served_like_dequantized_weights(case, checkpoints):
     llm = LLM(model=path, skip_tokenizer_init=True, **SMALL_LLM)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for out, (tokens, first) in zip(outs, want, strict=True):
-        got = out.outputs[0]
-        assert got.token_ids == tokens, (case, got.token_ids, tokens)
-        top = got.logprobs[0]
-        assert len(top) >= 5
-        for token, lp in top.items():
-            assert abs(lp.logprob - first[token]) < 2e-2, (case, token, lp.logprob, first[token])
+    check_like_reference(outs, want, case)
+
+
+@pytest.mark.parametrize("case", ["awq_g32", "gptq_asym_desc_act", "ct_group_sym"])
+def test_lora_adapters_over_4bit_checkpoints_serve_as_peft_over_the_dequantized_weights(
+    case, float_models, tmp_path
+):
+    """QLoRA-style serving: the base stays 4-bit (zero points, desc_act's input order,
+    compressed-tensors' groups), the adapter in float beside it."""
+    _, arch, qc = next(c for c in CASES if c[0] == case)
+    base = copy.deepcopy(float_models[arch])
+    reference = write_checkpoint(tmp_path / "ckpt", base, qc)
+    base.load_state_dict(reference)
+    check_adapter_over_quantized(str(tmp_path / "ckpt"), base, PROMPTS, MAX_TOKENS, tmp_path, case)
 
 
 @pytest.mark.parametrize("case", ["awq_g64", "gptq_asym_desc_act", "ct_channel_asym"])
@@ -162,8 +172,6 @@ def test_checkpoint_config(checkpoints):
     for asked in ("int8", "int4", "gptq"):
         with pytest.raises(ValueError, match=f"quantization='{asked}', but .* as 'awq'"):
             engine_config(awq_dir, quantization=asked)
-    with pytest.raises(ValueError, match="enable_lora with quantization='awq'"):
-        engine_config(awq_dir, enable_lora=True)
 
 
 def test_format_name_on_float_checkpoint(hf_model_dir):

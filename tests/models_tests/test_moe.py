@@ -1,5 +1,6 @@
 """The grouped MoE (both grouped matmuls) against the dense all-experts reference, a plain
-numpy definition, and the router."""
+numpy definition, and the router; 4-bit experts against float experts of their
+dequantized weights."""
 
 import functools
 
@@ -9,7 +10,16 @@ import numpy as np
 import pytest
 
 from models.layers import ACTIVATIONS
-from models.moe import GROUPED_MATMULS, MOE_IMPLS, moe_dense, route, tile_rows
+from models.moe import (
+    GROUPED_MATMULS,
+    MOE_IMPLS,
+    Experts,
+    Int4Experts,
+    Int4Stack,
+    moe_dense,
+    route,
+    tile_rows,
+)
 
 NUM_EXPERTS, DIM, HIDDEN = 6, 24, 40  # odd sizes
 SILU = ACTIVATIONS["silu"]
@@ -76,6 +86,58 @@ def test_grouped_matmul_equals_per_group_dots(gmm, sizes):
         lo, hi = bounds[e], bounds[e + 1]
         np.testing.assert_allclose(got[lo:hi], lhs[lo:hi] @ rhs[e], atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(got[bounds[-1] :], 0.0)  # rows in no group
+
+
+def _int4_stack(rs, e, k, n, groups, dtype=np.float32) -> Int4Stack:
+    codes = rs.randint(-7, 8, size=(e, k, n)).astype(np.int8)
+    scale = (0.02 + 0.02 * rs.rand(e, groups, n)).astype(dtype)
+    return Int4Stack(jnp.asarray(codes, jnp.int4), jnp.asarray(scale))
+
+
+def _dequantized(w: Int4Stack) -> np.ndarray:
+    """The plain definition: code * its group's scale, in float64."""
+    codes, scale = np.asarray(w.codes, np.float64), np.asarray(w.scale, np.float64)
+    return codes * np.repeat(scale, codes.shape[1] // scale.shape[1], axis=1)
+
+
+@pytest.mark.parametrize("t,k", [(1, 2), (13, 2), (300, 2)])
+def test_int4_experts_equal_float_experts_of_their_dequantized_weights(t, k):
+    """Every formulation (the CPU's tiles dequantize one expert's codes a tile; the
+    others all of them), with several groups along each projection's inputs."""
+    rs = np.random.RandomState(t)
+    e, d, i = NUM_EXPERTS, DIM, HIDDEN
+    ws = (_int4_stack(rs, e, d, i, 3), _int4_stack(rs, e, d, i, 3), _int4_stack(rs, e, i, d, 5))
+    x = rs.randn(t, d).astype(np.float32)
+    ids = np.stack([rs.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    weights = rs.rand(t, k).astype(np.float32)
+    want = _numpy_moe(x, ids, weights, *map(_dequantized, ws))
+    for name, impl in MOE_IMPLS.items():
+        got = jax.jit(impl, static_argnums=6)(x, ids, weights, *ws, SILU)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4, err_msg=name)
+
+
+def test_int4_experts_from_float_experts_within_half_a_step():
+    """`Int4Experts.from_experts`: groups of 128 inputs (2 along a 256-input
+    projection, the largest divisor of 96 under it for the other), each weight within
+    half its group's step of the float one; the layer computes with them."""
+    from flax import nnx
+
+    experts = Experts(4, 256, 96, names=("w1", "w3", "w2"), act="silu", dtype=jnp.float32,
+                      rngs=nnx.Rngs(0))  # fmt: skip
+    q = Int4Experts.from_experts(experts)
+    for name, stack in zip(q.names, q.matrices(), strict=True):
+        w = np.asarray(getattr(experts, name)[...])
+        assert stack.codes.dtype == jnp.int4
+        group = 128 if w.shape[1] == 256 else 96
+        assert stack.scale.shape == (4, w.shape[1] // group, w.shape[2])
+        step = np.repeat(np.asarray(stack.scale), w.shape[1] // stack.scale.shape[1], axis=1)
+        assert np.all(np.abs(_dequantized(stack) - w) <= 0.5 * step + 1e-7), name
+    rs = np.random.RandomState(0)
+    x = rs.randn(5, 256).astype(np.float32)
+    ids = np.stack([rs.choice(4, 2, replace=False) for _ in range(5)]).astype(np.int32)
+    weights = rs.rand(5, 2).astype(np.float32)
+    want = _numpy_moe(x, ids, weights, *map(_dequantized, q.matrices()))
+    np.testing.assert_allclose(np.asarray(q(x, ids, weights)), want, atol=1e-4, rtol=1e-4)
 
 
 def test_tile_size_follows_rows_per_expert():
