@@ -1,7 +1,9 @@
 """Run in a subprocess with 8 fake CPU devices: multi-LoRA under tensor parallelism gives
 what one device gives (the adapters' A and B sharded as their base layers).
 
-Usage: python lora_tp_check.py MODEL_DIR TP
+Usage: python lora_tp_check.py MODEL_DIR TP ADAPTER_DIR BASES
+(BASES: "none", "int8", "int4", "fp8", comma-separated; the adapters are written
+under ADAPTER_DIR)
 
 Three adapters (ranks 2, 4 and 8; attention only, MLP only, every projection) and
 the base model serve the same prompts (shared prefixes) with greedy decoding, on one
@@ -35,13 +37,13 @@ KW = dict(
 TARGETS = [("self_attn",), ("mlp",), ("self_attn", "mlp")]
 
 
-def serve(model_dir: str, tp: int, quantization: str | None):
+def serve(model_dir: str, tp: int, quantization: str | None, adapter_dir: str):
     llm = LLM(model_dir, tensor_parallel_size=tp, quantization=quantization, **KW)
     modules = llm.engine.adapters.layout.modules
     loras = [None]
     for i, (rank, parts) in enumerate(zip((2, 4, 8), TARGETS, strict=True)):
         mine = {k: v for k, v in modules.items() if k.split(".")[2] in parts}
-        path = os.path.join(model_dir, f"adapter{i}")
+        path = os.path.join(adapter_dir, f"adapter{i}")
         if not os.path.exists(path):
             write_adapter(path, mine, rank=rank, seed=i)
         loras.append(LoRARequest(f"adapter{i}", i + 1, path))
@@ -78,10 +80,11 @@ def check_shardings(runner):
 
 
 def main():
-    model_dir, tp = sys.argv[1], int(sys.argv[2])
-    for quantization in (None, "int8", "int4", "fp8"):
-        want = serve(model_dir, 1, quantization)
-        got = serve(model_dir, tp, quantization)
+    model_dir, tp, adapter_dir, bases = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    for base in bases.split(","):
+        quantization = None if base == "none" else base
+        want = serve(model_dir, 1, quantization, adapter_dir)
+        got = serve(model_dir, tp, quantization, adapter_dir)
         for (t1, lp1), (t2, lp2) in zip(want, got, strict=True):
             assert t1 == t2, (t1, t2)
             np.testing.assert_allclose(lp1, lp2, atol=1e-3)

@@ -21,6 +21,7 @@ from hf_models import CASES, make_hf_model
 from lora_files import adapters, write_adapter
 
 from jaxserve import LLM, LoRARequest, SamplingParams
+from jaxserve.assets import EMBEDDED_MODELS
 from jaxserve.config import LoRAConfig
 from jaxserve.generate_request import GenerateRequest
 from jaxserve.sampling_params import ParamError
@@ -202,11 +203,17 @@ def test_ngram_speculation_with_adapters_matches_without(tiny_model_dir, tmp_pat
 @pytest.mark.slow
 @pytest.mark.sharded
 def test_tensor_parallel_lora_equals_one_device(tmp_path):
+    """Over float, int8 and fp8 weights of a small Llama; over int4 weights of the demo
+    model (the small one's 64 o_proj inputs are one group, which no split keeps
+    whole)."""
     arch, base = CASES["llama2_mha"]
     make_hf_model(tmp_path, arch, base)
-    stdout = run_on_8_devices("lora_tp_check.py", tmp_path, "2")
-    for base in ("", " int8", " int4", " fp8"):
-        assert f"lora{base} tp=2: ok" in stdout, stdout
+    stdout = run_on_8_devices("lora_tp_check.py", tmp_path, "2", tmp_path, "none,int8,fp8")
+    stdout += run_on_8_devices(
+        "lora_tp_check.py", EMBEDDED_MODELS["demo-model"], "2", tmp_path / "demo", "int4"
+    )
+    for name in ("", " int8", " fp8", " int4"):
+        assert f"lora{name} tp=2: ok" in stdout, stdout
 
 
 # Runs in a fresh process: `make` warms up (the LoRA slot write among the programs) and
