@@ -8,7 +8,8 @@ prompts (token ids, shared prefixes) with greedy decoding (logprobs too) and see
 sampling with n=2; the greedy tokens and samples must be equal, the logprobs close.
 Scenarios: "basic"; "stress" (prefix caching hits, chunked prefill, preemption from a
 short pool); "int8" (int8 weights quantized at load, with "stress"'s settings) and
-"int8_orbax" (int8 weights from `jaxserve convert --quantization=int8`); "ngram" and
+"int8_orbax" (int8 weights from `jaxserve convert --quantization=int8`); "int4" (as
+"int8", 4-bit); "ngram" and
 "draft" (speculative decoding; the draft model is the model itself, sharded the same
 way); "guard" (warm-up, then zero compilations while serving).
 Every step is waited for (the engine fetches each step's tokens), which keeps the CPU
@@ -19,6 +20,7 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -54,6 +56,16 @@ SCENARIOS = {
     # int8 weights quantized at load (each int8 array and scale sharded as its layer),
     # with prefix hits, chunked prefill and preemption.
     "int8": dict(quantization="int8", max_num_batched_tokens=16, num_kv_pages=12, max_num_seqs=4),
+    # The same with int4 weights (an MoE model's experts too, split over the devices),
+    # XLA's int4 products on both sides (one device's CPU kernel takes x in 16-bit fixed
+    # point: logprobs 3e-4 apart).
+    "int4": dict(
+        quantization="int4",
+        native_cpu_kernels=False,
+        max_num_batched_tokens=16,
+        num_kv_pages=12,
+        max_num_seqs=4,
+    ),
     # int8 weights stored by `jaxserve convert --quantization=int8`, restored straight
     # into their shardings.
     "int8_orbax": "int8_orbax",
@@ -103,11 +115,13 @@ def serve(model_dir: str, tp: int, scenario: str):
     assert llm.engine.pool.num_free == llm.engine.pool.capacity
     if scenario.startswith("int8"):
         assert llm.config.quantization == "int8" and any(w.dtype == np.int8 for w in runner.weights)
-    if scenario.startswith(("stress", "async_tier")) or scenario == "int8":
+    if scenario == "int4":
+        assert any(w.dtype == jnp.int4 for w in runner.weights)
+    if scenario.startswith(("stress", "async_tier")) or scenario in ("int8", "int4"):
         assert stats.num_preemptions > 0, stats
     if scenario.startswith("async_tier"):
         assert llm.engine.tier.stats.loads > 0, llm.engine.tier.stats
-    if scenario in ("stress", "basic", "int8", "int8_orbax"):
+    if scenario in ("stress", "basic", "int8", "int8_orbax", "int4"):
         assert stats.prefix_cache_hits > 0, stats
     if scenario in ("ngram", "draft"):
         assert stats.spec_decode_num_accepted_tokens > 0, stats

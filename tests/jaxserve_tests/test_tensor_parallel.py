@@ -30,6 +30,8 @@ RUNS = [
     ("gemma2_window_softcap", {}, "2", "basic"),
     ("gemma3_local_global_rope", {}, "2", "basic"),
     ("mixtral_top2_of_8", {}, "4", "basic"),
+    # int4 experts split 4 a device (expert parallelism); o_proj's 256 inputs in 2 groups.
+    ("mixtral_top2_of_8", dict(hidden_size=256), "2", "int4"),
     ("qwen3_moe_top3_of_16", {}, "4", "basic"),
     ("qwen2_moe_shared_expert", {}, "2", "basic"),
     # Latent attention: the heads split, the one-row shared cache replicated.
