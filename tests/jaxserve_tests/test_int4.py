@@ -353,6 +353,29 @@ def test_convert_stores_int4_and_reloads_it(tiny_model_dir, tmp_path):
         LLM(out, **kw, quantization="int8")
 
 
+def test_convert_stores_int4_moe_experts_and_reloads_them(hf_model_dir, tmp_path):
+    """A Mixtral's experts stored as int4 codes and group scales; reloaded, every array
+    equals the on-the-fly int4 model's and the engine serves the same tokens."""
+    path, _ = hf_model_dir("mixtral_top2_of_8")
+    out = convert(path, str(tmp_path / "int4"), quantization="int4")
+    stored = ocp.PyTreeCheckpointer().metadata(os.path.join(out, "orbax")).item_metadata.tree
+    experts = "model.layers.0.block_sparse_moe.experts"
+    assert stored[f"{experts}.w1"].dtype == jnp.int4
+    assert tuple(stored[f"{experts}.w2_scale"].shape) == (8, 1, 64)  # 40 inputs: one group
+    restored = load_model(out, ModelConfig.from_pretrained(out))
+    loaded = load_model(path, ModelConfig.from_pretrained(path), quantization="int4")
+    for (p, a), (_, b) in zip(
+        jax.tree_util.tree_leaves_with_path(nnx.state(restored)),
+        jax.tree_util.tree_leaves_with_path(nnx.state(loaded)),
+        strict=True,
+    ):
+        assert a.dtype == b.dtype and bool((a == b).all()), jax.tree_util.keystr(p)
+    requests = prompts(2, vocab=ModelConfig.from_pretrained(path).vocab_size)
+    kw = dict(SMALL_LLM, native_cpu_kernels=False, skip_tokenizer_init=True)
+    want = tokens(LLM(path, **kw, quantization="int4"), requests)
+    assert tokens(LLM(out, **kw), requests) == want
+
+
 # ----------------------------------------------------------------------------
 # Refusals, and tensor parallelism
 # ----------------------------------------------------------------------------
