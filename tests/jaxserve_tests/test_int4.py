@@ -217,6 +217,19 @@ def dequantized_model_dir(model_dir: str, out: str) -> dict:
     return counts
 
 
+def logits_as_dequantized(model_dir: str, dense_dir: str, ids: list[int]) -> np.ndarray:
+    """The int4 model's prompt logits for `ids` (on pages 1-7), checked within
+    1e-4 of the float model's of its dequantized weights (`dense_dir`), both without
+    the CPU kernels; returns them."""
+    runners = [
+        ModelRunner(engine_config(d, native_cpu_kernels=False, **q))
+        for d, q in ((model_dir, dict(quantization="int4")), (dense_dir, {}))
+    ]
+    got, ref = (prompt_logits(r, ids, list(range(1, 8))) for r in runners)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    return got
+
+
 @pytest.fixture(scope="module")
 def dequantized_dir(tiny_model_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("int4") / "float")
@@ -245,12 +258,7 @@ def test_int4_engine_equals_a_float_engine_of_its_dequantized_weights(
     assert tokens(int4, requests) == want  # again: the prompts' pages from the cache
     int4.engine.pool.check_invariant()
     ids = requests[-1]["prompt_token_ids"]
-    runners = [
-        ModelRunner(engine_config(d, native_cpu_kernels=False, **q))
-        for d, q in ((tiny_model_dir, dict(quantization="int4")), (dequantized_dir, {}))
-    ]
-    got, ref = (prompt_logits(r, ids, list(range(1, 8))) for r in runners)
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    got = logits_as_dequantized(tiny_model_dir, dequantized_dir, ids)
     # ... and differ from the float model's, which the int4 rounding moved.
     plain = prompt_logits(ModelRunner(engine_config(tiny_model_dir)), ids, list(range(1, 8)))
     assert np.abs(plain - got).max() > 1e-3
@@ -270,13 +278,7 @@ def test_int4_moe_engine_equals_a_float_engine_of_its_dequantized_weights(
     dense = LLM(dense_dir, **{**SMALL_LLM, **kw}, skip_tokenizer_init=True)
     requests = prompts(vocab=ModelConfig.from_pretrained(path).vocab_size)
     assert tokens(int4, requests) == tokens(dense, requests)
-    ids = requests[-1]["prompt_token_ids"]
-    runners = [
-        ModelRunner(engine_config(d, native_cpu_kernels=False, **q))
-        for d, q in ((path, dict(quantization="int4")), (dense_dir, {}))
-    ]
-    got, ref = (prompt_logits(r, ids, list(range(1, 8))) for r in runners)
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    logits_as_dequantized(path, dense_dir, requests[-1]["prompt_token_ids"])
 
 
 def test_int4_with_the_cpu_kernels_generates_and_stays_close(tiny_model_dir, dequantized_dir):
