@@ -207,9 +207,9 @@ def gmm_tiles(
         scales = rhs.scale.reshape(num_local * groups, n)
 
         def matrix(e):  # [K, N]
-            c = lax.dynamic_slice_in_dim(codes, e * k, k).astype(scales.dtype)
+            c = lax.dynamic_slice_in_dim(codes, e * k, k)
             s = lax.dynamic_slice_in_dim(scales, e * groups, groups)
-            return (c.reshape(groups, k // groups, n) * s[:, None, :]).reshape(k, n)
+            return Int4Stack(c[None], s[None]).dequantize()[0]
 
     else:
         flat = rhs.reshape(num_local * k, n)
