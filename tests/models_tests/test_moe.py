@@ -116,6 +116,21 @@ def test_int4_experts_equal_float_experts_of_their_dequantized_weights(t, k):
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4, err_msg=name)
 
 
+@pytest.mark.parametrize("rows", [3, 100])
+def test_int4_grouped_matmul_on_one_devices_experts(rows):
+    """Expert parallelism's shard: this device holds experts 2 and 3 of 6; rows of the
+    others come out zero, as the float experts' grouped matmul gives."""
+    rs = np.random.RandomState(rows)
+    stack = _int4_stack(rs, 2, 24, 7, 3)
+    sizes = np.asarray([0, 1, rows // 3, rows - rows // 3 - 2, 1, 0], np.int32)
+    lhs = rs.randn(rows, 24).astype(np.float32)
+    got = jax.jit(GROUPED_MATMULS["ragged_dot"], static_argnums=3)(lhs, stack, sizes, 2)
+    want = GROUPED_MATMULS["ragged_dot"](
+        lhs, jnp.asarray(_dequantized(stack), jnp.float32), sizes, 2
+    )
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+
+
 def test_int4_experts_from_float_experts_within_half_a_step():
     """`Int4Experts.from_experts`: groups of 128 inputs (2 along a 256-input
     projection, the largest divisor of 96 under it for the other), each weight within
