@@ -49,7 +49,7 @@ from jax import lax
 
 from models.fp8 import Fp8Linear
 from models.int4 import Int4Linear
-from models.layers import QuantizedLinear, RowsLinear, _axes
+from models.layers import RowsLinear, _axes
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -69,8 +69,8 @@ class LoRALinear(nnx.Module):
     """A projection (one of BASES: `nnx.Linear`, `RowsLinear`, int8 `QuantizedLinear`,
     4-bit `Int4Linear`, fp8 `Fp8Linear`) plus the LoRA term of each token's slot.
     `slots` is set on the merged model of one step (`bind_slots`); unset, the layer is
-    its base layer. `dtype`: the adapters' (the model's compute dtype); None: a float
-    base's kernel's, an int8 or 4-bit base's scales'."""
+    its base layer. `dtype`: the adapters' (the model's compute dtype: a quantized
+    base's own arrays do not say it, an fp8 layer's scales being float32)."""
 
     def __init__(
         self,
@@ -78,8 +78,8 @@ class LoRALinear(nnx.Module):
         *,
         num_slots: int,
         rank: int,
+        dtype,
         abstract: bool = False,
-        dtype=None,
     ):
         if not isinstance(base, BASES):
             raise TypeError(f"LoRA cannot wrap a {type(base).__name__}; it wraps {BASES}")
@@ -90,11 +90,6 @@ class LoRALinear(nnx.Module):
         else:  # nnx.Linear: kernel [in, out]
             d_in, d_out = base.kernel.shape
             axes = _axes(base.kernel)
-        if dtype is None:
-            if isinstance(base, Fp8Linear):  # (its scales are float32 whatever the model's)
-                raise ValueError("LoRA on an fp8 projection needs the model's dtype")
-            quantized = isinstance(base, (QuantizedLinear, Int4Linear))
-            dtype = base.scale.dtype if quantized else base.kernel.dtype
         in_axis, out_axis = axes if axes is not None else (None, None)
 
         def zeros(shape, names):
@@ -118,7 +113,7 @@ class LoRALinear(nnx.Module):
         return y + delta.astype(y.dtype)
 
 
-def add_lora(model: nnx.Module, *, num_slots: int, rank: int, abstract: bool = False, dtype=None):
+def add_lora(model: nnx.Module, *, num_slots: int, rank: int, dtype, abstract: bool = False):
     """Wraps, in place, every projection named in LORA_TARGETS in a `LoRALinear` of
     `num_slots` slots (plus slot 0) of rank `rank` and `dtype`, its matrices zeros (with
     `abstract`, ShapeDtypeStructs: a model built for a compile-only target); returns

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from unittest import mock
@@ -9,8 +10,12 @@ from unittest import mock
 import numpy as np
 import torch
 import transformers
+from engine_utils import SMALL_LLM
+from hf_models import check_like_reference, hf_greedy
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
+
+from jaxserve import LLM, LoRARequest, SamplingParams
 
 # Three adapters of different ranks and targets (the engine's max_lora_rank is 8):
 # attention only; every projection with rsLoRA; the MLP with a per-module rank and
@@ -107,13 +112,6 @@ def check_adapter_over_quantized(
     model holding the quantized weights dequantized: the same greedy tokens, first-step
     logprobs within 2e-2; requests without the adapter, in the same batches, serve as
     `base` alone. `kw`: more `LLM` arguments."""
-    import copy
-
-    from engine_utils import SMALL_LLM
-    from hf_models import check_like_reference, hf_greedy
-
-    from jaxserve import LLM, LoRARequest, SamplingParams
-
     torch.manual_seed(7)
     adapter = os.path.join(str(out_dir), "adapter")
     peft = peft_adapter(copy.deepcopy(base), adapter, **ADAPTERS["all_r8_rslora"])

@@ -42,7 +42,7 @@ def add_adapters(model: nnx.Module, config: EngineConfig, mesh: Mesh | None, com
         num_slots=lora.max_loras,
         rank=lora.max_lora_rank,
         abstract=abstract,
-        dtype=jnp.dtype(config.dtype),  # (a quantized base's adapters: the model's dtype)
+        dtype=jnp.dtype(config.dtype),
     )
     if mesh is None and not abstract:
         return model

@@ -60,7 +60,7 @@ def test_wrapped_projection_adds_each_rows_slot(quantized):
     if quantized:
         quantize_weights(block)
     base_out = np.asarray(block.q_proj(jnp.ones((3, 24))))
-    add_lora(block, num_slots=2, rank=8)
+    add_lora(block, num_slots=2, rank=8, dtype=jnp.float32)
     assert isinstance(block.q_proj, LoRALinear) and not isinstance(block.gate, LoRALinear)
     assert list(lora_modules(block)) == ["q_proj"]
     assert block.q_proj.lora_a.shape == (3, 8, 24) and block.q_proj.lora_b.shape == (3, 8, 40)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from models.layers import ACTIVATIONS
 from models.moe import (
@@ -135,8 +136,6 @@ def test_int4_experts_from_float_experts_within_half_a_step():
     """`Int4Experts.from_experts`: groups of 128 inputs (2 along a 256-input
     projection, the largest divisor of 96 under it for the other), each weight within
     half its group's step of the float one; the layer computes with them."""
-    from flax import nnx
-
     experts = Experts(4, 256, 96, names=("w1", "w3", "w2"), act="silu", dtype=jnp.float32,
                       rngs=nnx.Rngs(0))  # fmt: skip
     q = Int4Experts.from_experts(experts)
